@@ -1,0 +1,1 @@
+//! Journal layer (see lib docs).
