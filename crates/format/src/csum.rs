@@ -34,7 +34,10 @@ mod tests {
         // ext4-format.md §1.1 test vectors.
         assert_eq!(crc32c_raw(0xFFFF_FFFF, b"123456789"), 0x1CF9_6D7C);
         assert_eq!(crc32c_raw(0, b"123456789"), 0x58E3_FA20);
-        assert_eq!(crc32c_raw(0xFFFF_FFFF, b"123456789") ^ 0xFFFF_FFFF, 0xE306_9283);
+        assert_eq!(
+            crc32c_raw(0xFFFF_FFFF, b"123456789") ^ 0xFFFF_FFFF,
+            0xE306_9283
+        );
     }
 
     #[test]

@@ -183,17 +183,44 @@ fn half_md4_transform(buf: &mut [u32; 4], input: &[u32; 8]) {
         (
             0,
             0,
-            [(0, 3), (1, 7), (2, 11), (3, 19), (4, 3), (5, 7), (6, 11), (7, 19)],
+            [
+                (0, 3),
+                (1, 7),
+                (2, 11),
+                (3, 19),
+                (4, 3),
+                (5, 7),
+                (6, 11),
+                (7, 19),
+            ],
         ),
         (
             1,
             MD4_K2,
-            [(1, 3), (3, 5), (5, 9), (7, 13), (0, 3), (2, 5), (4, 9), (6, 13)],
+            [
+                (1, 3),
+                (3, 5),
+                (5, 9),
+                (7, 13),
+                (0, 3),
+                (2, 5),
+                (4, 9),
+                (6, 13),
+            ],
         ),
         (
             2,
             MD4_K3,
-            [(3, 3), (7, 9), (2, 11), (6, 15), (1, 3), (5, 9), (0, 11), (4, 15)],
+            [
+                (3, 3),
+                (7, 9),
+                (2, 11),
+                (6, 15),
+                (1, 3),
+                (5, 9),
+                (0, 11),
+                (4, 15),
+            ],
         ),
     ];
     const ORDER: [usize; 4] = [0, 3, 2, 1];
@@ -265,6 +292,119 @@ mod tests {
                 let (major, _) = dx_hash(name.as_bytes(), v, &SEED);
                 assert_eq!(major & 1, 0);
                 assert_ne!(major, EOF_HASH);
+            }
+        }
+    }
+
+    /// Seed words as the UUID string debugfs's `-s` takes (words are stored le32).
+    fn seed_uuid(seed: &[u32; 4]) -> String {
+        let b: Vec<u8> = seed.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+        format!(
+            "{}-{}-{}-{}-{}",
+            &h[0..8],
+            &h[8..12],
+            &h[12..16],
+            &h[16..20],
+            &h[20..32]
+        )
+    }
+
+    /// Random names (xorshift) over bytes debugfs's command parser passes through
+    /// unchanged: printable ASCII without blanks/quotes/backslash/'#', plus 0x80..0xFF.
+    fn random_names(count: usize, mut state: u64) -> Vec<Vec<u8>> {
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let alphabet: Vec<u8> = (0x21u8..0x7F)
+            .filter(|c| !b"\"'\\#".contains(c))
+            .chain(0x80..=0xFF)
+            .collect();
+        (0..count)
+            .map(|i| {
+                // Cover every length class: short, around chunk edges, up to 255.
+                let len = match i % 5 {
+                    0 => 1 + (next() % 4) as usize,
+                    1 => 14 + (next() % 6) as usize,
+                    2 => 30 + (next() % 6) as usize,
+                    3 => 1 + (next() % 255) as usize,
+                    _ => 250 + (next() % 6) as usize,
+                };
+                (0..len)
+                    .map(|_| alphabet[(next() % alphabet.len() as u64) as usize])
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn debugfs_oracle_all_versions() {
+        use crate::dx::testimg::{run, TempDir};
+        use std::os::unix::ffi::OsStrExt;
+        let tmp = TempDir::new("dirhash");
+        let img = tmp.0.join("img");
+        let img_s = img.to_str().unwrap();
+        let (rc, o, e) = run("mkfs.ext4", &["-q", "-F", img_s, "8M"]);
+        assert_eq!(rc, 0, "{o}{e}");
+        let names = random_names(400, 0x9E37_79B9_7F4A_7C15);
+        for seed in [SEED, [0; 4], [0xFFFF_FFFF, 1, 0x8000_0000, 0x1234_5678]] {
+            let mut script = Vec::new();
+            let mut expected = Vec::new();
+            for v in 0..6u8 {
+                for name in &names {
+                    script.extend_from_slice(
+                        format!("dx_hash -h {v} -s {} -- ", seed_uuid(&seed)).as_bytes(),
+                    );
+                    script.extend_from_slice(name);
+                    script.push(b'\n');
+                    expected.push((v, name.clone(), dx_hash(name, v, &seed)));
+                }
+            }
+            let cmd = tmp.0.join("cmds");
+            std::fs::write(&cmd, &script).unwrap();
+            let out = std::process::Command::new("debugfs")
+                .arg("-f")
+                .arg(std::ffi::OsStr::from_bytes(cmd.as_os_str().as_bytes()))
+                .arg(&img)
+                .output()
+                .unwrap();
+            let results: Vec<(u32, u32)> = out
+                .stdout
+                .split(|&b| b == b'\n')
+                .filter(|l| l.starts_with(b"Hash of "))
+                .map(|l| {
+                    let l = String::from_utf8_lossy(l);
+                    let tail = l.rsplit(" is 0x").next().unwrap();
+                    let (maj, rest) = tail.split_once(" (minor 0x").unwrap();
+                    let min = rest.trim_end_matches(')');
+                    (
+                        u32::from_str_radix(maj, 16).unwrap(),
+                        u32::from_str_radix(min, 16).unwrap(),
+                    )
+                })
+                .collect();
+            assert_eq!(
+                results.len(),
+                expected.len(),
+                "debugfs output count; stderr: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            for ((v, name, ours), theirs) in expected.iter().zip(&results) {
+                // e2fsprogs does not apply the kernel's EOF remap (§6.7).
+                let theirs = if theirs.0 == EOF_HASH {
+                    (EOF_REMAP, theirs.1)
+                } else {
+                    *theirs
+                };
+                assert_eq!(
+                    *ours,
+                    theirs,
+                    "version {v} seed {seed:x?} name {:?}",
+                    String::from_utf8_lossy(name)
+                );
             }
         }
     }

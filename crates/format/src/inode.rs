@@ -75,7 +75,9 @@ impl Timestamp {
     }
     /// Encode to (`base`, `extra`); clamps to the representable range.
     pub fn encode(&self) -> (u32, u32) {
-        let sec = self.sec.clamp(-(1i64 << 31), (1i64 << 34) - 1 - (1i64 << 31));
+        let sec = self
+            .sec
+            .clamp(-(1i64 << 31), (1i64 << 34) - 1 - (1i64 << 31));
         let epoch = (((sec - (sec as i32 as i64)) >> 32) & 3) as u32;
         (sec as u32, epoch | (self.nsec.min(999_999_999) << 2))
     }

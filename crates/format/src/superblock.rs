@@ -131,7 +131,11 @@ pub const FEATURE_NAMES: &[(FeatureKind, u32, &str)] = &[
     (FeatureKind::Compat, COMPAT_RESIZE_INODE, "resize_inode"),
     (FeatureKind::Compat, COMPAT_DIR_INDEX, "dir_index"),
     (FeatureKind::Compat, COMPAT_LAZY_BG, "lazy_bg"),
-    (FeatureKind::Compat, COMPAT_EXCLUDE_BITMAP, "snapshot_bitmap"),
+    (
+        FeatureKind::Compat,
+        COMPAT_EXCLUDE_BITMAP,
+        "snapshot_bitmap",
+    ),
     (FeatureKind::Compat, COMPAT_SPARSE_SUPER2, "sparse_super2"),
     (FeatureKind::Compat, COMPAT_FAST_COMMIT, "fast_commit"),
     (FeatureKind::Compat, COMPAT_STABLE_INODES, "stable_inodes"),
@@ -147,12 +151,20 @@ pub const FEATURE_NAMES: &[(FeatureKind, u32, &str)] = &[
     (FeatureKind::Incompat, INCOMPAT_FLEX_BG, "flex_bg"),
     (FeatureKind::Incompat, INCOMPAT_EA_INODE, "ea_inode"),
     (FeatureKind::Incompat, INCOMPAT_DIRDATA, "dirdata"),
-    (FeatureKind::Incompat, INCOMPAT_CSUM_SEED, "metadata_csum_seed"),
+    (
+        FeatureKind::Incompat,
+        INCOMPAT_CSUM_SEED,
+        "metadata_csum_seed",
+    ),
     (FeatureKind::Incompat, INCOMPAT_LARGEDIR, "large_dir"),
     (FeatureKind::Incompat, INCOMPAT_INLINE_DATA, "inline_data"),
     (FeatureKind::Incompat, INCOMPAT_ENCRYPT, "encrypt"),
     (FeatureKind::Incompat, INCOMPAT_CASEFOLD, "casefold"),
-    (FeatureKind::RoCompat, RO_COMPAT_SPARSE_SUPER, "sparse_super"),
+    (
+        FeatureKind::RoCompat,
+        RO_COMPAT_SPARSE_SUPER,
+        "sparse_super",
+    ),
     (FeatureKind::RoCompat, RO_COMPAT_LARGE_FILE, "large_file"),
     (FeatureKind::RoCompat, RO_COMPAT_BTREE_DIR, "btree_dir"),
     (FeatureKind::RoCompat, RO_COMPAT_HUGE_FILE, "huge_file"),
@@ -162,13 +174,25 @@ pub const FEATURE_NAMES: &[(FeatureKind, u32, &str)] = &[
     (FeatureKind::RoCompat, RO_COMPAT_HAS_SNAPSHOT, "snapshot"),
     (FeatureKind::RoCompat, RO_COMPAT_QUOTA, "quota"),
     (FeatureKind::RoCompat, RO_COMPAT_BIGALLOC, "bigalloc"),
-    (FeatureKind::RoCompat, RO_COMPAT_METADATA_CSUM, "metadata_csum"),
+    (
+        FeatureKind::RoCompat,
+        RO_COMPAT_METADATA_CSUM,
+        "metadata_csum",
+    ),
     (FeatureKind::RoCompat, RO_COMPAT_REPLICA, "replica"),
     (FeatureKind::RoCompat, RO_COMPAT_READONLY, "read-only"),
     (FeatureKind::RoCompat, RO_COMPAT_PROJECT, "project"),
-    (FeatureKind::RoCompat, RO_COMPAT_SHARED_BLOCKS, "shared_blocks"),
+    (
+        FeatureKind::RoCompat,
+        RO_COMPAT_SHARED_BLOCKS,
+        "shared_blocks",
+    ),
     (FeatureKind::RoCompat, RO_COMPAT_VERITY, "verity"),
-    (FeatureKind::RoCompat, RO_COMPAT_ORPHAN_PRESENT, "orphan_present"),
+    (
+        FeatureKind::RoCompat,
+        RO_COMPAT_ORPHAN_PRESENT,
+        "orphan_present",
+    ),
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -285,7 +309,9 @@ impl Superblock {
         }
         let fdb = self.first_data_block();
         if (bs == 1024 && fdb != 1) || (bs > 1024 && fdb != 0) {
-            return bad(format!("s_first_data_block {fdb} invalid for block size {bs}"));
+            return bad(format!(
+                "s_first_data_block {fdb} invalid for block size {bs}"
+            ));
         }
         if self.has_incompat(INCOMPAT_64BIT) {
             let ds = self.desc_size_raw() as u64;
@@ -654,6 +680,9 @@ mod tests {
     #[test]
     fn unknown_feature_names_are_numbered() {
         assert_eq!(feature_name(FeatureKind::Incompat, 0x40000), "FEATURE_I18");
-        assert_eq!(feature_name(FeatureKind::RoCompat, RO_COMPAT_METADATA_CSUM), "metadata_csum");
+        assert_eq!(
+            feature_name(FeatureKind::RoCompat, RO_COMPAT_METADATA_CSUM),
+            "metadata_csum"
+        );
     }
 }

@@ -1,1 +1,310 @@
+//! commitfs file-system layer: ext4 semantics over the journal and format layers.
+//!
+//! [`Fs`] is the embeddable library API with POSIX-like calls on inode numbers.
+//! Internally all state sits in one `Inner` behind a mutex (see `inner.rs` for the
+//! conventions every module follows).
 
+mod alloc;
+mod dir;
+mod error;
+mod extent;
+mod file;
+mod inner;
+mod ops;
+mod types;
+mod xattr;
+
+pub mod testutil;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use commitfs_device::{DeviceRef, FileDevice, StatsSnapshot};
+use commitfs_format::superblock::Superblock;
+use parking_lot::Mutex;
+
+pub use error::{FsError, Result};
+pub use types::*;
+
+use inner::Inner;
+
+/// A mounted commitfs file system.
+pub struct Fs {
+    inner: Mutex<Inner>,
+    dev: DeviceRef,
+    block_size: u32,
+    read_only: bool,
+    unmounted: std::sync::atomic::AtomicBool,
+}
+
+impl Fs {
+    /// Mount the file system on `dev`.
+    pub fn open(dev: DeviceRef, opts: MountOptions) -> Result<Fs> {
+        let inner = Inner::mount(dev.clone(), opts)?;
+        Ok(Fs {
+            block_size: inner.bs as u32,
+            read_only: inner.read_only,
+            inner: Mutex::new(inner),
+            dev,
+            unmounted: Default::default(),
+        })
+    }
+
+    /// Mount an image file or block device by path.
+    pub fn open_path(path: &Path, opts: MountOptions) -> Result<Fs> {
+        let dev: DeviceRef = Arc::new(FileDevice::open(path, opts.read_only)?);
+        Fs::open(dev, opts)
+    }
+
+    /// Write everything home, mark the file system clean. Idempotent; also done on
+    /// drop (errors are then only logged).
+    pub fn unmount(&self) -> Result<()> {
+        if self
+            .unmounted
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return Ok(());
+        }
+        self.inner.lock().unmount()
+    }
+
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+    pub fn device(&self) -> &DeviceRef {
+        &self.dev
+    }
+    /// Device I/O counters.
+    pub fn io_stats(&self) -> StatsSnapshot {
+        self.dev.stats().snapshot()
+    }
+    /// A copy of the in-memory superblock.
+    pub fn superblock(&self) -> Superblock {
+        self.inner.lock().sb.clone()
+    }
+
+    /// Commit all pending changes and flush the device.
+    pub fn sync(&self) -> Result<()> {
+        self.inner.lock().sync()
+    }
+
+    pub fn statfs(&self) -> Result<StatFs> {
+        let g = self.inner.lock();
+        let (fb, fi) = g.free_counts();
+        let r = g.sb.r_blocks_count();
+        Ok(StatFs {
+            block_size: g.bs as u32,
+            blocks: g.sb.blocks_count(),
+            blocks_free: fb,
+            blocks_avail: fb.saturating_sub(r),
+            files: g.sb.inodes_count() as u64,
+            files_free: fi,
+            name_max: 255,
+        })
+    }
+
+    pub fn getattr(&self, ino: Ino) -> Result<Attr> {
+        self.inner.lock().getattr(ino)
+    }
+
+    pub fn lookup(&self, parent: Ino, name: &[u8]) -> Result<Attr> {
+        let mut g = self.inner.lock();
+        let ino = g.lookup_ino(parent, name)?;
+        g.getattr(ino)
+    }
+
+    /// Resolve an absolute path (without following symlinks), e.g. `/a/b`.
+    pub fn resolve(&self, path: &str) -> Result<Ino> {
+        let mut g = self.inner.lock();
+        let mut ino = ROOT_INO;
+        for comp in path.split('/').filter(|c| !c.is_empty()) {
+            ino = g.lookup_ino(ino, comp.as_bytes())?;
+        }
+        Ok(ino)
+    }
+
+    pub fn setattr(&self, ino: Ino, set: &SetAttr) -> Result<Attr> {
+        self.inner.lock().setattr(ino, set)
+    }
+
+    /// Call `f` for each entry from `offset` on (0 starts at "."); stop when it
+    /// returns false.
+    pub fn readdir(
+        &self,
+        ino: Ino,
+        offset: u64,
+        mut f: impl FnMut(DirEntry) -> bool,
+    ) -> Result<()> {
+        let mut g = self.inner.lock();
+        let d = g.read_inode(ino)?;
+        if !d.is_dir() {
+            return Err(FsError::NotDir);
+        }
+        g.dir_readdir(ino, offset, &mut |ino, ft, name, next| {
+            let kind = FileType::from_dirent_type(ft).unwrap_or(FileType::Regular);
+            f(DirEntry {
+                ino,
+                kind,
+                name: name.to_vec(),
+                next_offset: next,
+            })
+        })
+    }
+
+    /// All entries of a directory, including "." and "..".
+    pub fn readdir_all(&self, ino: Ino) -> Result<Vec<DirEntry>> {
+        let mut v = Vec::new();
+        self.readdir(ino, 0, |e| {
+            v.push(e);
+            true
+        })?;
+        Ok(v)
+    }
+
+    /// Create a regular file with permission bits `perm`.
+    pub fn create(&self, parent: Ino, name: &[u8], perm: u16, uid: u32, gid: u32) -> Result<Attr> {
+        let mode = FileType::Regular.mode_bits() | (perm & 0o7777);
+        self.inner.lock().create_node(parent, name, mode, 0, uid, gid, None)
+    }
+
+    /// Create a node of any non-directory type; `mode` includes the type bits.
+    pub fn mknod(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        mode: u16,
+        rdev: u32,
+        uid: u32,
+        gid: u32,
+    ) -> Result<Attr> {
+        match FileType::from_mode(mode) {
+            Some(FileType::Directory) | Some(FileType::Symlink) | None => {
+                Err(FsError::Invalid("mknod: bad file type"))
+            }
+            _ => self
+                .inner
+                .lock()
+                .create_node(parent, name, mode, rdev, uid, gid, None),
+        }
+    }
+
+    pub fn mkdir(&self, parent: Ino, name: &[u8], perm: u16, uid: u32, gid: u32) -> Result<Attr> {
+        let mode = FileType::Directory.mode_bits() | (perm & 0o7777);
+        self.inner.lock().create_node(parent, name, mode, 0, uid, gid, None)
+    }
+
+    pub fn symlink(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        target: &[u8],
+        uid: u32,
+        gid: u32,
+    ) -> Result<Attr> {
+        let mode = FileType::Symlink.mode_bits() | 0o777;
+        self.inner
+            .lock()
+            .create_node(parent, name, mode, 0, uid, gid, Some(target))
+    }
+
+    pub fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {
+        self.inner.lock().readlink(ino)
+    }
+
+    pub fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> Result<Attr> {
+        self.inner.lock().link(ino, new_parent, new_name)
+    }
+
+    pub fn unlink(&self, parent: Ino, name: &[u8]) -> Result<()> {
+        self.inner.lock().unlink(parent, name)
+    }
+
+    pub fn rmdir(&self, parent: Ino, name: &[u8]) -> Result<()> {
+        self.inner.lock().rmdir(parent, name)
+    }
+
+    pub fn rename(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        new_parent: Ino,
+        new_name: &[u8],
+        flags: RenameFlags,
+    ) -> Result<()> {
+        self.inner
+            .lock()
+            .rename(parent, name, new_parent, new_name, flags)
+    }
+
+    /// Note an open file handle (an unlinked file stays until its last close).
+    pub fn open_inode(&self, ino: Ino) -> Result<()> {
+        let mut g = self.inner.lock();
+        g.read_inode(ino)?;
+        *g.open_counts.entry(ino).or_insert(0) += 1;
+        Ok(())
+    }
+
+    /// Close a file handle opened with [`Fs::open_inode`].
+    pub fn release(&self, ino: Ino) -> Result<()> {
+        self.inner.lock().release(ino)
+    }
+
+    pub fn read(&self, ino: Ino, offset: u64, buf: &mut [u8]) -> Result<usize> {
+        self.inner.lock().read(ino, offset, buf)
+    }
+
+    pub fn write(&self, ino: Ino, offset: u64, data: &[u8]) -> Result<usize> {
+        self.inner.lock().write(ino, offset, data)
+    }
+
+    pub fn fallocate(&self, ino: Ino, offset: u64, len: u64, flags: FallocFlags) -> Result<()> {
+        self.inner.lock().fallocate(ino, offset, len, flags)
+    }
+
+    pub fn getxattr(&self, ino: Ino, name: &[u8]) -> Result<Vec<u8>> {
+        self.inner.lock().xattr_get(ino, name)
+    }
+
+    pub fn listxattr(&self, ino: Ino) -> Result<Vec<Vec<u8>>> {
+        self.inner.lock().xattr_list(ino)
+    }
+
+    pub fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
+        let mut g = self.inner.lock();
+        let h = g.start(8)?;
+        let r = g.xattr_set(&h, ino, name, value, flags);
+        g.stop(h)?;
+        r
+    }
+
+    pub fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()> {
+        let mut g = self.inner.lock();
+        let h = g.start(8)?;
+        let r = g.xattr_remove(&h, ino, name);
+        g.stop(h)?;
+        r
+    }
+
+    /// Make the file's data and metadata durable. Without the on-disk journal (next
+    /// issue) this writes all pending metadata home and flushes.
+    pub fn fsync(&self, ino: Ino, _datasync: bool) -> Result<()> {
+        let mut g = self.inner.lock();
+        g.read_inode(ino)?;
+        g.sync()
+    }
+
+    pub fn fsyncdir(&self, ino: Ino) -> Result<()> {
+        self.fsync(ino, false)
+    }
+}
+
+impl Drop for Fs {
+    fn drop(&mut self) {
+        if let Err(e) = self.unmount() {
+            tracing::error!("unmount on drop failed: {e}");
+        }
+    }
+}

@@ -1,0 +1,64 @@
+//! File-system errors. Semantic variants only; the FUSE layer maps them to errno.
+
+use commitfs_device::DeviceError;
+use commitfs_format::FormatError;
+use commitfs_journal::JournalError;
+
+pub type Result<T> = std::result::Result<T, FsError>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    #[error("no such file or directory")]
+    NotFound,
+    #[error("file exists")]
+    Exists,
+    #[error("not a directory")]
+    NotDir,
+    #[error("is a directory")]
+    IsDir,
+    #[error("directory not empty")]
+    NotEmpty,
+    #[error("no space left on device")]
+    NoSpace,
+    #[error("file name too long")]
+    NameTooLong,
+    #[error("invalid argument: {0}")]
+    Invalid(&'static str),
+    #[error("read-only file system")]
+    ReadOnly,
+    #[error("too many links")]
+    TooManyLinks,
+    #[error("no such attribute")]
+    NoData,
+    #[error("attribute value too large")]
+    XattrTooBig,
+    #[error("file too large")]
+    FileTooBig,
+    #[error("operation not permitted: {0}")]
+    Permission(&'static str),
+    #[error("operation not supported: {0}")]
+    NotSupported(String),
+    #[error("cannot mount read-write: unsupported ext4 feature {0}")]
+    UnsupportedFeature(String),
+    #[error("the journal needs recovery: mount it once with the kernel or run `e2fsck -fy`, then retry")]
+    NeedsRecovery,
+    #[error("file system corrupt: {0}")]
+    Corrupt(#[from] FormatError),
+    #[error("file system corrupt: {0}")]
+    CorruptMsg(String),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+}
+
+impl FsError {
+    /// Corruption found outside a parser (e.g. an inconsistent pointer).
+    pub fn corrupt(msg: impl Into<String>) -> Self {
+        FsError::CorruptMsg(msg.into())
+    }
+    /// Whether this error means on-disk corruption (EUCLEAN at the FUSE boundary).
+    pub fn is_corruption(&self) -> bool {
+        matches!(self, FsError::Corrupt(_) | FsError::CorruptMsg(_))
+    }
+}

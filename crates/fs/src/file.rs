@@ -1,0 +1,383 @@
+//! File data: read, write, truncate, fallocate, symlink bodies.
+//!
+//! Data blocks go straight to the device (never through the metadata cache). New
+//! blocks are allocated in runs as close as possible to the previous block of the
+//! file, so sequential writes stay contiguous. Partial blocks of new allocations are
+//! zero-filled so that no stale or foreign data is ever exposed.
+
+use commitfs_format::inode::{self as fi, Inode};
+use commitfs_journal::Handle;
+
+use crate::error::{FsError, Result};
+use crate::extent::Mapping;
+use crate::inner::{now, Inner};
+use crate::types::FallocFlags;
+
+/// Largest file size: 2^32 logical blocks (extent logical block numbers are 32 bits).
+fn max_file_size(bs: usize) -> u64 {
+    (1u64 << 32) * bs as u64 - 1
+}
+
+/// Most blocks one allocation request asks for (one initialised extent, §5.2).
+const MAX_ALLOC_RUN: u32 = 32768;
+
+impl Inner {
+    /// Read `buf.len()` bytes at `off` of the inode's data (holes and unwritten
+    /// extents read as zeros); caller has clamped to the file size.
+    pub fn read_inode_data(&mut self, ino: u32, i: &Inode, off: u64, buf: &mut [u8]) -> Result<()> {
+        let bs = self.bs as u64;
+        let mut pos = 0usize;
+        while pos < buf.len() {
+            let cur = off + pos as u64;
+            let lblk = (cur / bs) as u32;
+            let in_blk = (cur % bs) as usize;
+            let m = self.ext_map(ino, i, lblk)?;
+            let avail_blocks = match &m {
+                Some(m) => m.len as u64,
+                None => match self.ext_next_mapped(ino, i, lblk)? {
+                    Some(n) if n > lblk => (n - lblk) as u64,
+                    _ => u64::MAX / bs,
+                },
+            };
+            let span = (avail_blocks * bs - in_blk as u64).min((buf.len() - pos) as u64) as usize;
+            let dst = &mut buf[pos..pos + span];
+            match m {
+                Some(Mapping {
+                    pblk,
+                    unwritten: false,
+                    ..
+                }) => {
+                    if in_blk == 0 && span % self.bs == 0 {
+                        self.read_data(pblk, dst)?;
+                    } else {
+                        let nblk = (in_blk + span).div_ceil(self.bs);
+                        let mut tmp = vec![0u8; nblk * self.bs];
+                        self.read_data(pblk, &mut tmp)?;
+                        dst.copy_from_slice(&tmp[in_blk..in_blk + span]);
+                    }
+                }
+                _ => dst.fill(0),
+            }
+            pos += span;
+        }
+        Ok(())
+    }
+
+    pub fn read(&mut self, ino: u32, off: u64, buf: &mut [u8]) -> Result<usize> {
+        let i = self.live_inode(ino)?;
+        if i.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        if !i.is_reg() {
+            return Err(FsError::Invalid("read of a non-regular file"));
+        }
+        if off >= i.size {
+            return Ok(0);
+        }
+        let n = ((i.size - off) as usize).min(buf.len());
+        self.read_inode_data(ino, &i, off, &mut buf[..n])?;
+        Ok(n)
+    }
+
+    pub fn write(&mut self, ino: u32, off: u64, data: &[u8]) -> Result<usize> {
+        let mut i = self.live_inode(ino)?;
+        if i.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        if !i.is_reg() {
+            return Err(FsError::Invalid("write to a non-regular file"));
+        }
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let end = off
+            .checked_add(data.len() as u64)
+            .filter(|&e| e <= max_file_size(self.bs))
+            .ok_or(FsError::FileTooBig)?;
+        let h = self.start(64)?;
+        let r = self.write_in(&h, ino, &mut i, off, data);
+        // Whatever part was written is recorded, even after an error (ENOSPC).
+        let written = match &r {
+            Ok(n) => *n,
+            Err(_) => 0,
+        };
+        if written > 0 || r.is_ok() {
+            let t = now();
+            i.mtime = t;
+            i.ctime = t;
+            i.size = i.size.max(off + written as u64).max(if r.is_ok() { end } else { 0 });
+        }
+        let wr = self.write_inode(&h, ino, &i);
+        self.stop(h)?;
+        wr?;
+        r
+    }
+
+    /// Write data; returns bytes written. On ENOSPC after some progress, returns
+    /// the progress (a short write, as POSIX allows).
+    fn write_in(&mut self, h: &Handle, ino: u32, i: &mut Inode, off: u64, data: &[u8]) -> Result<usize> {
+        let bs = self.bs as u64;
+        let mut pos = 0usize;
+        while pos < data.len() {
+            let cur = off + pos as u64;
+            let lblk = (cur / bs) as u32;
+            let in_blk = (cur % bs) as usize;
+            let last_lblk = ((off + data.len() as u64 - 1) / bs) as u32;
+            let m = self.ext_map(ino, i, lblk)?;
+            let (pblk, nblocks, fresh, unwritten) = match m {
+                Some(m) => (m.pblk, m.len.min(last_lblk - lblk + 1), false, m.unwritten),
+                None => {
+                    let mut want = last_lblk - lblk + 1;
+                    if let Some(n) = self.ext_next_mapped(ino, i, lblk)? {
+                        if n > lblk {
+                            want = want.min(n - lblk);
+                        }
+                    }
+                    want = want.min(MAX_ALLOC_RUN);
+                    let goal = self.data_goal(ino, i, lblk)?;
+                    let (p, n) = match self.alloc_blocks(h, goal, want) {
+                        Ok(x) => x,
+                        Err(FsError::NoSpace) if pos > 0 => return Ok(pos),
+                        Err(e) => return Err(e),
+                    };
+                    if let Err(e) = self.ext_insert(h, ino, i, lblk, p, n, false) {
+                        let _ = self.free_blocks(h, p, n as u64);
+                        if matches!(e, FsError::NoSpace) && pos > 0 {
+                            return Ok(pos);
+                        }
+                        return Err(e);
+                    }
+                    let b = i.blocks_512(self.bs) + n as u64 * (bs / 512);
+                    i.set_blocks_512(b, self.bs);
+                    (p, n, true, false)
+                }
+            };
+            let span = ((nblocks as u64 * bs) as usize - in_blk).min(data.len() - pos);
+            let src = &data[pos..pos + span];
+            let covered = (in_blk + span).div_ceil(self.bs);
+            if in_blk == 0 && span % self.bs == 0 {
+                self.write_data(pblk, src)?;
+            } else {
+                // Partial head/tail block: read-modify-write unless the block is new
+                // or unwritten (then the rest must be zeros, never stale data).
+                let mut tmp = vec![0u8; covered * self.bs];
+                if !fresh && !unwritten {
+                    if in_blk != 0 {
+                        self.read_data(pblk, &mut tmp[..self.bs])?;
+                    }
+                    let tail_end = in_blk + span;
+                    if tail_end % self.bs != 0 && (covered > 1 || in_blk == 0) {
+                        let last = covered - 1;
+                        self.read_data(pblk + last as u64, &mut tmp[last * self.bs..])?;
+                    }
+                }
+                tmp[in_blk..in_blk + span].copy_from_slice(src);
+                self.write_data(pblk, &tmp)?;
+            }
+            if unwritten {
+                self.ext_convert_written(h, ino, i, lblk, covered as u32)?;
+            }
+            pos += span;
+        }
+        Ok(pos)
+    }
+
+    /// Goal for allocating logical block `lblk`: right after the physical block of
+    /// `lblk - 1` when mapped (keeps files contiguous), else the inode's group.
+    fn data_goal(&mut self, ino: u32, i: &Inode, lblk: u32) -> Result<u64> {
+        if lblk > 0 {
+            if let Some(m) = self.ext_map(ino, i, lblk - 1)? {
+                return Ok(m.pblk + 1);
+            }
+        }
+        Ok(self.inode_goal(ino))
+    }
+
+    /// Change the size of a regular file (truncate up or down).
+    pub fn set_size(&mut self, ino: u32, size: u64) -> Result<()> {
+        if size > max_file_size(self.bs) {
+            return Err(FsError::FileTooBig);
+        }
+        let mut i = self.live_inode(ino)?;
+        let h = self.start(64)?;
+        let r = self.set_size_in(&h, ino, &mut i, size);
+        self.stop(h)?;
+        r
+    }
+
+    fn set_size_in(&mut self, h: &Handle, ino: u32, i: &mut Inode, size: u64) -> Result<()> {
+        let bs = self.bs as u64;
+        if size < i.size {
+            // Zero the tail of the new last block so a later extension reads zeros.
+            if size % bs != 0 {
+                let lblk = (size / bs) as u32;
+                if let Some(m) = self.ext_map(ino, i, lblk)? {
+                    if !m.unwritten {
+                        let mut tmp = vec![0u8; self.bs];
+                        self.read_data(m.pblk, &mut tmp)?;
+                        tmp[(size % bs) as usize..].fill(0);
+                        self.write_data(m.pblk, &tmp)?;
+                    }
+                }
+            }
+            let first_free = size.div_ceil(bs) as u32;
+            self.remove_blocks(h, ino, i, first_free, 1u64 << 32)?;
+        }
+        let t = now();
+        i.size = size;
+        i.mtime = t;
+        i.ctime = t;
+        self.write_inode(h, ino, i)
+    }
+
+    /// Unmap `[start, end)` and uncharge the freed data blocks.
+    fn remove_blocks(&mut self, h: &Handle, ino: u32, i: &mut Inode, start: u32, end: u64) -> Result<()> {
+        if (start as u64) >= end {
+            return Ok(());
+        }
+        let freed = self.ext_remove(h, ino, i, start, end)?;
+        let b = i
+            .blocks_512(self.bs)
+            .saturating_sub(freed * (self.bs as u64 / 512));
+        i.set_blocks_512(b, self.bs);
+        Ok(())
+    }
+
+    /// Zero bytes `[from, to)` inside one block's mapped, written data.
+    fn zero_partial(&mut self, ino: u32, i: &Inode, from: u64, to: u64) -> Result<()> {
+        if from >= to {
+            return Ok(());
+        }
+        let bs = self.bs as u64;
+        let lblk = (from / bs) as u32;
+        if let Some(m) = self.ext_map(ino, i, lblk)? {
+            if !m.unwritten {
+                let mut tmp = vec![0u8; self.bs];
+                self.read_data(m.pblk, &mut tmp)?;
+                tmp[(from % bs) as usize..((to - 1) % bs + 1) as usize].fill(0);
+                self.write_data(m.pblk, &tmp)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn fallocate(&mut self, ino: u32, off: u64, len: u64, flags: FallocFlags) -> Result<()> {
+        let mut i = self.live_inode(ino)?;
+        if i.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        if !i.is_reg() {
+            return Err(FsError::Invalid("fallocate on a non-regular file"));
+        }
+        if len == 0 {
+            return Err(FsError::Invalid("fallocate length 0"));
+        }
+        let end = off
+            .checked_add(len)
+            .filter(|&e| e <= max_file_size(self.bs))
+            .ok_or(FsError::FileTooBig)?;
+        if flags.punch_hole && !flags.keep_size {
+            return Err(FsError::NotSupported("punch hole without keep size".into()));
+        }
+        let h = self.start(64)?;
+        let r = self.fallocate_in(&h, ino, &mut i, off, end, flags);
+        let t = now();
+        if r.is_ok() {
+            if flags.punch_hole || flags.zero_range {
+                i.mtime = t;
+            }
+            i.ctime = t;
+            if !flags.keep_size && end > i.size {
+                i.size = end;
+            }
+        }
+        let w = self.write_inode(&h, ino, &i);
+        self.stop(h)?;
+        r.and(w)
+    }
+
+    fn fallocate_in(
+        &mut self,
+        h: &Handle,
+        ino: u32,
+        i: &mut Inode,
+        off: u64,
+        end: u64,
+        flags: FallocFlags,
+    ) -> Result<()> {
+        let bs = self.bs as u64;
+        if flags.punch_hole || flags.zero_range {
+            let zero_end = if flags.punch_hole { end.min(i.size) } else { end };
+            if off < zero_end {
+                let first_full = off.div_ceil(bs);
+                let last_full = zero_end / bs; // exclusive
+                if first_full > last_full {
+                    self.zero_partial(ino, i, off, zero_end)?;
+                } else {
+                    self.zero_partial(ino, i, off, first_full * bs)?;
+                    self.zero_partial(ino, i, last_full * bs, zero_end)?;
+                    self.remove_blocks(h, ino, i, first_full as u32, last_full)?;
+                }
+            }
+            if flags.punch_hole {
+                return Ok(());
+            }
+        }
+        // Allocate unwritten extents over every hole in the range.
+        let mut lblk = (off / bs) as u32;
+        let last = ((end - 1) / bs) as u32;
+        while lblk <= last {
+            if let Some(m) = self.ext_map(ino, i, lblk)? {
+                lblk = match lblk.checked_add(m.len) {
+                    Some(x) => x,
+                    None => break,
+                };
+                continue;
+            }
+            let mut want = last - lblk + 1;
+            if let Some(n) = self.ext_next_mapped(ino, i, lblk)? {
+                if n > lblk {
+                    want = want.min(n - lblk);
+                }
+            }
+            want = want.min(MAX_ALLOC_RUN - 1);
+            let goal = self.data_goal(ino, i, lblk)?;
+            let (p, n) = self.alloc_blocks(h, goal, want)?;
+            if let Err(e) = self.ext_insert(h, ino, i, lblk, p, n, true) {
+                let _ = self.free_blocks(h, p, n as u64);
+                return Err(e);
+            }
+            let b = i.blocks_512(self.bs) + n as u64 * (bs / 512);
+            i.set_blocks_512(b, self.bs);
+            lblk += n;
+        }
+        Ok(())
+    }
+
+    /// Fill in a new symlink inode: fast (in `i_block`) below 60 bytes, else one
+    /// data block holding the target (§4.8).
+    pub fn init_symlink(&mut self, h: &Handle, ino: u32, i: &mut Inode, target: &[u8]) -> Result<()> {
+        i.size = target.len() as u64;
+        if target.len() < 60 {
+            i.block = [0; 60];
+            i.block[..target.len()].copy_from_slice(target);
+            return Ok(());
+        }
+        i.flags |= fi::FL_EXTENTS;
+        i.block = crate::ops::empty_extent_root();
+        let goal = self.inode_goal(ino);
+        let (p, _) = self.alloc_blocks(h, goal, 1)?;
+        let mut blk = vec![0u8; self.bs];
+        blk[..target.len()].copy_from_slice(target);
+        if let Err(e) = self
+            .write_data(p, &blk)
+            .and_then(|_| self.ext_insert(h, ino, i, 0, p, 1, false))
+        {
+            let _ = self.free_blocks(h, p, 1);
+            return Err(e);
+        }
+        let b = i.blocks_512(self.bs) + self.bs as u64 / 512;
+        i.set_blocks_512(b, self.bs);
+        Ok(())
+    }
+}

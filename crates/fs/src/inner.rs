@@ -1,0 +1,418 @@
+//! The file system's core state (`Inner`), mount/unmount, metadata buffer access and
+//! inode I/O.
+//!
+//! `Inner` lives behind one lock in [`crate::Fs`]; every fs-internal routine is an
+//! `impl Inner` method taking `&mut self`. Conventions every module follows:
+//!
+//! * Metadata blocks (bitmaps, descriptors, inode tables, directory blocks, extent
+//!   tree blocks, xattr blocks) are touched only through [`Inner::read_meta`],
+//!   [`Inner::modify_meta`] and [`Inner::new_meta`] with a journal [`Handle`], so the
+//!   journal sees every change at buffer granularity.
+//! * File data blocks bypass the buffer cache ([`Inner::read_data`],
+//!   [`Inner::write_data`]).
+//! * Inodes are read with [`Inner::read_inode`] (a copy from the inode cache) and
+//!   written back with [`Inner::write_inode`]; a routine that takes `&mut Inode` only
+//!   changes the copy and its caller writes it.
+//! * Freed blocks go through [`Inner::free_blocks`], which also drops any cached
+//!   metadata buffer for them.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use commitfs_device::{DeviceRef, IoCategory};
+use commitfs_format::csum::CsumCtx;
+use commitfs_format::group_desc::{self, GroupDesc};
+use commitfs_format::inode::{Inode, Timestamp};
+use commitfs_format::superblock::{self as sbf, FeatureKind, Superblock};
+use commitfs_format::FormatError;
+use commitfs_journal::{Buffer, Handle, Journal};
+
+use crate::error::{FsError, Result};
+use crate::types::MountOptions;
+
+/// Incompat features we can mount read-write (ext4-format.md §2.3).
+const SUPPORTED_INCOMPAT: u32 = sbf::INCOMPAT_FILETYPE
+    | sbf::INCOMPAT_RECOVER
+    | sbf::INCOMPAT_EXTENTS
+    | sbf::INCOMPAT_64BIT
+    | sbf::INCOMPAT_FLEX_BG
+    | sbf::INCOMPAT_CSUM_SEED
+    | sbf::INCOMPAT_LARGEDIR;
+/// Read-only compat features we maintain correctly when writing.
+const SUPPORTED_RO_COMPAT: u32 = sbf::RO_COMPAT_SPARSE_SUPER
+    | sbf::RO_COMPAT_LARGE_FILE
+    | sbf::RO_COMPAT_HUGE_FILE
+    | sbf::RO_COMPAT_DIR_NLINK
+    | sbf::RO_COMPAT_EXTRA_ISIZE
+    | sbf::RO_COMPAT_METADATA_CSUM
+    | sbf::RO_COMPAT_ORPHAN_PRESENT;
+
+pub(crate) struct Inner {
+    pub dev: DeviceRef,
+    pub journal: Journal,
+    pub sb: Superblock,
+    pub sb_dirty: bool,
+    pub gds: Vec<GroupDesc>,
+    pub csum: CsumCtx,
+    /// Block size in bytes.
+    pub bs: usize,
+    pub groups: u32,
+    pub ipg: u32,
+    pub bpg: u32,
+    pub inode_size: usize,
+    pub read_only: bool,
+    /// Cached decoded inodes.
+    pub inodes: HashMap<u32, Inode>,
+    /// Open file handles per inode (open-unlinked files stay until the last close).
+    pub open_counts: HashMap<u32, u32>,
+    /// Inodes with no links left that are still open; freed at the last close.
+    pub unlinked_open: HashSet<u32>,
+    /// Directory state owned by `dir.rs` (in-memory indexes).
+    pub dirs: crate::dir::DirCache,
+    /// Per-group hint: first inode bit that may be free.
+    pub inode_hint: Vec<u32>,
+    /// Last group a directory was placed in (spreads top-level directories).
+    pub last_dir_group: u32,
+    pub next_generation: u32,
+    pub opts: MountOptions,
+}
+
+pub(crate) fn now() -> Timestamp {
+    let d = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    Timestamp::new(d.as_secs() as i64, d.subsec_nanos())
+}
+
+impl Inner {
+    /// Open a file system: read and check the superblock and descriptors, decide
+    /// read-only vs read-write from the feature flags.
+    pub fn mount(dev: DeviceRef, opts: MountOptions) -> Result<Inner> {
+        let mut raw = [0u8; sbf::SUPERBLOCK_SIZE];
+        dev.read_at(sbf::SUPERBLOCK_OFFSET, &mut raw, IoCategory::Metadata)?;
+        let sb = Superblock::parse(&raw)?;
+        let bs = sb.block_size();
+        if dev.size() < sb.blocks_count() * bs as u64 {
+            return Err(FsError::corrupt(format!(
+                "device has {} bytes but the superblock claims {} blocks of {bs}",
+                dev.size(),
+                sb.blocks_count()
+            )));
+        }
+        // Incompat features we do not understand: refuse entirely (§2.3).
+        let bad_incompat = sb.feature_incompat() & !SUPPORTED_INCOMPAT;
+        if bad_incompat != 0 {
+            return Err(FsError::UnsupportedFeature(
+                sbf::feature_names(FeatureKind::Incompat, bad_incompat).join(", "),
+            ));
+        }
+        if sb.has_incompat(sbf::INCOMPAT_RECOVER) {
+            return Err(FsError::NeedsRecovery);
+        }
+        let mut read_only = opts.read_only || dev.is_read_only();
+        let bad_ro = sb.feature_ro_compat() & !SUPPORTED_RO_COMPAT;
+        if bad_ro != 0 && !read_only {
+            return Err(FsError::UnsupportedFeature(format!(
+                "{} (read-only compatible: mount with -o ro)",
+                sbf::feature_names(FeatureKind::RoCompat, bad_ro).join(", ")
+            )));
+        }
+        if !sb.has_incompat(sbf::INCOMPAT_EXTENTS) && !read_only {
+            return Err(FsError::UnsupportedFeature(
+                "no extent feature (ext2/ext3 block-mapped files)".into(),
+            ));
+        }
+        if sb.has_ro_compat(sbf::RO_COMPAT_GDT_CSUM) && !sb.metadata_csum() && !read_only {
+            return Err(FsError::UnsupportedFeature("uninit_bg".into()));
+        }
+        if dev.is_read_only() {
+            read_only = true;
+        }
+        let csum = CsumCtx {
+            enabled: sb.metadata_csum(),
+            fs_seed: sb.csum_seed(),
+        };
+        let journal = Journal::new(dev.clone(), bs, read_only);
+        let groups = sb.group_count();
+        let mut inner = Inner {
+            dev,
+            journal,
+            bs,
+            groups,
+            ipg: sb.inodes_per_group(),
+            bpg: sb.blocks_per_group(),
+            inode_size: sb.inode_size() as usize,
+            csum,
+            sb,
+            sb_dirty: false,
+            gds: Vec::with_capacity(groups as usize),
+            read_only,
+            inodes: HashMap::new(),
+            open_counts: HashMap::new(),
+            unlinked_open: HashSet::new(),
+            dirs: Default::default(),
+            inode_hint: vec![0; groups as usize],
+            last_dir_group: 0,
+            next_generation: now().nsec ^ 0x9E37_79B9,
+            opts,
+        };
+        inner.load_group_descs()?;
+        if !inner.read_only {
+            let t = now();
+            let mut sb = inner.sb.clone();
+            // Until the journal issue makes commits atomic, a crash can leave the
+            // image inconsistent: clear VALID_FS so e2fsck checks it (as the kernel
+            // does for unjournalled file systems, §2.4); a clean unmount sets it.
+            sb.set_state(sb.state() & !sbf::STATE_VALID_FS);
+            sb.set_mnt_count(sb.mnt_count().wrapping_add(1));
+            sb.set_mtime(t.sec as u64);
+            inner.sb = sb;
+            let h = inner.journal.start(1)?;
+            inner.write_super(&h)?;
+            inner.journal.stop(h)?;
+            inner.journal.commit()?;
+        }
+        Ok(inner)
+    }
+
+    fn load_group_descs(&mut self) -> Result<()> {
+        let ds = self.sb.desc_size();
+        let first = self.sb.first_data_block() as u64 + 1;
+        for g in 0..self.groups {
+            let off = g as usize * ds;
+            let blk = first + (off / self.bs) as u64;
+            let buf = self.read_meta(blk)?;
+            let data = buf.data();
+            let raw = &data[off % self.bs..off % self.bs + ds];
+            group_desc::verify(raw, g, &self.csum, blk)?;
+            let gd = GroupDesc::parse(raw, g, blk)?;
+            let total = self.sb.blocks_count();
+            if gd.block_bitmap >= total || gd.inode_bitmap >= total || gd.inode_table >= total {
+                return Err(FormatError::corrupt(
+                    "group descriptor",
+                    blk,
+                    format!("group {g}: bitmap or inode table beyond the end of the device"),
+                )
+                .into());
+            }
+            if gd.free_inodes_count > self.ipg || gd.free_blocks_count > self.bpg {
+                return Err(FormatError::corrupt(
+                    "group descriptor",
+                    blk,
+                    format!("group {g}: free counts exceed the group size"),
+                )
+                .into());
+            }
+            drop(data);
+            self.gds.push(gd);
+        }
+        Ok(())
+    }
+
+    // ---- metadata buffers -------------------------------------------------------
+
+    /// Block holding the on-disk copy of `bytes` of a block-sized buffer.
+    pub fn read_meta(&self, blk: u64) -> Result<Arc<Buffer>> {
+        if blk >= self.sb.blocks_count() {
+            return Err(FsError::corrupt(format!(
+                "metadata block {blk} beyond the end of the file system"
+            )));
+        }
+        Ok(self.journal.bread(blk)?)
+    }
+
+    /// Modify an existing metadata block under handle `h`.
+    pub fn modify_meta<R>(
+        &self,
+        h: &Handle,
+        blk: u64,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R> {
+        let b = self.read_meta(blk)?;
+        self.journal.get_write_access(h, &b)?;
+        let r = f(&mut b.data_mut()[..]);
+        self.journal.dirty_metadata(h, &b);
+        Ok(r)
+    }
+
+    /// Fill a freshly allocated metadata block (zeroed first, never read from disk).
+    pub fn new_meta<R>(&self, h: &Handle, blk: u64, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
+        let b = self.journal.getblk_zeroed(blk)?;
+        self.journal.get_write_access(h, &b)?;
+        let r = f(&mut b.data_mut()[..]);
+        self.journal.dirty_metadata(h, &b);
+        Ok(r)
+    }
+
+    /// Start a handle (errors with ReadOnly on a read-only mount).
+    pub fn start(&self, credits: u32) -> Result<Handle> {
+        if self.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        Ok(self.journal.start(credits)?)
+    }
+
+    pub fn stop(&self, h: Handle) -> Result<()> {
+        Ok(self.journal.stop(h)?)
+    }
+
+    // ---- data blocks ------------------------------------------------------------
+
+    pub fn read_data(&self, pblk: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_data_range(pblk, buf.len())?;
+        self.dev
+            .read_at(pblk * self.bs as u64, buf, IoCategory::Data)?;
+        Ok(())
+    }
+
+    pub fn write_data(&self, pblk: u64, buf: &[u8]) -> Result<()> {
+        if self.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        self.check_data_range(pblk, buf.len())?;
+        self.dev
+            .write_at(pblk * self.bs as u64, buf, IoCategory::Data, false)?;
+        Ok(())
+    }
+
+    fn check_data_range(&self, pblk: u64, len: usize) -> Result<()> {
+        let nblocks = len.div_ceil(self.bs) as u64;
+        if pblk < self.sb.first_data_block() as u64
+            || pblk.saturating_add(nblocks) > self.sb.blocks_count()
+        {
+            return Err(FsError::corrupt(format!(
+                "data block {pblk} (+{nblocks}) outside the file system"
+            )));
+        }
+        Ok(())
+    }
+
+    // ---- superblock and descriptors ----------------------------------------------
+
+    /// Copy the in-memory superblock into its buffer (block 0 at byte 1024, or
+    /// block 1 with 1 KiB blocks).
+    pub fn write_super(&mut self, h: &Handle) -> Result<()> {
+        let (blk, off) = if self.bs == 1024 { (1, 0) } else { (0, 1024) };
+        let bytes = self.sb.to_bytes();
+        self.modify_meta(h, blk, |d| {
+            d[off..off + sbf::SUPERBLOCK_SIZE].copy_from_slice(&bytes)
+        })?;
+        self.sb_dirty = false;
+        Ok(())
+    }
+
+    /// Serialise group descriptor `g` into the primary GDT.
+    pub fn write_gd(&mut self, h: &Handle, g: u32) -> Result<()> {
+        let ds = self.sb.desc_size();
+        let off = g as usize * ds;
+        let blk = self.sb.first_data_block() as u64 + 1 + (off / self.bs) as u64;
+        let o = off % self.bs;
+        let gd = self.gds[g as usize];
+        let csum = self.csum;
+        self.modify_meta(h, blk, |d| gd.serialize(&mut d[o..o + ds], g, &csum))
+    }
+
+    /// Recompute superblock totals from the descriptors (§3.5) and stamp wtime.
+    pub fn refresh_super_counts(&mut self) {
+        let fb: u64 = self.gds.iter().map(|g| g.free_blocks_count as u64).sum();
+        let fi: u64 = self.gds.iter().map(|g| g.free_inodes_count as u64).sum();
+        self.sb.set_free_blocks_count(fb);
+        self.sb.set_free_inodes_count(fi as u32);
+        self.sb.set_wtime(now().sec as u64);
+    }
+
+    /// Write everything home and flush (no crash atomicity yet, see journal docs).
+    pub fn sync(&mut self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        self.refresh_super_counts();
+        let h = self.start(1)?;
+        self.write_super(&h)?;
+        self.stop(h)?;
+        self.journal.commit()?;
+        Ok(())
+    }
+
+    /// Clean unmount: release inodes that were unlinked while open, mark the file
+    /// system clean, write everything home.
+    pub fn unmount(&mut self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        let pending: Vec<u32> = self.unlinked_open.drain().collect();
+        for ino in pending {
+            self.open_counts.remove(&ino);
+            self.evict_inode(ino)?;
+        }
+        let st = self.sb.state() | sbf::STATE_VALID_FS;
+        self.sb.set_state(st);
+        self.sync()
+    }
+
+    // ---- inodes -----------------------------------------------------------------
+
+    /// Inode-table block and byte offset of inode `ino` (§4.1).
+    pub fn inode_location(&self, ino: u32) -> Result<(u64, usize)> {
+        if ino == 0 || ino > self.sb.inodes_count() {
+            return Err(FsError::corrupt(format!("inode number {ino} out of range")));
+        }
+        let g = (ino - 1) / self.ipg;
+        let idx = ((ino - 1) % self.ipg) as usize;
+        let byte = idx * self.inode_size;
+        let blk = self.gds[g as usize].inode_table + (byte / self.bs) as u64;
+        Ok((blk, byte % self.bs))
+    }
+
+    /// A copy of inode `ino` (from the cache or the inode table).
+    pub fn read_inode(&mut self, ino: u32) -> Result<Inode> {
+        if let Some(i) = self.inodes.get(&ino) {
+            return Ok(i.clone());
+        }
+        let (blk, off) = self.inode_location(ino)?;
+        let buf = self.read_meta(blk)?;
+        let inode = {
+            let d = buf.data();
+            Inode::parse(&d[off..off + self.inode_size], ino, &self.csum, blk)?
+        };
+        if self.inodes.len() > 1 << 20 {
+            self.inodes.clear();
+        }
+        self.inodes.insert(ino, inode.clone());
+        Ok(inode)
+    }
+
+    /// Write inode `ino` to its inode-table buffer and the cache.
+    pub fn write_inode(&mut self, h: &Handle, ino: u32, inode: &Inode) -> Result<()> {
+        let (blk, off) = self.inode_location(ino)?;
+        let isz = self.inode_size;
+        let csum = self.csum;
+        self.modify_meta(h, blk, |d| inode.serialize(&mut d[off..off + isz], ino, &csum))?;
+        self.inodes.insert(ino, inode.clone());
+        Ok(())
+    }
+
+    /// Fresh generation number for a new inode.
+    pub fn new_generation(&mut self) -> u32 {
+        self.next_generation = self
+            .next_generation
+            .wrapping_mul(1_103_515_245)
+            .wrapping_add(12345);
+        self.next_generation
+    }
+
+    /// Group of inode `ino`.
+    pub fn inode_group(&self, ino: u32) -> u32 {
+        (ino.max(1) - 1) / self.ipg
+    }
+
+    /// Goal block for new data of an inode: the start of its group's data area.
+    pub fn inode_goal(&self, ino: u32) -> u64 {
+        self.sb.group_first_block(self.inode_group(ino))
+    }
+
+    pub fn bs64(&self) -> u64 {
+        self.bs as u64
+    }
+}

@@ -1,0 +1,602 @@
+//! Namespace operations: create, link, unlink, rename, setattr, inode eviction.
+
+use commitfs_format::bytes::put_le16;
+use commitfs_format::inode::{self as fi, Inode};
+use commitfs_format::superblock as sbf;
+use commitfs_journal::Handle;
+
+use crate::error::{FsError, Result};
+use crate::inner::{now, Inner};
+use crate::types::*;
+
+/// `i_links_count` ceiling with dir_nlink; above it directories store 1 (§4.9).
+const EXT4_LINK_MAX: u16 = 65000;
+
+/// Reject names the directory format cannot hold.
+pub(crate) fn check_name(name: &[u8]) -> Result<()> {
+    if name.is_empty() || name.contains(&b'/') || name.contains(&0) {
+        return Err(FsError::Invalid("bad file name"));
+    }
+    if name.len() > 255 {
+        return Err(FsError::NameTooLong);
+    }
+    if name == b"." || name == b".." {
+        return Err(FsError::Exists);
+    }
+    Ok(())
+}
+
+/// An empty extent root for `i_block` (§5.1, §4.10 step 2).
+pub(crate) fn empty_extent_root() -> [u8; 60] {
+    let mut b = [0u8; 60];
+    put_le16(&mut b, 0, 0xF30A);
+    put_le16(&mut b, 2, 0);
+    put_le16(&mut b, 4, 4);
+    put_le16(&mut b, 6, 0);
+    b
+}
+
+impl Inner {
+    pub fn attr_of(&self, ino: u32, i: &Inode) -> Result<Attr> {
+        let kind = FileType::from_mode(i.mode)
+            .ok_or_else(|| FsError::corrupt(format!("inode {ino}: bad mode {:o}", i.mode)))?;
+        Ok(Attr {
+            ino,
+            kind,
+            perm: i.mode & 0o7777,
+            nlink: i.links_count as u32,
+            uid: i.uid,
+            gid: i.gid,
+            size: i.size,
+            blocks: i.blocks_512(self.bs),
+            atime: i.atime,
+            mtime: i.mtime,
+            ctime: i.ctime,
+            crtime: i.crtime,
+            rdev: match kind {
+                FileType::CharDevice | FileType::BlockDevice => i.rdev(),
+                _ => 0,
+            },
+            generation: i.generation,
+            flags: i.flags,
+            blksize: self.bs as u32,
+        })
+    }
+
+    /// Read an inode that must be live (links > 0 or still open).
+    pub fn live_inode(&mut self, ino: u32) -> Result<Inode> {
+        let i = self.read_inode(ino)?;
+        if i.mode == 0 || (i.links_count == 0 && !self.open_counts.contains_key(&ino)) {
+            return Err(FsError::NotFound);
+        }
+        Ok(i)
+    }
+
+    pub fn getattr(&mut self, ino: u32) -> Result<Attr> {
+        let i = self.live_inode(ino)?;
+        self.attr_of(ino, &i)
+    }
+
+    pub fn lookup_ino(&mut self, parent: u32, name: &[u8]) -> Result<u32> {
+        if name.len() > 255 {
+            return Err(FsError::NameTooLong);
+        }
+        let p = self.live_inode(parent)?;
+        if !p.is_dir() {
+            return Err(FsError::NotDir);
+        }
+        match self.dir_lookup(parent, name)? {
+            Some((ino, _)) => Ok(ino),
+            None => Err(FsError::NotFound),
+        }
+    }
+
+    /// A live directory that can receive entries.
+    fn dir_for_update(&mut self, ino: u32) -> Result<Inode> {
+        let d = self.live_inode(ino)?;
+        if !d.is_dir() {
+            return Err(FsError::NotDir);
+        }
+        if d.links_count == 0 {
+            return Err(FsError::NotFound);
+        }
+        Ok(d)
+    }
+
+    /// Touch a directory's mtime/ctime and adjust its link count by `dlinks`.
+    fn touch_dir(&mut self, h: &Handle, dir: u32, dlinks: i32) -> Result<()> {
+        let mut d = self.read_inode(dir)?;
+        let t = now();
+        d.mtime = t;
+        d.ctime = t;
+        if dlinks > 0 {
+            d.links_count = if d.links_count >= EXT4_LINK_MAX - 1 || d.links_count == 1 {
+                1
+            } else {
+                d.links_count + 1
+            };
+            if d.links_count == 1 {
+                let f = self.sb.feature_ro_compat() | sbf::RO_COMPAT_DIR_NLINK;
+                self.sb.set_feature_ro_compat(f);
+            }
+        } else if dlinks < 0 && d.links_count > 2 {
+            d.links_count -= 1;
+        }
+        self.write_inode(h, dir, &d)
+    }
+
+    /// Create a regular file, directory, device, fifo, socket or symlink.
+    #[allow(clippy::too_many_arguments)]
+    pub fn create_node(
+        &mut self,
+        parent: u32,
+        name: &[u8],
+        mode: u16,
+        rdev: u32,
+        uid: u32,
+        gid: u32,
+        symlink: Option<&[u8]>,
+    ) -> Result<Attr> {
+        check_name(name)?;
+        if self.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        if let Some(t) = symlink {
+            if t.is_empty() {
+                return Err(FsError::NotFound);
+            }
+            if t.len() >= self.bs || t.len() > 4095 {
+                return Err(FsError::NameTooLong);
+            }
+        }
+        let pdir = self.dir_for_update(parent)?;
+        if self.dir_lookup(parent, name)?.is_some() {
+            return Err(FsError::Exists);
+        }
+        let is_dir = mode & fi::S_IFMT == fi::S_IFDIR;
+        let h = self.start(32)?;
+        let r = self.create_node_in(&h, parent, &pdir, name, mode, rdev, uid, gid, symlink, is_dir);
+        self.stop(h)?;
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn create_node_in(
+        &mut self,
+        h: &Handle,
+        parent: u32,
+        pdir: &Inode,
+        name: &[u8],
+        mode: u16,
+        rdev: u32,
+        uid: u32,
+        gid: u32,
+        symlink: Option<&[u8]>,
+        is_dir: bool,
+    ) -> Result<Attr> {
+        let ino = self.alloc_inode(h, parent, is_dir)?;
+        let t = now();
+        let extra = self.sb.want_extra_isize().max(32).min(self.inode_size as u16 - 128);
+        let mut inode = Inode {
+            mode,
+            uid,
+            gid,
+            atime: t,
+            ctime: t,
+            mtime: t,
+            crtime: t,
+            links_count: if is_dir { 2 } else { 1 },
+            generation: self.new_generation(),
+            extra_isize: if self.inode_size > 128 { extra } else { 0 },
+            xattr_area: vec![0; self.inode_size.saturating_sub(128 + extra as usize)],
+            ..Default::default()
+        };
+        // setgid directories pass their group (and the bit, for directories) on.
+        if pdir.mode & 0o2000 != 0 {
+            inode.gid = pdir.gid;
+            if is_dir {
+                inode.mode |= 0o2000;
+            }
+        }
+        let kind = FileType::from_mode(mode).ok_or(FsError::Invalid("bad mode"))?;
+        let built: Result<()> = (|| {
+            match kind {
+                FileType::Regular | FileType::Directory => {
+                    inode.flags |= fi::FL_EXTENTS;
+                    inode.block = empty_extent_root();
+                }
+                FileType::CharDevice | FileType::BlockDevice => inode.set_rdev(rdev),
+                FileType::Symlink => self.init_symlink(h, ino, &mut inode, symlink.unwrap_or(b""))?,
+                FileType::Fifo | FileType::Socket => {}
+            }
+            if is_dir {
+                self.dir_init(h, ino, &mut inode, parent)?;
+            }
+            self.write_inode(h, ino, &inode)?;
+            self.dir_add_entry(h, parent, name, ino, fi::file_type_of_mode(mode))
+        })();
+        if let Err(e) = built {
+            // Roll back: release what the new inode got, then the inode itself.
+            let _ = self.release_inode_storage(h, ino, &mut inode);
+            let _ = self.free_inode(h, ino, is_dir);
+            if is_dir {
+                self.dir_forget(ino);
+            }
+            return Err(e);
+        }
+        self.touch_dir(h, parent, if is_dir { 1 } else { 0 })?;
+        self.attr_of(ino, &inode)
+    }
+
+    pub fn readlink(&mut self, ino: u32) -> Result<Vec<u8>> {
+        let i = self.live_inode(ino)?;
+        if !i.is_symlink() {
+            return Err(FsError::Invalid("not a symlink"));
+        }
+        if i.is_fast_symlink() {
+            return Ok(i.block[..i.size as usize].to_vec());
+        }
+        if i.size as usize >= self.bs || i.size == 0 {
+            return Err(FsError::corrupt(format!("symlink {ino}: bad size {}", i.size)));
+        }
+        let mut buf = vec![0u8; i.size as usize];
+        self.read_inode_data(ino, &i, 0, &mut buf)?;
+        Ok(buf)
+    }
+
+    pub fn link(&mut self, ino: u32, new_parent: u32, new_name: &[u8]) -> Result<Attr> {
+        check_name(new_name)?;
+        let mut i = self.live_inode(ino)?;
+        if i.is_dir() {
+            return Err(FsError::Permission("hard link to a directory"));
+        }
+        if i.links_count >= EXT4_LINK_MAX {
+            return Err(FsError::TooManyLinks);
+        }
+        self.dir_for_update(new_parent)?;
+        if self.dir_lookup(new_parent, new_name)?.is_some() {
+            return Err(FsError::Exists);
+        }
+        let h = self.start(16)?;
+        let r = (|| {
+            self.dir_add_entry(&h, new_parent, new_name, ino, fi::file_type_of_mode(i.mode))?;
+            i.links_count += 1;
+            i.ctime = now();
+            self.write_inode(&h, ino, &i)?;
+            self.unlinked_open.remove(&ino);
+            self.touch_dir(&h, new_parent, 0)?;
+            self.attr_of(ino, &i)
+        })();
+        self.stop(h)?;
+        r
+    }
+
+    pub fn unlink(&mut self, parent: u32, name: &[u8]) -> Result<()> {
+        let ino = self.lookup_ino(parent, name)?;
+        let i = self.read_inode(ino)?;
+        if i.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        let h = self.start(16)?;
+        let r = (|| {
+            self.dir_remove_entry(&h, parent, name)?;
+            self.touch_dir(&h, parent, 0)?;
+            self.drop_link(&h, ino)
+        })();
+        self.stop(h)?;
+        r
+    }
+
+    /// Remove one link of `ino`; free it when none remain and nobody has it open.
+    fn drop_link(&mut self, h: &Handle, ino: u32) -> Result<()> {
+        let mut i = self.read_inode(ino)?;
+        i.links_count = i.links_count.saturating_sub(1);
+        i.ctime = now();
+        if i.links_count == 0 {
+            if self.open_counts.get(&ino).copied().unwrap_or(0) > 0 {
+                self.write_inode(h, ino, &i)?;
+                self.unlinked_open.insert(ino);
+                return Ok(());
+            }
+            return self.evict_with(h, ino, i);
+        }
+        self.write_inode(h, ino, &i)
+    }
+
+    pub fn rmdir(&mut self, parent: u32, name: &[u8]) -> Result<()> {
+        if name == b"." {
+            return Err(FsError::Invalid("rmdir ."));
+        }
+        if name == b".." {
+            return Err(FsError::NotEmpty);
+        }
+        let ino = self.lookup_ino(parent, name)?;
+        let i = self.read_inode(ino)?;
+        if !i.is_dir() {
+            return Err(FsError::NotDir);
+        }
+        if !self.dir_is_empty(ino)? {
+            return Err(FsError::NotEmpty);
+        }
+        let h = self.start(16)?;
+        let r = (|| {
+            self.dir_remove_entry(&h, parent, name)?;
+            self.touch_dir(&h, parent, -1)?;
+            let mut i = self.read_inode(ino)?;
+            i.links_count = 0;
+            i.ctime = now();
+            self.evict_with(&h, ino, i)
+        })();
+        self.stop(h)?;
+        r
+    }
+
+    /// Is `dir` equal to or below `ancestor`? (walks "..").
+    fn is_descendant(&mut self, mut dir: u32, ancestor: u32) -> Result<bool> {
+        for _ in 0..65536 {
+            if dir == ancestor {
+                return Ok(true);
+            }
+            if dir == ROOT_INO {
+                return Ok(false);
+            }
+            dir = match self.dir_lookup(dir, b"..")? {
+                Some((p, _)) => p,
+                None => return Err(FsError::corrupt(format!("directory {dir} has no '..'"))),
+            };
+        }
+        Err(FsError::corrupt("directory loop"))
+    }
+
+    pub fn rename(
+        &mut self,
+        parent: u32,
+        name: &[u8],
+        new_parent: u32,
+        new_name: &[u8],
+        flags: RenameFlags,
+    ) -> Result<()> {
+        if flags.exchange && flags.noreplace {
+            return Err(FsError::Invalid("RENAME_EXCHANGE with RENAME_NOREPLACE"));
+        }
+        if name == b"." || name == b".." {
+            return Err(FsError::Invalid("rename of . or .."));
+        }
+        check_name(new_name)?;
+        let src = self.lookup_ino(parent, name)?;
+        self.dir_for_update(new_parent)?;
+        let src_i = self.read_inode(src)?;
+        let dst = self.dir_lookup(new_parent, new_name)?.map(|x| x.0);
+        if parent == new_parent && name == new_name {
+            return Ok(());
+        }
+        if flags.exchange {
+            let Some(dst) = dst else {
+                return Err(FsError::NotFound);
+            };
+            let dst_i = self.read_inode(dst)?;
+            if src_i.is_dir() && parent != new_parent && self.is_descendant(new_parent, src)? {
+                return Err(FsError::Invalid("rename into own subdirectory"));
+            }
+            if dst_i.is_dir() && parent != new_parent && self.is_descendant(parent, dst)? {
+                return Err(FsError::Invalid("rename into own subdirectory"));
+            }
+            let h = self.start(32)?;
+            let r = self.exchange_in(&h, parent, name, src, &src_i, new_parent, new_name, dst, &dst_i);
+            self.stop(h)?;
+            return r;
+        }
+        if flags.noreplace && dst.is_some() {
+            return Err(FsError::Exists);
+        }
+        if src_i.is_dir() && self.is_descendant(new_parent, src)? {
+            return Err(FsError::Invalid("rename into own subdirectory"));
+        }
+        if let Some(d) = dst {
+            if d == src {
+                return Ok(()); // two links to one inode: POSIX says do nothing
+            }
+            let di = self.read_inode(d)?;
+            if src_i.is_dir() {
+                if !di.is_dir() {
+                    return Err(FsError::NotDir);
+                }
+                if !self.dir_is_empty(d)? {
+                    return Err(FsError::NotEmpty);
+                }
+            } else if di.is_dir() {
+                return Err(FsError::IsDir);
+            }
+        }
+        let h = self.start(32)?;
+        let r = self.rename_in(&h, parent, name, src, &src_i, new_parent, new_name, dst);
+        self.stop(h)?;
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rename_in(
+        &mut self,
+        h: &Handle,
+        parent: u32,
+        name: &[u8],
+        src: u32,
+        src_i: &Inode,
+        new_parent: u32,
+        new_name: &[u8],
+        dst: Option<u32>,
+    ) -> Result<()> {
+        let ft = fi::file_type_of_mode(src_i.mode);
+        let is_dir = src_i.is_dir();
+        match dst {
+            Some(d) => {
+                self.dir_replace_entry(h, new_parent, new_name, src, ft)?;
+                let di = self.read_inode(d)?;
+                if di.is_dir() {
+                    // The replaced directory loses both its links; its parent loses
+                    // the ".." reference.
+                    let mut di = di;
+                    di.links_count = 0;
+                    di.ctime = now();
+                    self.touch_dir(h, new_parent, -1)?;
+                    self.evict_with(h, d, di)?;
+                } else {
+                    self.drop_link(h, d)?;
+                }
+            }
+            None => self.dir_add_entry(h, new_parent, new_name, src, ft)?,
+        }
+        self.dir_remove_entry(h, parent, name)?;
+        if is_dir && parent != new_parent {
+            self.dir_set_dotdot(h, src, new_parent)?;
+            self.touch_dir(h, parent, -1)?;
+            self.touch_dir(h, new_parent, 1)?;
+        } else {
+            self.touch_dir(h, parent, 0)?;
+            if parent != new_parent {
+                self.touch_dir(h, new_parent, 0)?;
+            }
+        }
+        let mut si = self.read_inode(src)?;
+        si.ctime = now();
+        self.write_inode(h, src, &si)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn exchange_in(
+        &mut self,
+        h: &Handle,
+        parent: u32,
+        name: &[u8],
+        src: u32,
+        src_i: &Inode,
+        new_parent: u32,
+        new_name: &[u8],
+        dst: u32,
+        dst_i: &Inode,
+    ) -> Result<()> {
+        self.dir_replace_entry(h, parent, name, dst, fi::file_type_of_mode(dst_i.mode))?;
+        self.dir_replace_entry(h, new_parent, new_name, src, fi::file_type_of_mode(src_i.mode))?;
+        if parent != new_parent {
+            if src_i.is_dir() {
+                self.dir_set_dotdot(h, src, new_parent)?;
+            }
+            if dst_i.is_dir() {
+                self.dir_set_dotdot(h, dst, parent)?;
+            }
+            let delta = src_i.is_dir() as i32 - dst_i.is_dir() as i32;
+            self.touch_dir(h, parent, -delta)?;
+            self.touch_dir(h, new_parent, delta)?;
+        } else {
+            self.touch_dir(h, parent, 0)?;
+        }
+        for ino in [src, dst] {
+            let mut i = self.read_inode(ino)?;
+            i.ctime = now();
+            self.write_inode(h, ino, &i)?;
+        }
+        Ok(())
+    }
+
+    pub fn setattr(&mut self, ino: u32, set: &SetAttr) -> Result<Attr> {
+        let mut i = self.live_inode(ino)?;
+        if self.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        if let Some(size) = set.size {
+            if i.is_dir() {
+                return Err(FsError::IsDir);
+            }
+            if !i.is_reg() {
+                return Err(FsError::Invalid("truncate of a non-regular file"));
+            }
+            self.set_size(ino, size)?;
+            i = self.read_inode(ino)?;
+        }
+        let t = now();
+        if let Some(m) = set.mode {
+            i.mode = (i.mode & fi::S_IFMT) | (m & 0o7777);
+        }
+        if let Some(u) = set.uid {
+            i.uid = u;
+        }
+        if let Some(g) = set.gid {
+            i.gid = g;
+        }
+        let pick = |s: SetTime| match s {
+            SetTime::Now => t,
+            SetTime::At(x) => x,
+        };
+        if let Some(a) = set.atime {
+            i.atime = pick(a);
+        }
+        if let Some(m) = set.mtime {
+            i.mtime = pick(m);
+        }
+        if let Some(c) = set.crtime {
+            i.crtime = c;
+        }
+        i.ctime = set.ctime.unwrap_or(t);
+        let h = self.start(4)?;
+        let r = self.write_inode(&h, ino, &i);
+        self.stop(h)?;
+        r?;
+        self.attr_of(ino, &i)
+    }
+
+    pub fn release(&mut self, ino: u32) -> Result<()> {
+        let left = match self.open_counts.get_mut(&ino) {
+            Some(c) => {
+                *c = c.saturating_sub(1);
+                *c
+            }
+            None => return Ok(()),
+        };
+        if left == 0 {
+            self.open_counts.remove(&ino);
+            if self.unlinked_open.remove(&ino) && !self.read_only {
+                return self.evict_inode(ino);
+            }
+        }
+        Ok(())
+    }
+
+    /// Free an inode with no links (used at last close and unmount).
+    pub fn evict_inode(&mut self, ino: u32) -> Result<()> {
+        let i = self.read_inode(ino)?;
+        if i.links_count != 0 {
+            return Ok(());
+        }
+        let h = self.start(64)?;
+        let r = self.evict_with(&h, ino, i);
+        self.stop(h)?;
+        r
+    }
+
+    /// Release everything an inode owns (data, tree and xattr blocks).
+    fn release_inode_storage(&mut self, h: &Handle, ino: u32, i: &mut Inode) -> Result<()> {
+        if i.has_flag(fi::FL_EXTENTS) {
+            let freed = self.ext_remove(h, ino, i, 0, 1u64 << 32)?;
+            let b = i.blocks_512(self.bs).saturating_sub(freed * (self.bs as u64 / 512));
+            i.set_blocks_512(b, self.bs);
+        }
+        self.xattr_free_inode(h, ino, i)
+    }
+
+    fn evict_with(&mut self, h: &Handle, ino: u32, mut i: Inode) -> Result<()> {
+        let was_dir = i.is_dir();
+        self.release_inode_storage(h, ino, &mut i)?;
+        i.links_count = 0;
+        i.size = 0;
+        i.set_blocks_512(0, self.bs);
+        // A deleted inode needs a non-zero dtime (§4.9).
+        i.dtime = (now().sec as u32).max(1);
+        self.write_inode(h, ino, &i)?;
+        self.free_inode(h, ino, was_dir)?;
+        if was_dir {
+            self.dir_forget(ino);
+        }
+        self.open_counts.remove(&ino);
+        Ok(())
+    }
+}

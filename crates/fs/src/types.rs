@@ -1,0 +1,166 @@
+//! Public value types of the library API.
+
+pub use commitfs_format::inode::Timestamp;
+
+/// Inode number.
+pub type Ino = u32;
+
+pub const ROOT_INO: Ino = commitfs_format::inode::ROOT_INO;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FileType {
+    Regular,
+    Directory,
+    Symlink,
+    CharDevice,
+    BlockDevice,
+    Fifo,
+    Socket,
+}
+
+impl FileType {
+    pub fn from_mode(mode: u16) -> Option<FileType> {
+        use commitfs_format::inode::*;
+        Some(match mode & S_IFMT {
+            S_IFREG => FileType::Regular,
+            S_IFDIR => FileType::Directory,
+            S_IFLNK => FileType::Symlink,
+            S_IFCHR => FileType::CharDevice,
+            S_IFBLK => FileType::BlockDevice,
+            S_IFIFO => FileType::Fifo,
+            S_IFSOCK => FileType::Socket,
+            _ => return None,
+        })
+    }
+    /// Directory-entry file type code (ext4-format.md §6.3).
+    pub fn from_dirent_type(t: u8) -> Option<FileType> {
+        Some(match t {
+            1 => FileType::Regular,
+            2 => FileType::Directory,
+            3 => FileType::CharDevice,
+            4 => FileType::BlockDevice,
+            5 => FileType::Fifo,
+            6 => FileType::Socket,
+            7 => FileType::Symlink,
+            _ => return None,
+        })
+    }
+    pub fn mode_bits(self) -> u16 {
+        use commitfs_format::inode::*;
+        match self {
+            FileType::Regular => S_IFREG,
+            FileType::Directory => S_IFDIR,
+            FileType::Symlink => S_IFLNK,
+            FileType::CharDevice => S_IFCHR,
+            FileType::BlockDevice => S_IFBLK,
+            FileType::Fifo => S_IFIFO,
+            FileType::Socket => S_IFSOCK,
+        }
+    }
+}
+
+/// Attributes of an inode, as `stat` reports them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attr {
+    pub ino: Ino,
+    pub kind: FileType,
+    /// Permission bits incl. setuid/setgid/sticky (mode & 0o7777).
+    pub perm: u16,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+    /// 512-byte sectors allocated.
+    pub blocks: u64,
+    pub atime: Timestamp,
+    pub mtime: Timestamp,
+    pub ctime: Timestamp,
+    pub crtime: Timestamp,
+    /// Device number (user-space `dev_t` encoding) for device files.
+    pub rdev: u32,
+    pub generation: u32,
+    pub flags: u32,
+    pub blksize: u32,
+}
+
+/// A time to set: a value or "now".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetTime {
+    Now,
+    At(Timestamp),
+}
+
+/// Fields to change in `setattr`; `None` leaves a field alone.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SetAttr {
+    /// Permission bits (mode & 0o7777).
+    pub mode: Option<u16>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<SetTime>,
+    pub mtime: Option<SetTime>,
+    pub ctime: Option<Timestamp>,
+    pub crtime: Option<Timestamp>,
+}
+
+/// One directory entry from `readdir`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirEntry {
+    pub ino: Ino,
+    pub kind: FileType,
+    pub name: Vec<u8>,
+    /// Offset to pass to `readdir` to continue after this entry.
+    pub next_offset: u64,
+}
+
+/// `statfs` results.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatFs {
+    pub block_size: u32,
+    pub blocks: u64,
+    pub blocks_free: u64,
+    pub blocks_avail: u64,
+    pub files: u64,
+    pub files_free: u64,
+    pub name_max: u32,
+}
+
+/// `rename` flags (renameat2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RenameFlags {
+    pub noreplace: bool,
+    pub exchange: bool,
+}
+
+/// `fallocate` modes supported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FallocFlags {
+    pub keep_size: bool,
+    pub punch_hole: bool,
+    pub zero_range: bool,
+}
+
+/// `setxattr` flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct XattrFlags {
+    pub create: bool,
+    pub replace: bool,
+}
+
+/// Mount options.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountOptions {
+    pub read_only: bool,
+    /// Seconds between automatic commits (`-o commit=N`).
+    pub commit_interval: u32,
+}
+
+impl Default for MountOptions {
+    fn default() -> Self {
+        MountOptions {
+            read_only: false,
+            commit_interval: 5,
+        }
+    }
+}
