@@ -212,7 +212,7 @@ impl<'a> Iterator for DirIter<'a> {
         if rec_len < MIN_REC_LEN {
             return self.fail(off, "rec_len is smaller than minimal");
         }
-        if rec_len % 4 != 0 {
+        if rec_len & 3 != 0 {
             return self.fail(off, "rec_len % 4 != 0");
         }
         if rec_len < min_rec_len(name_len) {
@@ -555,7 +555,7 @@ pub fn has_tail(block: &[u8], block_size: usize) -> bool {
             return false;
         }
         let r = rec_len_from_disk(le16(block, off + 4), block_size);
-        if r < MIN_REC_LEN || r % 4 != 0 {
+        if r < MIN_REC_LEN || r & 3 != 0 {
             return false;
         }
         off += r;

@@ -173,70 +173,72 @@ fn md4_h(x: u32, y: u32, z: u32) -> u32 {
     x ^ y ^ z
 }
 
-/// The 3-round, 24-step reduced MD4 of §6.7. `state` holds a,b,c,d; each step
-/// updates `state[v]` using the other three in cycle order.
+/// One round of the reduced MD4: its mixing function, additive constant, and for each
+/// of the 8 steps the input word index and rotation.
+struct Md4Round {
+    f: fn(u32, u32, u32) -> u32,
+    k: u32,
+    steps: [(usize, u32); 8],
+}
+
+const MD4_ROUNDS: [Md4Round; 3] = [
+    Md4Round {
+        f: md4_f,
+        k: 0,
+        steps: [
+            (0, 3),
+            (1, 7),
+            (2, 11),
+            (3, 19),
+            (4, 3),
+            (5, 7),
+            (6, 11),
+            (7, 19),
+        ],
+    },
+    Md4Round {
+        f: md4_g,
+        k: MD4_K2,
+        steps: [
+            (1, 3),
+            (3, 5),
+            (5, 9),
+            (7, 13),
+            (0, 3),
+            (2, 5),
+            (4, 9),
+            (6, 13),
+        ],
+    },
+    Md4Round {
+        f: md4_h,
+        k: MD4_K3,
+        steps: [
+            (3, 3),
+            (7, 9),
+            (2, 11),
+            (6, 15),
+            (1, 3),
+            (5, 9),
+            (0, 11),
+            (4, 15),
+        ],
+    },
+];
+
+/// The 3-round, 24-step reduced MD4 of §6.7 on state `buf` = (a, b, c, d). The
+/// updated variable cycles a, d, c, b; the function takes the next three in the
+/// cycle a→b→c→d.
 fn half_md4_transform(buf: &mut [u32; 4], input: &[u32; 8]) {
-    type F = fn(u32, u32, u32) -> u32;
-    // (round function, constant, [(input index, shift); 8]); updated variable cycles
-    // a, d, c, b (indices 0, 3, 2, 1).
-    const ROUNDS: [(u8, u32, [(usize, u32); 8]); 3] = [
-        (
-            0,
-            0,
-            [
-                (0, 3),
-                (1, 7),
-                (2, 11),
-                (3, 19),
-                (4, 3),
-                (5, 7),
-                (6, 11),
-                (7, 19),
-            ],
-        ),
-        (
-            1,
-            MD4_K2,
-            [
-                (1, 3),
-                (3, 5),
-                (5, 9),
-                (7, 13),
-                (0, 3),
-                (2, 5),
-                (4, 9),
-                (6, 13),
-            ],
-        ),
-        (
-            2,
-            MD4_K3,
-            [
-                (3, 3),
-                (7, 9),
-                (2, 11),
-                (6, 15),
-                (1, 3),
-                (5, 9),
-                (0, 11),
-                (4, 15),
-            ],
-        ),
-    ];
     const ORDER: [usize; 4] = [0, 3, 2, 1];
     let mut s = *buf;
-    for (f_idx, k, steps) in ROUNDS {
-        let f: F = match f_idx {
-            0 => md4_f,
-            1 => md4_g,
-            _ => md4_h,
-        };
-        for (step, (i, shift)) in steps.into_iter().enumerate() {
+    for round in &MD4_ROUNDS {
+        for (step, &(i, shift)) in round.steps.iter().enumerate() {
             let v = ORDER[step % 4];
             let (x, y, z) = (s[(v + 1) % 4], s[(v + 2) % 4], s[(v + 3) % 4]);
             s[v] = s[v]
-                .wrapping_add(f(x, y, z))
-                .wrapping_add(input[i].wrapping_add(k))
+                .wrapping_add((round.f)(x, y, z))
+                .wrapping_add(input[i].wrapping_add(round.k))
                 .rotate_left(shift);
         }
     }

@@ -610,6 +610,88 @@ pub fn update_block_checksum(buf: &mut [u8], block: u64, csum: &CsumCtx) {
     put_le32(buf, H_CHECKSUM, c);
 }
 
+/// POSIX ACLs: the VFS passes `system.posix_acl_*` values in the xattr ABI format
+/// (version 2, 8-byte entries), while ext4 stores its own compact format (version 1,
+/// 4-byte entries for the owner/group/mask/other tags, 8-byte ones for named users
+/// and groups). Storing the VFS bytes raw would make the kernel reject the ACL.
+pub mod acl {
+    use crate::bytes::*;
+
+    /// `a_version` of the VFS xattr format.
+    pub const VFS_VERSION: u32 = 2;
+    /// `a_version` of ext4's on-disk format.
+    pub const DISK_VERSION: u32 = 1;
+    pub const USER_OBJ: u16 = 0x01;
+    pub const USER: u16 = 0x02;
+    pub const GROUP_OBJ: u16 = 0x04;
+    pub const GROUP: u16 = 0x08;
+    pub const MASK: u16 = 0x10;
+    pub const OTHER: u16 = 0x20;
+    /// `e_id` the VFS format carries for tags without an id.
+    pub const UNDEFINED_ID: u32 = u32::MAX;
+
+    fn has_id(tag: u16) -> Option<bool> {
+        match tag {
+            USER | GROUP => Some(true),
+            USER_OBJ | GROUP_OBJ | MASK | OTHER => Some(false),
+            _ => None,
+        }
+    }
+
+    /// Convert a VFS-format ACL to ext4's disk format; `None` if it is malformed
+    /// (bad version, size or tag, or a permission outside rwx).
+    pub fn to_disk(vfs: &[u8]) -> Option<Vec<u8>> {
+        if vfs.len() < 4 || (vfs.len() - 4) % 8 != 0 || le32(vfs, 0) != VFS_VERSION {
+            return None;
+        }
+        let mut out = Vec::with_capacity(vfs.len());
+        out.extend_from_slice(&DISK_VERSION.to_le_bytes());
+        for e in vfs[4..].chunks_exact(8) {
+            let tag = le16(e, 0);
+            let perm = le16(e, 2);
+            if perm & !7 != 0 {
+                return None;
+            }
+            out.extend_from_slice(&e[0..4]);
+            if has_id(tag)? {
+                out.extend_from_slice(&e[4..8]);
+            }
+        }
+        Some(out)
+    }
+
+    /// Convert ext4's disk format to the VFS format; `None` if it is malformed.
+    pub fn from_disk(disk: &[u8]) -> Option<Vec<u8>> {
+        if disk.len() < 4 || le32(disk, 0) != DISK_VERSION {
+            return None;
+        }
+        let mut out = Vec::with_capacity(disk.len() * 2);
+        out.extend_from_slice(&VFS_VERSION.to_le_bytes());
+        let mut pos = 4;
+        while pos < disk.len() {
+            if pos + 4 > disk.len() {
+                return None;
+            }
+            let tag = le16(disk, pos);
+            if le16(disk, pos + 2) & !7 != 0 {
+                return None;
+            }
+            out.extend_from_slice(&disk[pos..pos + 4]);
+            if has_id(tag)? {
+                if pos + 8 > disk.len() {
+                    return None;
+                }
+                out.extend_from_slice(&disk[pos + 4..pos + 8]);
+                pos += 8;
+            } else {
+                out.extend_from_slice(&UNDEFINED_ID.to_le_bytes());
+                pos += 4;
+            }
+        }
+        Some(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -887,6 +969,53 @@ mod tests {
         let p = parse_block(&b, 3, &NO_CSUM).unwrap();
         assert_eq!(p.entries, vec![e]);
         assert_eq!(p.entries[0].full_name(), None);
+    }
+
+    #[test]
+    fn acl_conversion() {
+        // user::rw- user:1000:rwx group::r-- mask::rwx other::r--
+        let mut vfs = acl::VFS_VERSION.to_le_bytes().to_vec();
+        let mut disk = acl::DISK_VERSION.to_le_bytes().to_vec();
+        for (tag, perm, id) in [
+            (acl::USER_OBJ, 6u16, None),
+            (acl::USER, 7, Some(1000u32)),
+            (acl::GROUP_OBJ, 4, None),
+            (acl::MASK, 7, None),
+            (acl::OTHER, 4, None),
+        ] {
+            vfs.extend(tag.to_le_bytes());
+            vfs.extend(perm.to_le_bytes());
+            vfs.extend(id.unwrap_or(acl::UNDEFINED_ID).to_le_bytes());
+            disk.extend(tag.to_le_bytes());
+            disk.extend(perm.to_le_bytes());
+            if let Some(id) = id {
+                disk.extend(id.to_le_bytes());
+            }
+        }
+        assert_eq!(acl::to_disk(&vfs).unwrap(), disk);
+        assert_eq!(acl::from_disk(&disk).unwrap(), vfs);
+        assert_eq!(acl::to_disk(&vfs[..vfs.len() - 1]), None);
+        assert_eq!(acl::from_disk(&disk[..disk.len() - 2]), None);
+        assert_eq!(acl::to_disk(&disk), None);
+        assert_eq!(acl::from_disk(&vfs), None);
+        let mut bad = vfs.clone();
+        put_le16(&mut bad, 4, 0x40);
+        assert_eq!(acl::to_disk(&bad), None);
+        assert_eq!(
+            acl::to_disk(&2u32.to_le_bytes()).unwrap(),
+            1u32.to_le_bytes()
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn acl_from_disk_never_panics(data in prop::collection::vec(any::<u8>(), 0..64)) {
+            let mut d = data;
+            if d.len() >= 4 { put_le32(&mut d, 0, acl::DISK_VERSION); }
+            if let Some(v) = acl::from_disk(&d) {
+                prop_assert_eq!(acl::to_disk(&v), Some(d));
+            }
+        }
     }
 
     fn arb_xattr() -> impl Strategy<Value = Xattr> {
