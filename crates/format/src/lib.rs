@@ -18,6 +18,7 @@ pub mod dirhash;
 pub mod dx;
 pub mod extent;
 pub mod xattr;
+pub mod jbd2;
 
 pub use csum::{crc32c_raw, CsumCtx};
 pub use error::{FormatError, Result};

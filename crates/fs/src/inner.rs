@@ -50,7 +50,9 @@ const SUPPORTED_RO_COMPAT: u32 = sbf::RO_COMPAT_SPARSE_SUPER
 
 pub(crate) struct Inner {
     pub dev: DeviceRef,
-    pub journal: Journal,
+    /// Shared so that a commit (device writes and flush) can run outside the
+    /// `Inner` lock: a slow fsync must not block unrelated requests.
+    pub journal: Arc<Journal>,
     pub sb: Superblock,
     pub sb_dirty: bool,
     pub gds: Vec<GroupDesc>,
@@ -133,7 +135,7 @@ impl Inner {
             enabled: sb.metadata_csum(),
             fs_seed: sb.csum_seed(),
         };
-        let journal = Journal::new(dev.clone(), bs, read_only);
+        let journal = Arc::new(Journal::new(dev.clone(), bs, read_only));
         let groups = sb.group_count();
         let mut inner = Inner {
             dev,
@@ -327,12 +329,21 @@ impl Inner {
         if self.read_only {
             return Ok(());
         }
+        self.prepare_commit()?;
+        self.journal.commit()?;
+        Ok(())
+    }
+
+    /// Put the superblock totals into the running transaction; the caller then
+    /// commits the journal, possibly after dropping the `Inner` lock.
+    pub fn prepare_commit(&mut self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
         self.refresh_super_counts();
         let h = self.start(1)?;
         self.write_super(&h)?;
-        self.stop(h)?;
-        self.journal.commit()?;
-        Ok(())
+        self.stop(h)
     }
 
     /// Clean unmount: release inodes that were unlinked while open, mark the file

@@ -86,9 +86,19 @@ impl Fs {
         self.inner.lock().sb.clone()
     }
 
-    /// Commit all pending changes and flush the device.
+    /// Commit all pending changes and flush the device. The device writes and the
+    /// flush happen outside the file-system lock.
     pub fn sync(&self) -> Result<()> {
-        self.inner.lock().sync()
+        let journal = {
+            let mut g = self.inner.lock();
+            if g.read_only {
+                return Ok(());
+            }
+            g.prepare_commit()?;
+            g.journal.clone()
+        };
+        journal.commit()?;
+        Ok(())
     }
 
     pub fn statfs(&self) -> Result<StatFs> {
@@ -291,9 +301,8 @@ impl Fs {
     /// Make the file's data and metadata durable. Without the on-disk journal (next
     /// issue) this writes all pending metadata home and flushes.
     pub fn fsync(&self, ino: Ino, _datasync: bool) -> Result<()> {
-        let mut g = self.inner.lock();
-        g.read_inode(ino)?;
-        g.sync()
+        self.inner.lock().read_inode(ino)?;
+        self.sync()
     }
 
     pub fn fsyncdir(&self, ino: Ino) -> Result<()> {
