@@ -1,0 +1,179 @@
+//! Conversions at the FUSE boundary: errno mapping, inode numbers, attributes, times.
+//!
+//! This is the only place in commitfs where an [`FsError`] becomes an errno.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use commitfs_fs::{Attr, FileType, FsError, Ino, Timestamp, ROOT_INO};
+use fuser::{Errno, FileAttr, INodeNo};
+
+/// The errno for a library error.
+pub fn errno_of(e: &FsError) -> i32 {
+    if e.is_corruption() {
+        return libc::EUCLEAN;
+    }
+    match e {
+        FsError::NotFound => libc::ENOENT,
+        FsError::Exists => libc::EEXIST,
+        FsError::NotDir => libc::ENOTDIR,
+        FsError::IsDir => libc::EISDIR,
+        FsError::NotEmpty => libc::ENOTEMPTY,
+        FsError::NoSpace => libc::ENOSPC,
+        FsError::NameTooLong => libc::ENAMETOOLONG,
+        FsError::Invalid(_) => libc::EINVAL,
+        FsError::ReadOnly => libc::EROFS,
+        FsError::TooManyLinks => libc::EMLINK,
+        FsError::NoData => libc::ENODATA,
+        FsError::XattrTooBig => libc::E2BIG,
+        FsError::FileTooBig => libc::EFBIG,
+        FsError::Permission(_) => libc::EPERM,
+        FsError::NotSupported(_) | FsError::UnsupportedFeature(_) => libc::EOPNOTSUPP,
+        FsError::Corrupt(_) | FsError::CorruptMsg(_) => libc::EUCLEAN,
+        FsError::NeedsRecovery | FsError::Device(_) | FsError::Journal(_) => libc::EIO,
+    }
+}
+
+/// [`errno_of`] as fuser's type, logging the serious ones.
+pub fn to_errno(op: &str, e: &FsError) -> Errno {
+    let n = errno_of(e);
+    match n {
+        libc::EIO | libc::EUCLEAN => tracing::error!("{op}: {e}"),
+        libc::EOPNOTSUPP => tracing::info!("{op}: {e}"),
+        _ => tracing::debug!("{op}: {e}"),
+    }
+    Errno::from_i32(n)
+}
+
+/// FUSE's root is inode 1, ext4's is 2. Swap the two so the mapping is a
+/// bijection (ext4 inode 1, the bad-blocks inode, is never reachable by name).
+pub fn fuse_ino(ino: Ino) -> INodeNo {
+    INodeNo(match ino {
+        ROOT_INO => 1,
+        1 => ROOT_INO as u64,
+        n => n as u64,
+    })
+}
+
+/// Inverse of [`fuse_ino`]; numbers beyond 32 bits cannot exist in ext4.
+pub fn ext4_ino(ino: INodeNo) -> Result<Ino, Errno> {
+    match ino.0 {
+        1 => Ok(ROOT_INO),
+        n if n == ROOT_INO as u64 => Ok(1),
+        0 => Err(Errno::EINVAL),
+        n => Ino::try_from(n).map_err(|_| Errno::ENOENT),
+    }
+}
+
+pub fn fuse_kind(k: FileType) -> fuser::FileType {
+    match k {
+        FileType::Regular => fuser::FileType::RegularFile,
+        FileType::Directory => fuser::FileType::Directory,
+        FileType::Symlink => fuser::FileType::Symlink,
+        FileType::CharDevice => fuser::FileType::CharDevice,
+        FileType::BlockDevice => fuser::FileType::BlockDevice,
+        FileType::Fifo => fuser::FileType::NamedPipe,
+        FileType::Socket => fuser::FileType::Socket,
+    }
+}
+
+pub fn system_time(t: Timestamp) -> SystemTime {
+    let nsec = Duration::from_nanos(t.nsec.min(999_999_999) as u64);
+    if t.sec >= 0 {
+        UNIX_EPOCH + Duration::from_secs(t.sec as u64) + nsec
+    } else {
+        UNIX_EPOCH
+            .checked_sub(Duration::from_secs(t.sec.unsigned_abs()))
+            .map(|x| x + nsec)
+            .unwrap_or(UNIX_EPOCH)
+    }
+}
+
+pub fn timestamp(t: SystemTime) -> Timestamp {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => Timestamp::new(d.as_secs() as i64, d.subsec_nanos()),
+        Err(e) => {
+            let d = e.duration();
+            let mut sec = -(d.as_secs() as i64);
+            let mut nsec = d.subsec_nanos();
+            if nsec > 0 {
+                sec -= 1;
+                nsec = 1_000_000_000 - nsec;
+            }
+            Timestamp::new(sec, nsec)
+        }
+    }
+}
+
+pub fn file_attr(a: &Attr) -> FileAttr {
+    FileAttr {
+        ino: fuse_ino(a.ino),
+        size: a.size,
+        blocks: a.blocks,
+        atime: system_time(a.atime),
+        mtime: system_time(a.mtime),
+        ctime: system_time(a.ctime),
+        crtime: system_time(a.crtime),
+        kind: fuse_kind(a.kind),
+        perm: a.perm,
+        nlink: a.nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: a.rdev,
+        blksize: a.blksize,
+        flags: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use commitfs_format::FormatError;
+
+    #[test]
+    fn root_mapping_is_a_bijection() {
+        assert_eq!(fuse_ino(ROOT_INO), INodeNo(1));
+        assert_eq!(ext4_ino(INodeNo(1)).unwrap(), ROOT_INO);
+        for n in [1u32, 2, 3, 11, 12, 4_000_000_000] {
+            assert_eq!(ext4_ino(fuse_ino(n)).unwrap(), n);
+        }
+        assert!(ext4_ino(INodeNo(1 << 40)).is_err());
+        assert!(ext4_ino(INodeNo(0)).is_err());
+    }
+
+    #[test]
+    fn errors_map_to_the_documented_errnos() {
+        let cases: Vec<(FsError, i32)> = vec![
+            (FsError::NotFound, libc::ENOENT),
+            (FsError::Exists, libc::EEXIST),
+            (FsError::NotDir, libc::ENOTDIR),
+            (FsError::IsDir, libc::EISDIR),
+            (FsError::NotEmpty, libc::ENOTEMPTY),
+            (FsError::NoSpace, libc::ENOSPC),
+            (FsError::NameTooLong, libc::ENAMETOOLONG),
+            (FsError::Invalid("x"), libc::EINVAL),
+            (FsError::ReadOnly, libc::EROFS),
+            (FsError::TooManyLinks, libc::EMLINK),
+            (FsError::NoData, libc::ENODATA),
+            (FsError::XattrTooBig, libc::E2BIG),
+            (FsError::FileTooBig, libc::EFBIG),
+            (FsError::Permission("x"), libc::EPERM),
+            (FsError::NotSupported("x".into()), libc::EOPNOTSUPP),
+            (FsError::corrupt("x"), libc::EUCLEAN),
+            (
+                FsError::Corrupt(FormatError::corrupt("inode", 5, "bad")),
+                libc::EUCLEAN,
+            ),
+        ];
+        for (e, n) in cases {
+            assert_eq!(errno_of(&e), n, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn times_round_trip_including_before_1970() {
+        for (s, n) in [(0i64, 0u32), (1_700_000_000, 123_456_789), (-1, 500), (-100, 0)] {
+            let t = Timestamp::new(s, n);
+            assert_eq!(timestamp(system_time(t)), t);
+        }
+    }
+}
