@@ -328,6 +328,34 @@ pub fn has_room(block: &[u8], geo: LeafGeometry, blk: u64, name_len: usize) -> R
     Ok(false)
 }
 
+/// Largest record (as a [`min_rec_len`]) that [`insert`] could place in `block`: the
+/// biggest slack of any record. Callers cache it per block to pick a leaf quickly.
+pub fn max_slack(block: &[u8], geo: LeafGeometry, blk: u64) -> Result<usize> {
+    let mut best = 0;
+    for e in iter(block, geo, blk) {
+        best = best.max(e?.slack());
+    }
+    Ok(best)
+}
+
+/// Check that a linear first block starts with '.' and '..' (§6.4) and return their
+/// inode numbers.
+pub fn dot_dotdot(block: &[u8], geo: LeafGeometry, blk: u64) -> Result<(u32, u32)> {
+    let mut it = iter(block, geo, blk);
+    let dot = it.next().transpose()?;
+    let dotdot = it.next().transpose()?;
+    match (dot, dotdot) {
+        (Some(d), Some(dd)) if d.name == b"." && dd.name == b".." && d.offset == 0 => {
+            Ok((d.inode, dd.inode))
+        }
+        _ => Err(FormatError::corrupt(
+            STRUCT,
+            blk,
+            "first directory block does not start with '.' and '..'",
+        )),
+    }
+}
+
 /// Total bytes needed by the live records (sum of their minimal record lengths).
 pub fn used_bytes(block: &[u8], geo: LeafGeometry, blk: u64) -> Result<usize> {
     let mut n = 0;
@@ -656,7 +684,13 @@ mod tests {
             assert_eq!((es[1].name, es[1].inode), (&b".."[..], 2));
             assert_eq!(es[1].offset + es[1].rec_len, g.usable());
             assert_eq!(has_tail(&b, bs), csum);
+            assert_eq!(dot_dotdot(&b, g, 0).unwrap(), (12, 2));
+            assert_eq!(max_slack(&b, g, 0).unwrap(), g.usable() - 24);
         }
+        let g = geo(1024, true);
+        let mut b = vec![0u8; 1024];
+        init_empty(&mut b, g);
+        assert!(dot_dotdot(&b, g, 0).is_err());
     }
 
     #[test]

@@ -298,35 +298,69 @@ fn check_count(n: usize, limit: usize, structure: &'static str) -> Result<()> {
 /// Serialise a root into `block` (whole block rewritten; `dx_tail` zeroed, checksum
 /// not yet computed).
 pub fn write_root(block: &mut [u8], geo: &DxGeometry, root: &DxRoot) -> Result<()> {
+    write_root_parts(
+        block,
+        geo,
+        RootHeader {
+            dot_inode: root.dot_inode,
+            dotdot_inode: root.dotdot_inode,
+            hash_version: root.hash_version,
+            indirect_levels: root.indirect_levels,
+        },
+        &root.entries,
+    )
+}
+
+/// The fixed part of a root, for [`write_root_parts`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RootHeader {
+    pub dot_inode: u32,
+    pub dotdot_inode: u32,
+    pub hash_version: u8,
+    pub indirect_levels: u8,
+}
+
+/// [`write_root`] from borrowed parts (no entry vector needs to be built).
+pub fn write_root_parts(
+    block: &mut [u8],
+    geo: &DxGeometry,
+    hdr: RootHeader,
+    entries: &[DxEntry],
+) -> Result<()> {
     let bs = geo.block_size;
-    check_count(root.entries.len(), geo.root_limit(), ROOT_STRUCT)?;
+    check_count(entries.len(), geo.root_limit(), ROOT_STRUCT)?;
     block.fill(0);
-    put_le32(block, 0, root.dot_inode);
+    put_le32(block, 0, hdr.dot_inode);
     put_le16(block, 4, dirent::rec_len_to_disk(12, bs));
     block[6] = 1;
     block[7] = FT_DIR;
     block[8] = b'.';
-    put_le32(block, 12, root.dotdot_inode);
+    put_le32(block, 12, hdr.dotdot_inode);
     put_le16(block, 16, dirent::rec_len_to_disk(bs - 12, bs));
     block[18] = 2;
     block[19] = FT_DIR;
     block[20] = b'.';
     block[21] = b'.';
     let i = ROOT_INFO_OFFSET;
-    block[i + 4] = root.hash_version;
+    block[i + 4] = hdr.hash_version;
     block[i + 5] = ROOT_INFO_LEN;
-    block[i + 6] = root.indirect_levels;
-    write_entries(block, ROOT_COUNT_OFFSET, geo.root_limit(), &root.entries);
+    block[i + 6] = hdr.indirect_levels;
+    write_entries(block, ROOT_COUNT_OFFSET, geo.root_limit(), entries);
     Ok(())
 }
 
 /// Serialise an interior node into `block` (checksum not yet computed).
 pub fn write_node(block: &mut [u8], geo: &DxGeometry, node: &DxNode) -> Result<()> {
+    write_node_entries(block, geo, &node.entries)
+}
+
+/// [`write_node`] from a borrowed entry slice.
+pub fn write_node_entries(block: &mut [u8], geo: &DxGeometry, entries: &[DxEntry]) -> Result<()> {
     let bs = geo.block_size;
-    check_count(node.entries.len(), geo.node_limit(), NODE_STRUCT)?;
+    check_count(entries.len(), geo.node_limit(), NODE_STRUCT)?;
     block.fill(0);
     put_le16(block, 4, dirent::rec_len_to_disk(bs, bs));
-    write_entries(block, NODE_COUNT_OFFSET, geo.node_limit(), &node.entries);
+    write_entries(block, NODE_COUNT_OFFSET, geo.node_limit(), entries);
     Ok(())
 }
 
@@ -418,14 +452,12 @@ pub fn lookup(entries: &[DxEntry], hash: u32) -> usize {
 }
 
 /// Whether a search for `hash` that finished the child at `idx` must go on into the
-/// child at `idx + 1`: its stored hash has the continuation bit and equals `hash`
-/// (ignoring that bit).
+/// child at `idx + 1`: the kernel (`ext4_htree_next_block`) continues whenever the next
+/// entry's hash, continuation bit ignored, equals `hash`. Writers set the bit on such
+/// entries, so in practice this is "continuation bit set and same hash".
 pub fn continues_into(entries: &[DxEntry], idx: usize, hash: u32) -> bool {
     match entries.get(idx + 1) {
-        Some(e) => {
-            e.hash & HASH_CONTINUATION != 0
-                && e.hash & !HASH_CONTINUATION == hash & !HASH_CONTINUATION
-        }
+        Some(e) => e.hash & !HASH_CONTINUATION == hash & !HASH_CONTINUATION,
         None => false,
     }
 }

@@ -19,6 +19,7 @@ pub mod dx;
 pub mod extent;
 pub mod xattr;
 pub mod jbd2;
+pub mod jbd2_log;
 
 pub use csum::{crc32c_raw, CsumCtx};
 pub use error::{FormatError, Result};

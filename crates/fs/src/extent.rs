@@ -214,11 +214,14 @@ impl Inner {
         Ok(out)
     }
 
-    /// Map a range that is currently a hole. Caller writes the inode afterwards.
+    /// Map a range that is currently a hole (merging with contiguous neighbours of the
+    /// same state, §5.4). New tree blocks are allocated near `pblk` and charged to
+    /// `inode`. On error (also ENOSPC for a tree block) nothing has changed on disk
+    /// or in `inode`. Caller writes the inode afterwards.
     #[allow(clippy::too_many_arguments)]
     pub fn ext_insert(
         &mut self,
-        _h: &Handle,
+        h: &Handle,
         ino: u32,
         inode: &mut Inode,
         lblk: u32,
@@ -226,12 +229,30 @@ impl Inner {
         len: u32,
         unwritten: bool,
     ) -> Result<()> {
-        let mut v = self.root_extents(ino, inode)?;
-        list_insert(&mut v, lblk, pblk, len, unwritten)?;
-        self.store_root(ino, inode, v)
+        if len == 0 {
+            return Err(FsError::Invalid("extent insert of zero length"));
+        }
+        let end = lblk as u64 + len as u64;
+        if end > fx::LBLK_SPACE_END {
+            return Err(FsError::FileTooBig);
+        }
+        if pblk < self.sb.first_data_block() as u64 || pblk + len as u64 > self.sb.blocks_count() {
+            return Err(FsError::Invalid("extent insert of blocks outside the file system"));
+        }
+        let fast = self.ext_fast_op(h, ino, inode, lblk, end, |v| {
+            list_insert(v, lblk, pblk, len, unwritten)
+        })?;
+        if let Some(r) = fast {
+            return r;
+        }
+        self.ext_slow_op(h, ino, inode, TreeOp::Insert(Extent { lblk, len, pblk, unwritten }), pblk)?;
+        Ok(())
     }
 
-    /// Unmap `[start, end)`, freeing data and tree blocks. Returns blocks freed.
+    /// Unmap `[start, end)` (`end` exclusive, up to 2^32), freeing data blocks and
+    /// tree blocks that become empty (tree blocks are uncharged from `inode`). Returns
+    /// the number of data blocks freed, which the caller uncharges. Caller writes the
+    /// inode afterwards.
     pub fn ext_remove(
         &mut self,
         h: &Handle,
@@ -240,46 +261,383 @@ impl Inner {
         start: u32,
         end: u64,
     ) -> Result<u64> {
-        let mut v = self.root_extents(ino, inode)?;
-        let freed = list_remove(&mut v, start, end);
-        self.store_root(ino, inode, v)?;
-        let mut n = 0;
-        for (p, l) in freed {
-            self.free_blocks(h, p, l as u64)?;
-            n += l as u64;
+        let end = end.min(fx::LBLK_SPACE_END);
+        if start as u64 >= end {
+            return Ok(0);
         }
-        Ok(n)
+        let fast = self.ext_fast_op(h, ino, inode, start, end, |v| Ok(list_remove(v, start, end)))?;
+        let freed = match fast {
+            Some(r) => r?,
+            None => {
+                let goal = self.inode_goal(ino);
+                self.ext_slow_op(h, ino, inode, TreeOp::Remove(start, end), goal)?
+            }
+        };
+        self.free_runs(h, freed)
     }
 
-    /// Mark `[lblk, lblk+len)` written inside unwritten extents.
+    /// Mark `[lblk, lblk+len)` written where it lies inside unwritten extents
+    /// (splitting them; writes into fallocated space). Parts of the range that are
+    /// holes or already written are left alone. Caller writes the inode afterwards.
     pub fn ext_convert_written(
         &mut self,
-        _h: &Handle,
+        h: &Handle,
         ino: u32,
         inode: &mut Inode,
         lblk: u32,
         len: u32,
     ) -> Result<()> {
-        let mut v = self.root_extents(ino, inode)?;
-        list_convert(&mut v, lblk, len);
-        self.store_root(ino, inode, v)
-    }
-
-    /// Temporary depth-0 helpers (replaced by the full tree code).
-    fn root_extents(&mut self, ino: u32, inode: &Inode) -> Result<Vec<Extent>> {
-        let root = NodeRef::parse_root(&inode.block, ino)?;
-        if !root.is_leaf() {
-            return Err(FsError::NotSupported("extent trees deeper than the inode root".into()));
+        if len == 0 {
+            return Ok(());
         }
-        Ok(root.extents().collect())
-    }
-
-    fn store_root(&mut self, ino: u32, inode: &mut Inode, v: Vec<Extent>) -> Result<()> {
-        if v.len() > fx::ROOT_CAPACITY as usize {
-            return Err(FsError::NotSupported("extent trees deeper than the inode root".into()));
+        let end = (lblk as u64 + len as u64).min(fx::LBLK_SPACE_END);
+        let fast = self.ext_fast_op(h, ino, inode, lblk, end, |v| {
+            list_convert(v, lblk, (end - lblk as u64) as u32);
+            Ok(())
+        })?;
+        if let Some(r) = fast {
+            return r;
         }
-        fx::ExtentNode::leaf(v).write_root(&mut inode.block, ino)?;
+        let goal = self.inode_goal(ino);
+        self.ext_slow_op(h, ino, inode, TreeOp::Convert(lblk, end), goal)?;
         Ok(())
+    }
+
+    /// Free data runs (coalescing physically adjacent ones); returns the block count.
+    fn free_runs(&mut self, h: &Handle, mut runs: Vec<(u64, u32)>) -> Result<u64> {
+        runs.sort_unstable();
+        let mut total = 0u64;
+        let mut cur: Option<(u64, u64)> = None;
+        for (p, l) in runs {
+            total += l as u64;
+            cur = match cur {
+                Some((cp, cl)) if cp + cl == p => Some((cp, cl + l as u64)),
+                Some((cp, cl)) => {
+                    self.free_blocks(h, cp, cl)?;
+                    Some((p, l as u64))
+                }
+                None => Some((p, l as u64)),
+            };
+        }
+        if let Some((cp, cl)) = cur {
+            self.free_blocks(h, cp, cl)?;
+        }
+        Ok(total)
+    }
+
+    // ---- fast path: one leaf, no change of shape ----------------------------------
+
+    /// Apply `op` to the leaf responsible for `[start, end)` when the whole range
+    /// lies in that leaf and the result keeps the tree's shape: the leaf stays
+    /// non-empty and within capacity, and its e2fsck slack (§5.3) does not grow.
+    /// Returns `None` (nothing done) when the slow path must run instead. `op` runs
+    /// on a copy; an `Err` from it is returned as `Some(Err)` with nothing changed.
+    fn ext_fast_op<R>(
+        &mut self,
+        h: &Handle,
+        ino: u32,
+        inode: &mut Inode,
+        start: u32,
+        end: u64,
+        op: impl FnOnce(&mut Vec<Extent>) -> Result<R>,
+    ) -> Result<Option<Result<R>>> {
+        let mut path = self.ext_load_path(ino, inode, start)?;
+        if let Some(k) = path.next_key {
+            if end > k as u64 {
+                return Ok(None);
+            }
+        }
+        let depth = path.nodes.len() - 1;
+        let leaf = &path.nodes[depth];
+        let Entries::Leaf(old) = &leaf.node.entries else {
+            return Err(FsError::corrupt(format!("inode {ino}: extent path does not end in a leaf")));
+        };
+        let mut v = old.clone();
+        let r = match op(&mut v) {
+            Ok(r) => r,
+            Err(e) => return Ok(Some(Err(e))),
+        };
+        if v == *old {
+            return Ok(Some(Ok(r)));
+        }
+        if depth == 0 {
+            if v.len() > fx::ROOT_CAPACITY as usize {
+                return Ok(None);
+            }
+        } else {
+            let cap = fx::block_capacity(self.bs) as usize;
+            if v.is_empty() || v.len() > cap || eff_slack(v.len(), cap) > eff_slack(old.len(), cap) {
+                return Ok(None);
+            }
+        }
+        let first_changed = v.first().map(|e| e.lblk) != old.first().map(|e| e.lblk);
+        path.nodes[depth].node.entries = Entries::Leaf(v);
+        let mut dirty = vec![depth];
+        if first_changed && depth > 0 {
+            // Keep every ancestor's index key equal to its child's first key (§5.3).
+            let mut key = path.nodes[depth].node.first_lblk().unwrap_or(0);
+            for d in (0..depth).rev() {
+                let pos = path.nodes[d].pos;
+                let Entries::Index(ix) = &mut path.nodes[d].node.entries else {
+                    break;
+                };
+                if ix[pos].lblk == key {
+                    break;
+                }
+                ix[pos].lblk = key;
+                dirty.push(d);
+                if pos != 0 {
+                    break;
+                }
+                key = ix[0].lblk;
+            }
+        }
+        // Validate everything before the first write, so that a failure leaves the
+        // tree untouched.
+        for &d in &dirty {
+            let n = &path.nodes[d];
+            match n.blk {
+                None => n.node.validate_root(ino)?,
+                Some(b) => n.node.validate_block(b, self.bs)?,
+            }
+        }
+        for &d in &dirty {
+            let n = &path.nodes[d];
+            match n.blk {
+                None => n.node.write_root(&mut inode.block, ino)?,
+                Some(b) => self.write_tree_block(h, ino, inode.generation, b, &n.node, false)?,
+            }
+        }
+        Ok(Some(Ok(r)))
+    }
+
+    /// Root-to-leaf path for `lblk`, with the start of the next subtree.
+    fn ext_load_path(&mut self, ino: u32, inode: &Inode, lblk: u32) -> Result<Path> {
+        let root = NodeRef::parse_root(&inode.block, ino)?;
+        let mut nodes = Vec::with_capacity(root.depth() as usize + 1);
+        let mut next_key = None;
+        let mut node = root.to_node();
+        let mut blk = None;
+        loop {
+            let pos = match &node.entries {
+                Entries::Leaf(_) => 0,
+                Entries::Index(ix) => {
+                    let i = ix.partition_point(|x| x.lblk <= lblk).saturating_sub(1);
+                    if let Some(x) = ix.get(i + 1) {
+                        next_key = Some(next_key.map_or(x.lblk, |k: u32| k.min(x.lblk)));
+                    }
+                    i
+                }
+            };
+            let child = match &node.entries {
+                Entries::Index(ix) => ix.get(pos).map(|x| (x.lblk, x.child)),
+                Entries::Leaf(_) => None,
+            };
+            let depth = node.depth;
+            nodes.push(PathNode { blk, node, pos });
+            let Some((key, c)) = child else {
+                break;
+            };
+            let child_node = self.read_tree_block(ino, inode.generation, c, depth - 1)?;
+            if child_node.first_lblk() != Some(key) {
+                return Err(FsError::corrupt(format!(
+                    "inode {ino}: extent index key {key} does not match the first entry of block {c}"
+                )));
+            }
+            node = child_node;
+            blk = Some(c);
+        }
+        Ok(Path { nodes, next_key })
+    }
+
+    /// Read, verify and decode one tree block.
+    fn read_tree_block(&self, ino: u32, generation: u32, blk: u64, depth: u16) -> Result<ExtentNode> {
+        if blk < self.sb.first_data_block() as u64 {
+            return Err(FsError::corrupt(format!("inode {ino}: extent tree block {blk} out of range")));
+        }
+        let buf = self.read_meta(blk)?;
+        let data = buf.data();
+        let node = NodeRef::parse_block(&data, blk, Some(depth), &self.csum, ino, generation)?;
+        if node.is_leaf() {
+            for e in node.extents() {
+                self.check_extent_range(ino, &e)?;
+            }
+        }
+        Ok(node.to_node())
+    }
+
+    /// Serialise `node` into tree block `blk` (with its tail checksum).
+    fn write_tree_block(
+        &self,
+        h: &Handle,
+        ino: u32,
+        generation: u32,
+        blk: u64,
+        node: &ExtentNode,
+        fresh: bool,
+    ) -> Result<()> {
+        let csum = self.csum;
+        let f = |d: &mut [u8]| node.write_block(d, blk, &csum, ino, generation);
+        let r = if fresh {
+            self.new_meta(h, blk, f)?
+        } else {
+            self.modify_meta(h, blk, f)?
+        };
+        Ok(r?)
+    }
+
+    // ---- slow path: whole tree in memory ------------------------------------------
+
+    /// Load the whole tree, apply `op`, restore the shape rules (capacity, §5.3
+    /// compactness, ei_block keys, depth), allocate what is missing, then write the
+    /// changed nodes and free the dropped ones. Returns freed data runs (not yet
+    /// freed: the caller frees them once the tree no longer references them).
+    fn ext_slow_op(
+        &mut self,
+        h: &Handle,
+        ino: u32,
+        inode: &mut Inode,
+        op: TreeOp,
+        goal: u64,
+    ) -> Result<Vec<(u64, u32)>> {
+        let (mut tree, orig) = self.load_tree(ino, inode)?;
+        let freed = tree.apply(op)?;
+        tree.normalize()?;
+        if !tree.shape_ok() {
+            tracing::debug!("inode {ino}: extent tree repacked for e2fsck compactness");
+            tree.full_repack();
+        }
+        // Allocate blocks for new nodes; on failure give them back, nothing written.
+        let mut fresh: Vec<u64> = Vec::new();
+        let mut hint = goal;
+        for l in 1..tree.levels.len() {
+            for i in 0..tree.levels[l].len() {
+                if let Some(b) = tree.levels[l][i].blk {
+                    hint = b;
+                    continue;
+                }
+                match self.alloc_blocks(h, hint, 1) {
+                    Ok((b, _)) => {
+                        tree.levels[l][i].blk = Some(b);
+                        fresh.push(b);
+                        hint = b;
+                    }
+                    Err(e) => {
+                        for b in fresh {
+                            let _ = self.free_blocks(h, b, 1);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        let nodes = tree.materialize();
+        // Validate all nodes before writing any.
+        for (blk, node) in &nodes {
+            let r = match blk {
+                None => node.validate_root(ino),
+                Some(b) => node.validate_block(*b, self.bs),
+            };
+            if let Err(e) = r {
+                for b in fresh {
+                    let _ = self.free_blocks(h, b, 1);
+                }
+                return Err(e.into());
+            }
+        }
+        for (blk, node) in &nodes {
+            match blk {
+                None => node.write_root(&mut inode.block, ino)?,
+                Some(b) => {
+                    let is_fresh = fresh.contains(b);
+                    if !is_fresh && orig.get(b) == Some(node) {
+                        continue;
+                    }
+                    self.write_tree_block(h, ino, inode.generation, *b, node, is_fresh)?;
+                }
+            }
+        }
+        let unit = self.bs as u64 / 512;
+        let spare = std::mem::take(&mut tree.spare);
+        for &b in &spare {
+            self.free_blocks(h, b, 1)?;
+        }
+        let blocks = (inode.blocks_512(self.bs) + fresh.len() as u64 * unit)
+            .saturating_sub(spare.len() as u64 * unit);
+        inode.set_blocks_512(blocks, self.bs);
+        Ok(freed)
+    }
+
+    /// Read every node of the tree (verifying checksums, depths, keys and global
+    /// order). Returns the tree and the decoded original of every tree block.
+    fn load_tree(&mut self, ino: u32, inode: &Inode) -> Result<(MemTree, HashMap<u64, ExtentNode>)> {
+        let root = NodeRef::parse_root(&inode.block, ino)?.to_node();
+        let cap = fx::block_capacity(self.bs) as usize;
+        let mut orig = HashMap::new();
+        let mut levels = Vec::with_capacity(root.depth as usize + 1);
+        let mut idx: Vec<ExtentIdx> = Vec::new();
+        let root_depth = root.depth;
+        match root.entries {
+            Entries::Leaf(v) => {
+                for e in &v {
+                    self.check_extent_range(ino, e)?;
+                }
+                levels.push(vec![MNode::leaf(None, v)]);
+            }
+            Entries::Index(ix) => {
+                levels.push(vec![MNode::index(None, ix.len())]);
+                idx = ix;
+            }
+        }
+        let mut seen = HashSet::new();
+        for d in (0..root_depth).rev() {
+            let mut level = Vec::with_capacity(idx.len());
+            let mut next_idx = Vec::new();
+            for x in &idx {
+                if !seen.insert(x.child) {
+                    return Err(FsError::corrupt(format!(
+                        "inode {ino}: extent tree block {} referenced twice",
+                        x.child
+                    )));
+                }
+                let node = self.read_tree_block(ino, inode.generation, x.child, d)?;
+                if node.first_lblk() != Some(x.lblk) {
+                    return Err(FsError::corrupt(format!(
+                        "inode {ino}: extent index key {} does not match the first entry of block {}",
+                        x.lblk, x.child
+                    )));
+                }
+                match &node.entries {
+                    Entries::Leaf(v) => level.push(MNode::leaf(Some(x.child), v.clone())),
+                    Entries::Index(ix) => {
+                        level.push(MNode::index(Some(x.child), ix.len()));
+                        next_idx.extend_from_slice(ix);
+                    }
+                }
+                orig.insert(x.child, node);
+            }
+            levels.push(level);
+            idx = next_idx;
+        }
+        // Leaves must be in global order without overlap.
+        let mut prev_end = 0u64;
+        for e in levels.last().into_iter().flatten().flat_map(|n| n.exts.iter()) {
+            if (e.lblk as u64) < prev_end {
+                return Err(FsError::corrupt(format!(
+                    "inode {ino}: extents out of order at logical block {}",
+                    e.lblk
+                )));
+            }
+            prev_end = e.end();
+        }
+        Ok((
+            MemTree {
+                levels,
+                cap,
+                spare: Vec::new(),
+            },
+            orig,
+        ))
     }
 }
 

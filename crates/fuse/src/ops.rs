@@ -1,0 +1,615 @@
+//! The `fuser::Filesystem` implementation: every request is decoded on the session
+//! thread (names and data copied), then served and answered on a pool worker.
+
+use std::ffi::OsStr;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use commitfs_fs::{Attr, FallocFlags, Fs, RenameFlags, SetAttr, SetTime, XattrFlags};
+use fuser::{
+    BsdFileFlags, Errno, FileHandle, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
+    KernelConfig, LockOwner, OpenFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
+    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
+    WriteFlags,
+};
+
+use crate::convert::{ext4_ino, file_attr, fuse_ino, fuse_kind, timestamp, to_errno};
+use crate::pool::Pool;
+use crate::{FuseConfig, UnmountStatus};
+
+/// State the workers share.
+pub(crate) struct Shared {
+    fs: Arc<Fs>,
+    ttl: Duration,
+    next_fh: AtomicU64,
+}
+
+impl Shared {
+    fn fh(&self) -> FileHandle {
+        FileHandle(self.next_fh.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// The FUSE file system: a thin, concurrent front end to [`Fs`].
+pub struct CommitFuse {
+    shared: Arc<Shared>,
+    pool: Pool<Shared>,
+    writeback_cache: bool,
+    status: UnmountStatus,
+}
+
+impl std::fmt::Debug for CommitFuse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CommitFuse").finish_non_exhaustive()
+    }
+}
+
+// fallocate(2) modes (linux/falloc.h).
+const FALLOC_FL_KEEP_SIZE: i32 = 0x01;
+const FALLOC_FL_PUNCH_HOLE: i32 = 0x02;
+const FALLOC_FL_ZERO_RANGE: i32 = 0x10;
+
+/// Decode an inode number or answer the request with the error and return.
+macro_rules! ino_or_reply {
+    ($ino:expr, $reply:ident) => {
+        match ext4_ino($ino) {
+            Ok(i) => i,
+            Err(e) => {
+                $reply.error(e);
+                return;
+            }
+        }
+    };
+}
+
+fn gen(a: &Attr) -> Generation {
+    Generation(a.generation as u64)
+}
+
+fn reply_entry(s: &Shared, op: &str, reply: ReplyEntry, r: commitfs_fs::Result<Attr>) {
+    match r {
+        Ok(a) => reply.entry(&s.ttl, &file_attr(&a), gen(&a)),
+        Err(e) => reply.error(to_errno(op, &e)),
+    }
+}
+
+fn reply_empty(op: &str, reply: ReplyEmpty, r: commitfs_fs::Result<()>) {
+    match r {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(to_errno(op, &e)),
+    }
+}
+
+fn set_time(t: TimeOrNow) -> SetTime {
+    match t {
+        TimeOrNow::Now => SetTime::Now,
+        TimeOrNow::SpecificTime(t) => SetTime::At(timestamp(t)),
+    }
+}
+
+/// Answer an xattr read: the size for a probe (`size == 0`), ERANGE when the
+/// caller's buffer is too small, else the bytes.
+fn reply_xattr_bytes(reply: ReplyXattr, size: u32, bytes: &[u8]) {
+    if size == 0 {
+        match u32::try_from(bytes.len()) {
+            Ok(n) => reply.size(n),
+            Err(_) => reply.error(Errno::E2BIG),
+        }
+    } else if bytes.len() > size as usize {
+        reply.error(Errno::ERANGE);
+    } else {
+        reply.data(bytes);
+    }
+}
+
+impl CommitFuse {
+    pub(crate) fn new(fs: Arc<Fs>, cfg: &FuseConfig, status: UnmountStatus) -> io::Result<Self> {
+        let shared = Arc::new(Shared {
+            fs,
+            ttl: cfg.ttl(),
+            next_fh: AtomicU64::new(1),
+        });
+        let pool = Pool::new(shared.clone(), cfg.workers)?;
+        Ok(CommitFuse {
+            shared,
+            pool,
+            writeback_cache: cfg.writeback_cache,
+            status,
+        })
+    }
+
+    fn run(&self, job: impl FnOnce(&Shared) + Send + 'static) {
+        self.pool.submit(Box::new(job));
+    }
+}
+
+impl Filesystem for CommitFuse {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
+        if self.writeback_cache {
+            if let Err(missing) = config.add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE) {
+                tracing::warn!("kernel lacks writeback cache support ({missing:?}); continuing without it");
+            }
+        }
+        // Lookups and readdirs in one directory may run in parallel.
+        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        tracing::info!("FUSE session initialised");
+        Ok(())
+    }
+
+    fn destroy(&mut self) {
+        // Finish in-flight requests before writing everything home.
+        self.pool.shutdown();
+        let r = self.shared.fs.unmount();
+        match &r {
+            Ok(()) => tracing::info!("file system unmounted cleanly"),
+            Err(e) => tracing::error!("unmount failed: {e}"),
+        }
+        *self.status.lock() = Some(r);
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let parent = ino_or_reply!(parent, reply);
+        let name = name.as_bytes().to_vec();
+        self.run(move |s| reply_entry(s, "lookup", reply, s.fs.lookup(parent, &name)));
+    }
+
+    fn forget(&self, _req: &Request, _ino: INodeNo, _nlookup: u64) {
+        // Inode numbers are the ext4 numbers; nothing is held per lookup.
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let ino = ino_or_reply!(ino, reply);
+        self.run(move |s| match s.fs.getattr(ino) {
+            Ok(a) => reply.attr(&s.ttl, &file_attr(&a)),
+            Err(e) => reply.error(to_errno("getattr", &e)),
+        });
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let ino = ino_or_reply!(ino, reply);
+        let set = SetAttr {
+            mode: mode.map(|m| (m & 0o7777) as u16),
+            uid,
+            gid,
+            size,
+            atime: atime.map(set_time),
+            mtime: mtime.map(set_time),
+            ctime: ctime.map(timestamp),
+            crtime: crtime.map(timestamp),
+        };
+        self.run(move |s| {
+            let r = if set == SetAttr::default() {
+                s.fs.getattr(ino)
+            } else {
+                s.fs.setattr(ino, &set)
+            };
+            match r {
+                Ok(a) => reply.attr(&s.ttl, &file_attr(&a)),
+                Err(e) => reply.error(to_errno("setattr", &e)),
+            }
+        });
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        let ino = ino_or_reply!(ino, reply);
+        self.run(move |s| match s.fs.readlink(ino) {
+            Ok(t) => reply.data(&t),
+            Err(e) => reply.error(to_errno("readlink", &e)),
+        });
+    }
+
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let parent = ino_or_reply!(parent, reply);
+        let name = name.as_bytes().to_vec();
+        let (uid, gid) = (req.uid(), req.gid());
+        let mode = (mode & !(umask & 0o7777)) as u16;
+        self.run(move |s| {
+            let r = s.fs.mknod(parent, &name, mode, rdev, uid, gid);
+            reply_entry(s, "mknod", reply, r)
+        });
+    }
+
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let parent = ino_or_reply!(parent, reply);
+        let name = name.as_bytes().to_vec();
+        let (uid, gid) = (req.uid(), req.gid());
+        let perm = (mode & !umask & 0o7777) as u16;
+        self.run(move |s| {
+            let r = s.fs.mkdir(parent, &name, perm, uid, gid);
+            reply_entry(s, "mkdir", reply, r)
+        });
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let parent = ino_or_reply!(parent, reply);
+        let name = name.as_bytes().to_vec();
+        self.run(move |s| reply_empty("unlink", reply, s.fs.unlink(parent, &name)));
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let parent = ino_or_reply!(parent, reply);
+        let name = name.as_bytes().to_vec();
+        self.run(move |s| reply_empty("rmdir", reply, s.fs.rmdir(parent, &name)));
+    }
+
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
+        let parent = ino_or_reply!(parent, reply);
+        let name = link_name.as_bytes().to_vec();
+        let target = target.as_os_str().as_bytes().to_vec();
+        let (uid, gid) = (req.uid(), req.gid());
+        self.run(move |s| {
+            let r = s.fs.symlink(parent, &name, &target, uid, gid);
+            reply_entry(s, "symlink", reply, r)
+        });
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: fuser::RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let parent = ino_or_reply!(parent, reply);
+        let newparent = ino_or_reply!(newparent, reply);
+        let known = fuser::RenameFlags::RENAME_NOREPLACE | fuser::RenameFlags::RENAME_EXCHANGE;
+        if !known.contains(flags) {
+            // RENAME_WHITEOUT (overlayfs) and unknown bits.
+            reply.error(Errno::EINVAL);
+            return;
+        }
+        let rf = RenameFlags {
+            noreplace: flags.contains(fuser::RenameFlags::RENAME_NOREPLACE),
+            exchange: flags.contains(fuser::RenameFlags::RENAME_EXCHANGE),
+        };
+        let name = name.as_bytes().to_vec();
+        let newname = newname.as_bytes().to_vec();
+        self.run(move |s| {
+            let r = s.fs.rename(parent, &name, newparent, &newname, rf);
+            reply_empty("rename", reply, r)
+        });
+    }
+
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        let ino = ino_or_reply!(ino, reply);
+        let newparent = ino_or_reply!(newparent, reply);
+        let newname = newname.as_bytes().to_vec();
+        self.run(move |s| {
+            let r = s.fs.link(ino, newparent, &newname);
+            reply_entry(s, "link", reply, r)
+        });
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let ino = ino_or_reply!(ino, reply);
+        self.run(move |s| match s.fs.open_inode(ino) {
+            Ok(()) => reply.opened(s.fh(), FopenFlags::empty()),
+            Err(e) => reply.error(to_errno("open", &e)),
+        });
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let ino = ino_or_reply!(ino, reply);
+        self.run(move |s| {
+            let mut buf = vec![0u8; size as usize];
+            match s.fs.read(ino, offset, &mut buf) {
+                Ok(n) => reply.data(&buf[..n.min(buf.len())]),
+                Err(e) => reply.error(to_errno("read", &e)),
+            }
+        });
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let ino = ino_or_reply!(ino, reply);
+        let data = data.to_vec();
+        self.run(move |s| match s.fs.write(ino, offset, &data) {
+            Ok(n) => reply.written(n as u32),
+            Err(e) => reply.error(to_errno("write", &e)),
+        });
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        // Writes go straight to the library; nothing is buffered per handle.
+        reply.ok();
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let ino = ino_or_reply!(ino, reply);
+        self.run(move |s| reply_empty("release", reply, s.fs.release(ino)));
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        let ino = ino_or_reply!(ino, reply);
+        self.run(move |s| reply_empty("fsync", reply, s.fs.fsync(ino, datasync)));
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let ino = ino_or_reply!(ino, reply);
+        self.run(move |s| match s.fs.getattr(ino) {
+            Ok(a) if a.kind == commitfs_fs::FileType::Directory => {
+                reply.opened(s.fh(), FopenFlags::empty())
+            }
+            Ok(_) => reply.error(Errno::ENOTDIR),
+            Err(e) => reply.error(to_errno("opendir", &e)),
+        });
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let ino = ino_or_reply!(ino, reply);
+        self.run(move |s| {
+            let r = s.fs.readdir(ino, offset, |e| {
+                let name = OsStr::from_bytes(&e.name);
+                // `add` answers true when the buffer is full (entry not added).
+                !reply.add(fuse_ino(e.ino), e.next_offset, fuse_kind(e.kind), name)
+            });
+            match r {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(to_errno("readdir", &e)),
+            }
+        });
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        let ino = ino_or_reply!(ino, reply);
+        self.run(move |s| reply_empty("fsyncdir", reply, s.fs.fsyncdir(ino)));
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        self.run(move |s| match s.fs.statfs() {
+            Ok(st) => reply.statfs(
+                st.blocks,
+                st.blocks_free,
+                st.blocks_avail,
+                st.files,
+                st.files_free,
+                st.block_size,
+                st.name_max,
+                st.block_size,
+            ),
+            Err(e) => reply.error(to_errno("statfs", &e)),
+        });
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        let ino = ino_or_reply!(ino, reply);
+        if flags & !(libc::XATTR_CREATE | libc::XATTR_REPLACE) != 0 {
+            reply.error(Errno::EINVAL);
+            return;
+        }
+        let xf = XattrFlags {
+            create: flags & libc::XATTR_CREATE != 0,
+            replace: flags & libc::XATTR_REPLACE != 0,
+        };
+        let name = name.as_bytes().to_vec();
+        let value = value.to_vec();
+        self.run(move |s| reply_empty("setxattr", reply, s.fs.setxattr(ino, &name, &value, xf)));
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let ino = ino_or_reply!(ino, reply);
+        let name = name.as_bytes().to_vec();
+        self.run(move |s| match s.fs.getxattr(ino, &name) {
+            Ok(v) => reply_xattr_bytes(reply, size, &v),
+            Err(e) => reply.error(to_errno("getxattr", &e)),
+        });
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        let ino = ino_or_reply!(ino, reply);
+        self.run(move |s| match s.fs.listxattr(ino) {
+            Ok(names) => {
+                let mut buf = Vec::with_capacity(names.iter().map(|n| n.len() + 1).sum());
+                for n in names {
+                    buf.extend_from_slice(&n);
+                    buf.push(0);
+                }
+                reply_xattr_bytes(reply, size, &buf)
+            }
+            Err(e) => reply.error(to_errno("listxattr", &e)),
+        });
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let ino = ino_or_reply!(ino, reply);
+        let name = name.as_bytes().to_vec();
+        self.run(move |s| reply_empty("removexattr", reply, s.fs.removexattr(ino, &name)));
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let parent = ino_or_reply!(parent, reply);
+        let name = name.as_bytes().to_vec();
+        let (uid, gid) = (req.uid(), req.gid());
+        let perm = (mode & !umask & 0o7777) as u16;
+        self.run(move |s| {
+            let r = s
+                .fs
+                .create(parent, &name, perm, uid, gid)
+                .and_then(|a| s.fs.open_inode(a.ino).map(|()| a));
+            match r {
+                Ok(a) => reply.created(&s.ttl, &file_attr(&a), gen(&a), s.fh(), FopenFlags::empty()),
+                Err(e) => reply.error(to_errno("create", &e)),
+            }
+        });
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        let ino = ino_or_reply!(ino, reply);
+        let keep = FALLOC_FL_KEEP_SIZE;
+        let flags = match mode {
+            0 => FallocFlags::default(),
+            m if m == keep => FallocFlags {
+                keep_size: true,
+                ..Default::default()
+            },
+            m if m == FALLOC_FL_PUNCH_HOLE | keep => FallocFlags {
+                keep_size: true,
+                punch_hole: true,
+                ..Default::default()
+            },
+            m if m == FALLOC_FL_ZERO_RANGE || m == FALLOC_FL_ZERO_RANGE | keep => FallocFlags {
+                keep_size: m & keep != 0,
+                zero_range: true,
+                ..Default::default()
+            },
+            _ => {
+                reply.error(Errno::EOPNOTSUPP);
+                return;
+            }
+        };
+        self.run(move |s| {
+            let r = s.fs.fallocate(ino, offset, length, flags);
+            reply_empty("fallocate", reply, r)
+        });
+    }
+}
