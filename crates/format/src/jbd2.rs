@@ -280,14 +280,21 @@ mod tests {
     #[test]
     fn verifies_checksum_with_csum_v3() {
         let mut b = mkfs_like();
-        put_be32(&mut b, S_FEATURE_INCOMPAT, INCOMPAT_CSUM_V3 | INCOMPAT_64BIT);
+        put_be32(
+            &mut b,
+            S_FEATURE_INCOMPAT,
+            INCOMPAT_CSUM_V3 | INCOMPAT_64BIT,
+        );
         b[S_CHECKSUM_TYPE] = CHECKSUM_TYPE_CRC32C;
         let c = compute_checksum(&b);
         put_be32(&mut b, S_CHECKSUM, c);
         let sb = JournalSuperblock::parse(&b, 0).unwrap();
         assert_eq!(
             sb.incompat_names(),
-            vec!["journal_64bit".to_string(), "journal_checksum_v3".to_string()]
+            vec![
+                "journal_64bit".to_string(),
+                "journal_checksum_v3".to_string()
+            ]
         );
         put_be32(&mut b, S_SEQUENCE, 2);
         assert!(matches!(
@@ -303,7 +310,10 @@ mod tests {
         let sb = JournalSuperblock::parse(&b, 0).unwrap();
         assert_eq!(
             sb.incompat_names(),
-            vec!["journal_incompat_revoke".to_string(), "FEATURE_I6".to_string()]
+            vec![
+                "journal_incompat_revoke".to_string(),
+                "FEATURE_I6".to_string()
+            ]
         );
     }
 }

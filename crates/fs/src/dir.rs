@@ -1,40 +1,743 @@
-//! Directory operations (STUB by the lead: the directory engineer replaces this file;
-//! signatures are the contract used by ops.rs).
+//! Directory operations (ext4-format.md §6).
+//!
+//! # API (all `impl Inner`)
+//!
+//! * [`Inner::dir_lookup`]`(dir, name) -> Option<(ino, file_type)>`; "." and ".." are
+//!   answered too.
+//! * [`Inner::dir_add_entry`]`(h, dir, name, ino, ft)`: the caller guarantees `name`
+//!   is absent. Errors (`NoSpace` when no block can be allocated or the htree is full)
+//!   leave the directory unchanged.
+//! * [`Inner::dir_remove_entry`]`(h, dir, name) -> removed ino` (`NotFound` if absent).
+//! * [`Inner::dir_replace_entry`]`(h, dir, name, ino, ft) -> old ino` (rename-over).
+//! * [`Inner::dir_init`]`(h, dir, &mut inode, parent)`: allocates and writes block 0
+//!   ('.', '..'), sets `i_size` and charges `i_blocks` in the caller's copy; the
+//!   caller writes the inode (inner.rs convention for `&mut Inode` routines).
+//! * [`Inner::dir_set_dotdot`]`(h, dir, parent)`, [`Inner::dir_is_empty`]`(dir)`,
+//!   [`Inner::dir_forget`]`(dir)`.
+//! * [`Inner::dir_readdir`]`(dir, offset, f)`; see "readdir offsets" below.
+//!
+//! Operations that grow a directory write its inode themselves (size, `i_blocks`,
+//! `EXT4_INDEX_FL`), reading it fresh from the inode cache; callers that later touch
+//! the directory inode re-read it (as `touch_dir` in ops.rs does).
+//!
+//! # In-memory index
+//!
+//! On first access a directory is read completely (every block checksum-verified and
+//! validated) into a [`DirState`]: name -> (ino, type, logical block) in a hash map,
+//! the logical -> physical block map, the largest free slot per block, and a mirror
+//! of the on-disk htree index. Lookups and the choice of the block to insert into
+//! are O(1) average; only the one block that changes is read and rewritten. Any
+//! error other than NotFound/Exists/NoSpace drops the state, so it is rebuilt from
+//! disk on the next access.
+//!
+//! # On-disk format kept
+//!
+//! Like the kernel: a linear directory whose single block overflows is converted to
+//! an htree when `dir_index` is on (`make_indexed_dir`); otherwise linear directories
+//! grow by appending blocks. In an htree, names go to the leaf the index selects for
+//! their hash; a full leaf is split in half by size (continuation bit when the two
+//! halves share a hash), and full interior nodes are split or, when the root is
+//! full, a level is added up to `indirect_levels` 1 (2 with `largedir`). When the
+//! index cannot grow, `NoSpace` is returned before anything is changed (the kernel
+//! also fails with ENOSPC, "index full"). Leaves can become empty after removals
+//! (valid); blocks are never freed and `EXT4_INDEX_FL` is never cleared. Every block
+//! written gets its leaf tail or dx_tail checksum.
+//!
+//! # readdir offsets
+//!
+//! Offset 0 is ".", 1 is "..", 2 is "after ..". Every other entry has the cookie
+//! `cookie_of(name)`: a 63-bit hash of the name (at least 3), independent of where the
+//! entry is stored. Entries are returned in (cookie, name) order, each with
+//! `next_offset` = its own cookie, and a resumed readdir returns the entries whose
+//! cookie is greater than the offset. Entries present throughout are therefore
+//! never skipped or repeated, whatever was added or removed and however blocks were
+//! split in between. Collisions (two names with one cookie; odds about n²/2⁶⁴): all
+//! members of a collision group but the last get the *previous* cookie as
+//! `next_offset`, so stopping inside a group makes the next call return the whole
+//! group again — a collision can repeat entries but never skip one.
 
-use commitfs_format::inode::Inode;
+mod htree;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeSet, HashMap};
+use std::ops::Bound;
+use std::sync::Arc;
+
+use commitfs_format::dirent::{self, LeafGeometry};
+use commitfs_format::dirhash;
+use commitfs_format::dx::{self, DxGeometry};
+use commitfs_format::inode::{Inode, FL_INDEX, FL_INLINE_DATA};
+use commitfs_format::superblock as sbf;
 use commitfs_journal::Handle;
 
 use crate::error::{FsError, Result};
 use crate::inner::Inner;
 
-/// In-memory directory state (indexes), owned by this module.
+use htree::DxIndex;
+
+/// First cookie of a real entry (0, 1, 2 are ".", ".." and "after ..").
+const FIRST_COOKIE: u64 = 3;
+/// Drop other directories' states when more names than this are cached.
+const CACHE_NAME_LIMIT: usize = 4 << 20;
+/// `file_type` of '.' and '..'.
+const FT_DIR: u8 = dirent::FT_DIR;
+
+/// Where one name lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    ino: u32,
+    ft: u8,
+    /// Logical block of the directory holding the record.
+    lblk: u32,
+}
+
+/// In-memory state of one directory (see the module docs).
+pub(crate) struct DirState {
+    /// Checksum seed of the directory's blocks (`inode_seed(dir, generation)`).
+    seed: u32,
+    /// Logical -> physical block.
+    pblocks: Vec<u64>,
+    /// Per logical block: largest record an insert could place there (0 for index
+    /// blocks).
+    free: Vec<u16>,
+    names: HashMap<Arc<[u8]>, Slot>,
+    /// readdir order: (cookie, name).
+    order: BTreeSet<(u64, Arc<[u8]>)>,
+    dot: u32,
+    dotdot: u32,
+    /// The htree index, for indexed directories.
+    dx: Option<DxIndex>,
+}
+
+impl DirState {
+    fn add_name(&mut self, name: &[u8], slot: Slot) -> bool {
+        let key: Arc<[u8]> = Arc::from(name);
+        if self.names.insert(key.clone(), slot).is_some() {
+            return false;
+        }
+        self.order.insert((cookie_of(name), key));
+        true
+    }
+
+    fn remove_name(&mut self, name: &[u8]) -> Option<Slot> {
+        let (key, slot) = self.names.remove_entry(name)?;
+        self.order.remove(&(cookie_of(name), key));
+        Some(slot)
+    }
+}
+
+/// Directory states by inode, owned by this module (field `Inner::dirs`).
 #[derive(Default)]
-pub struct DirCache {}
+pub struct DirCache {
+    map: HashMap<u32, DirState>,
+}
+
+/// readdir cookie of a name (module docs): a 64-bit mix of the bytes, shifted to 63
+/// bits so it fits an `i64` offset, and kept clear of 0..=2.
+pub(crate) fn cookie_of(name: &[u8]) -> u64 {
+    fn fmix(mut h: u64) -> u64 {
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xFF51_AFD7_ED55_8CCD);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xC4CE_B9FE_1A85_EC53);
+        h ^ (h >> 33)
+    }
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut h = K ^ (name.len() as u64).wrapping_mul(0x87C3_7B91_1142_53D5);
+    for chunk in name.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..chunk.len()].copy_from_slice(chunk);
+        h = fmix(h ^ u64::from_le_bytes(w)).wrapping_add(K);
+    }
+    (fmix(h) >> 1).max(FIRST_COOKIE)
+}
+
+/// Whether an error leaves the in-memory state trustworthy.
+fn state_survives(e: &FsError) -> bool {
+    matches!(e, FsError::NotFound | FsError::Exists | FsError::NoSpace)
+}
 
 impl Inner {
-    pub fn dir_lookup(&mut self, _dir: u32, _name: &[u8]) -> Result<Option<(u32, u8)>> {
-        Err(FsError::NotSupported("dir stub".into()))
+    // ---- geometry helpers --------------------------------------------------------
+
+    pub(crate) fn leaf_geo(&self) -> LeafGeometry {
+        LeafGeometry {
+            block_size: self.bs,
+            csum: self.csum.enabled,
+            inodes_count: self.sb.inodes_count(),
+        }
     }
-    pub fn dir_add_entry(&mut self, _h: &Handle, _dir: u32, _name: &[u8], _ino: u32, _ft: u8) -> Result<()> {
-        Err(FsError::NotSupported("dir stub".into()))
+
+    pub(crate) fn dx_geo(&self) -> DxGeometry {
+        DxGeometry {
+            block_size: self.bs,
+            csum: self.csum.enabled,
+            largedir: self.sb.has_incompat(sbf::INCOMPAT_LARGEDIR),
+        }
     }
-    pub fn dir_remove_entry(&mut self, _h: &Handle, _dir: u32, _name: &[u8]) -> Result<u32> {
-        Err(FsError::NotSupported("dir stub".into()))
+
+    /// Run `f` on the (lazily loaded) state of `dir`. The state is taken out of the
+    /// cache while `f` runs, and dropped if `f` fails in a way that may have left it
+    /// out of step with the disk.
+    fn with_dir<R>(
+        &mut self,
+        dir: u32,
+        f: impl FnOnce(&mut Inner, &mut DirState) -> Result<R>,
+    ) -> Result<R> {
+        let mut st = match self.dirs.map.remove(&dir) {
+            Some(s) => s,
+            None => self.load_dir(dir)?,
+        };
+        let r = f(self, &mut st);
+        match &r {
+            Err(e) if !state_survives(e) => {}
+            _ => self.cache_dir(dir, st),
+        }
+        r
     }
-    pub fn dir_replace_entry(&mut self, _h: &Handle, _dir: u32, _name: &[u8], _ino: u32, _ft: u8) -> Result<u32> {
-        Err(FsError::NotSupported("dir stub".into()))
+
+    fn cache_dir(&mut self, dir: u32, st: DirState) {
+        let total: usize = self.dirs.map.values().map(|s| s.names.len()).sum();
+        if total + st.names.len() > CACHE_NAME_LIMIT {
+            self.dirs.map.clear();
+        }
+        self.dirs.map.insert(dir, st);
     }
-    pub fn dir_init(&mut self, _h: &Handle, _dir: u32, _dir_inode: &mut Inode, _parent: u32) -> Result<()> {
-        Err(FsError::NotSupported("dir stub".into()))
+
+    // ---- loading -----------------------------------------------------------------
+
+    /// Read a whole directory into a [`DirState`], verifying every block.
+    fn load_dir(&mut self, dir: u32) -> Result<DirState> {
+        let inode = self.read_inode(dir)?;
+        if !inode.is_dir() {
+            return Err(FsError::NotDir);
+        }
+        if inode.has_flag(FL_INLINE_DATA) {
+            return Err(FsError::NotSupported("inline-data directories".into()));
+        }
+        let bs = self.bs64();
+        if inode.size == 0 || inode.size % bs != 0 || inode.size / bs > u32::MAX as u64 / 2 {
+            return Err(FsError::corrupt(format!(
+                "directory {dir}: size {} is not a positive multiple of the block size",
+                inode.size
+            )));
+        }
+        let nblocks = (inode.size / bs) as usize;
+        let mut pblocks = vec![0u64; nblocks];
+        for m in self.ext_list(dir, &inode)? {
+            if m.unwritten {
+                return Err(FsError::corrupt(format!(
+                    "directory {dir}: unwritten extent at block {}",
+                    m.lblk
+                )));
+            }
+            for i in 0..m.len {
+                let l = m.lblk as usize + i as usize;
+                if l < nblocks {
+                    pblocks[l] = m.pblk + i as u64;
+                }
+            }
+        }
+        if let Some(l) = pblocks.iter().position(|&p| p == 0) {
+            return Err(FsError::corrupt(format!(
+                "directory {dir}: hole at block {l}"
+            )));
+        }
+        let mut st = DirState {
+            seed: self.csum.inode_seed(dir, inode.generation),
+            free: vec![0; nblocks],
+            pblocks,
+            names: HashMap::new(),
+            order: BTreeSet::new(),
+            dot: dir,
+            dotdot: 0,
+            dx: None,
+        };
+        let mut is_leaf = vec![true; nblocks];
+        if inode.has_flag(FL_INDEX) {
+            let idx = self.load_index(dir, &st)?;
+            st.dotdot = idx.dotdot;
+            is_leaf[0] = false;
+            for &n in idx.nodes.keys() {
+                is_leaf[n as usize] = false;
+            }
+            st.dx = Some(idx);
+        }
+        let geo = self.leaf_geo();
+        for (l, leaf) in is_leaf.iter().enumerate() {
+            if !leaf {
+                continue;
+            }
+            let pblk = st.pblocks[l];
+            let buf = self.read_meta(pblk)?;
+            let d = buf.data();
+            if self.csum.enabled {
+                dirent::verify_leaf_csum(&d, st.seed, pblk)?;
+            }
+            let mut it = dirent::iter(&d, geo, pblk);
+            if l == 0 {
+                let (dot, dotdot) = dirent::dot_dotdot(&d, geo, pblk)?;
+                if dot != dir {
+                    return Err(FsError::corrupt(format!(
+                        "directory {dir}: '.' names inode {dot}"
+                    )));
+                }
+                st.dotdot = dotdot;
+                it.next();
+                it.next();
+                st.free[0] = st.free[0].max(dirent::max_slack(&d, geo, pblk)? as u16);
+            }
+            let mut best = 0usize;
+            for e in it {
+                let e = e?;
+                best = best.max(e.slack());
+                if e.inode == 0 {
+                    continue;
+                }
+                let slot = Slot {
+                    ino: e.inode,
+                    ft: e.file_type,
+                    lblk: l as u32,
+                };
+                if e.name == b"." || e.name == b".." || !st.add_name(e.name, slot) {
+                    return Err(FsError::corrupt(format!(
+                        "directory {dir}: duplicate entry {:?} in block {pblk}",
+                        String::from_utf8_lossy(e.name)
+                    )));
+                }
+            }
+            st.free[l] = st.free[l].max(best as u16);
+        }
+        Ok(st)
     }
-    pub fn dir_set_dotdot(&mut self, _h: &Handle, _dir: u32, _parent: u32) -> Result<()> {
-        Err(FsError::NotSupported("dir stub".into()))
+
+    // ---- block access -------------------------------------------------------------
+
+    /// Modify leaf `lblk` of a directory: verify its checksum, run `f`, restore the
+    /// checksum. Returns `f`'s result and the block's new largest free slot.
+    fn leaf_modify<R>(
+        &mut self,
+        h: &Handle,
+        st: &mut DirState,
+        lblk: u32,
+        f: impl FnOnce(&mut [u8], LeafGeometry, u64) -> Result<R>,
+    ) -> Result<R> {
+        let pblk = *st
+            .pblocks
+            .get(lblk as usize)
+            .ok_or_else(|| FsError::corrupt(format!("directory block {lblk} out of range")))?;
+        let geo = self.leaf_geo();
+        let csum = self.csum.enabled;
+        let seed = st.seed;
+        let (r, free) = self.modify_meta(h, pblk, |d| -> Result<(R, usize)> {
+            if csum {
+                dirent::verify_leaf_csum(d, seed, pblk)?;
+            }
+            let r = f(d, geo, pblk)?;
+            if csum {
+                dirent::set_leaf_csum(d, seed);
+            }
+            Ok((r, dirent::max_slack(d, geo, pblk)?))
+        })??;
+        st.free[lblk as usize] = free as u16;
+        Ok(r)
     }
-    pub fn dir_is_empty(&mut self, _dir: u32) -> Result<bool> {
-        Err(FsError::NotSupported("dir stub".into()))
+
+    /// Write a brand-new leaf holding `entries` at `lblk`.
+    fn leaf_write_new(
+        &mut self,
+        h: &Handle,
+        st: &mut DirState,
+        lblk: u32,
+        entries: &[(u32, u8, &[u8])],
+    ) -> Result<()> {
+        let pblk = st.pblocks[lblk as usize];
+        let geo = self.leaf_geo();
+        let csum = self.csum.enabled;
+        let seed = st.seed;
+        let free = self.new_meta(h, pblk, |d| -> Result<usize> {
+            dirent::pack(d, geo, pblk, entries.iter().copied())?;
+            if csum {
+                dirent::set_leaf_csum(d, seed);
+            }
+            Ok(dirent::max_slack(d, geo, pblk)?)
+        })??;
+        st.free[lblk as usize] = free as u16;
+        Ok(())
     }
-    pub fn dir_readdir(&mut self, _dir: u32, _offset: u64, _f: &mut dyn FnMut(u32, u8, &[u8], u64) -> bool) -> Result<()> {
-        Err(FsError::NotSupported("dir stub".into()))
+
+    /// Append `n` blocks to directory `dir`: allocate, map, update `i_size` and
+    /// `i_blocks`, write the inode. Returns the first new logical block. On failure
+    /// nothing stays allocated or mapped. The new blocks must be written by the caller.
+    fn dir_grow(&mut self, h: &Handle, dir: u32, st: &mut DirState, n: u32) -> Result<u32> {
+        let mut inode = self.read_inode(dir)?;
+        let first = st.pblocks.len() as u32;
+        let mut goal = st
+            .pblocks
+            .last()
+            .map(|p| p + 1)
+            .unwrap_or_else(|| self.inode_goal(dir));
+        let mut runs: Vec<(u64, u32)> = Vec::new();
+        let mut got = 0;
+        while got < n {
+            match self.alloc_blocks(h, goal, n - got) {
+                Ok((p, c)) => {
+                    runs.push((p, c));
+                    got += c;
+                    goal = p + c as u64;
+                }
+                Err(e) => {
+                    for &(p, c) in &runs {
+                        let _ = self.free_blocks(h, p, c as u64);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let mut lblk = first;
+        for (i, &(p, c)) in runs.iter().enumerate() {
+            if let Err(e) = self.ext_insert(h, dir, &mut inode, lblk, p, c, false) {
+                if lblk > first {
+                    let _ = self.ext_remove(h, dir, &mut inode, first, lblk as u64);
+                }
+                for &(p, c) in &runs[i..] {
+                    let _ = self.free_blocks(h, p, c as u64);
+                }
+                let _ = self.write_inode(h, dir, &inode);
+                return Err(e);
+            }
+            lblk += c;
+        }
+        let bs = self.bs64();
+        inode.size = (first as u64 + n as u64) * bs;
+        let b = inode.blocks_512(self.bs) + n as u64 * (bs / 512);
+        inode.set_blocks_512(b, self.bs);
+        self.write_inode(h, dir, &inode)?;
+        for &(p, c) in &runs {
+            for i in 0..c {
+                st.pblocks.push(p + i as u64);
+                st.free.push(0);
+            }
+        }
+        Ok(first)
     }
-    pub fn dir_forget(&mut self, _dir: u32) {}
+
+    // ---- public operations ----------------------------------------------------------
+
+    /// Look `name` up in `dir`.
+    pub fn dir_lookup(&mut self, dir: u32, name: &[u8]) -> Result<Option<(u32, u8)>> {
+        self.with_dir(dir, |_, st| {
+            Ok(match name {
+                b"." => Some((st.dot, FT_DIR)),
+                b".." => Some((st.dotdot, FT_DIR)),
+                _ => st.names.get(name).map(|s| (s.ino, s.ft)),
+            })
+        })
+    }
+
+    /// Add `name -> ino` to `dir` (the caller checked that `name` is absent).
+    pub fn dir_add_entry(
+        &mut self,
+        h: &Handle,
+        dir: u32,
+        name: &[u8],
+        ino: u32,
+        file_type: u8,
+    ) -> Result<()> {
+        if name.is_empty() || name.len() > dirent::MAX_NAME_LEN {
+            return Err(FsError::Invalid("bad directory entry name"));
+        }
+        self.with_dir(dir, |me, st| {
+            if name == b"." || name == b".." || st.names.contains_key(name) {
+                return Err(FsError::Exists);
+            }
+            if st.dx.is_some() {
+                return me.dx_add_entry(h, dir, st, name, ino, file_type);
+            }
+            me.linear_add_entry(h, dir, st, name, ino, file_type)
+        })
+    }
+
+    fn linear_add_entry(
+        &mut self,
+        h: &Handle,
+        dir: u32,
+        st: &mut DirState,
+        name: &[u8],
+        ino: u32,
+        ft: u8,
+    ) -> Result<()> {
+        let need = dirent::min_rec_len(name.len());
+        let target = st.free.iter().position(|&f| f as usize >= need);
+        let lblk = match target {
+            Some(l) => l as u32,
+            None => {
+                if st.pblocks.len() == 1 && self.sb.has_compat(sbf::COMPAT_DIR_INDEX) {
+                    // The kernel's make_indexed_dir: the single block is full.
+                    self.make_indexed(h, dir, st)?;
+                    return self.dx_add_entry(h, dir, st, name, ino, ft);
+                }
+                let l = self.dir_grow(h, dir, st, 1)?;
+                self.leaf_write_new(h, st, l, &[])?;
+                l
+            }
+        };
+        let placed = self.leaf_modify(h, st, lblk, |d, geo, pblk| {
+            Ok(dirent::insert(d, geo, pblk, name, ino, ft)?)
+        })?;
+        if placed.is_none() {
+            return Err(FsError::corrupt(format!(
+                "directory {dir}: block {lblk} has less room than recorded"
+            )));
+        }
+        st.add_name(name, Slot { ino, ft, lblk });
+        Ok(())
+    }
+
+    /// Remove `name` from `dir`, returning the inode it named.
+    pub fn dir_remove_entry(&mut self, h: &Handle, dir: u32, name: &[u8]) -> Result<u32> {
+        self.with_dir(dir, |me, st| {
+            let slot = *st.names.get(name).ok_or(FsError::NotFound)?;
+            let removed = me.leaf_modify(h, st, slot.lblk, |d, geo, pblk| {
+                Ok(dirent::remove(d, geo, pblk, name)?)
+            })?;
+            if removed != Some(slot.ino) {
+                return Err(FsError::corrupt(format!(
+                    "directory {dir}: entry {:?} not where the index says",
+                    String::from_utf8_lossy(name)
+                )));
+            }
+            st.remove_name(name);
+            Ok(slot.ino)
+        })
+    }
+
+    /// Point existing entry `name` at `ino` (type `file_type`); returns the old inode.
+    pub fn dir_replace_entry(
+        &mut self,
+        h: &Handle,
+        dir: u32,
+        name: &[u8],
+        ino: u32,
+        file_type: u8,
+    ) -> Result<u32> {
+        self.with_dir(dir, |me, st| {
+            let slot = *st.names.get(name).ok_or(FsError::NotFound)?;
+            let old = me.leaf_modify(h, st, slot.lblk, |d, geo, pblk| {
+                let e = dirent::find(d, geo, pblk, name)?
+                    .ok_or_else(|| FsError::corrupt("directory entry not where the index says"))?;
+                let (off, old) = (e.offset, e.inode);
+                dirent::set_entry_inode(d, geo, pblk, off, ino, file_type)?;
+                Ok(old)
+            })?;
+            st.names.insert(
+                Arc::from(name),
+                Slot {
+                    ino,
+                    ft: file_type,
+                    lblk: slot.lblk,
+                },
+            );
+            Ok(old)
+        })
+    }
+
+    /// Give a new directory its first block ('.' and '..'). Sets `i_size` and
+    /// `i_blocks` in `dir_inode`; the caller writes the inode.
+    pub fn dir_init(
+        &mut self,
+        h: &Handle,
+        dir: u32,
+        dir_inode: &mut Inode,
+        parent: u32,
+    ) -> Result<()> {
+        let (pblk, _) = self.alloc_blocks(h, self.inode_goal(dir), 1)?;
+        if let Err(e) = self.ext_insert(h, dir, dir_inode, 0, pblk, 1, false) {
+            let _ = self.free_blocks(h, pblk, 1);
+            return Err(e);
+        }
+        let geo = self.leaf_geo();
+        let seed = self.csum.inode_seed(dir, dir_inode.generation);
+        let csum = self.csum.enabled;
+        let free = self.new_meta(h, pblk, |d| -> Result<usize> {
+            dirent::init_first(d, geo, dir, parent);
+            if csum {
+                dirent::set_leaf_csum(d, seed);
+            }
+            Ok(dirent::max_slack(d, geo, pblk)?)
+        })??;
+        dir_inode.size = self.bs64();
+        let b = dir_inode.blocks_512(self.bs) + self.bs64() / 512;
+        dir_inode.set_blocks_512(b, self.bs);
+        let st = DirState {
+            seed,
+            pblocks: vec![pblk],
+            free: vec![free as u16],
+            names: HashMap::new(),
+            order: BTreeSet::new(),
+            dot: dir,
+            dotdot: parent,
+            dx: None,
+        };
+        self.cache_dir(dir, st);
+        Ok(())
+    }
+
+    /// Point '..' of `dir` at `new_parent` (rename across directories).
+    pub fn dir_set_dotdot(&mut self, h: &Handle, dir: u32, new_parent: u32) -> Result<()> {
+        self.with_dir(dir, |me, st| {
+            if st.dx.is_some() {
+                me.dx_set_dotdot(h, st, new_parent)?;
+            } else {
+                me.leaf_modify(h, st, 0, |d, geo, pblk| {
+                    dirent::dot_dotdot(d, geo, pblk)?;
+                    // '..' follows the 12-byte '.' record (checked just above).
+                    dirent::set_entry_inode(d, geo, pblk, dirent::MIN_REC_LEN, new_parent, FT_DIR)?;
+                    Ok(())
+                })?;
+            }
+            st.dotdot = new_parent;
+            Ok(())
+        })
+    }
+
+    /// Whether `dir` has no entries besides '.' and '..'.
+    pub fn dir_is_empty(&mut self, dir: u32) -> Result<bool> {
+        self.with_dir(dir, |_, st| Ok(st.names.is_empty()))
+    }
+
+    /// Entries from `offset` on (module docs: "readdir offsets"). `f(ino, type, name,
+    /// next_offset)` returns false to stop.
+    pub fn dir_readdir(
+        &mut self,
+        dir: u32,
+        offset: u64,
+        f: &mut dyn FnMut(u32, u8, &[u8], u64) -> bool,
+    ) -> Result<()> {
+        self.with_dir(dir, |_, st| {
+            if offset == 0 && !f(st.dot, FT_DIR, b".", 1) {
+                return Ok(());
+            }
+            if offset <= 1 && !f(st.dotdot, FT_DIR, b"..", 2) {
+                return Ok(());
+            }
+            let start = offset.max(2);
+            if start >= u64::MAX >> 1 {
+                return Ok(());
+            }
+            let from: (u64, Arc<[u8]>) = (start + 1, Arc::from(&[][..]));
+            let mut it = st
+                .order
+                .range((Bound::Included(from), Bound::Unbounded))
+                .peekable();
+            let mut prev = start;
+            while let Some((c, name)) = it.next() {
+                let same_next = matches!(it.peek(), Some((c2, _)) if c2 == c);
+                let next_off = if same_next { prev } else { *c };
+                let Some(slot) = st.names.get(name) else {
+                    continue;
+                };
+                if !f(slot.ino, slot.ft, name, next_off) {
+                    return Ok(());
+                }
+                if !same_next {
+                    prev = *c;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Forget the in-memory state of `dir` (after rmdir, or to save memory).
+    pub fn dir_forget(&mut self, dir: u32) {
+        self.dirs.map.remove(&dir);
+    }
+
+    // ---- htree entry points (bodies in dir/htree.rs) ----------------------------------
+
+    /// Directory hash of `name` in an indexed directory.
+    fn name_hash(&self, idx: &DxIndex, name: &[u8]) -> (u32, u32) {
+        dirhash::dx_hash(name, idx.eff_version, &self.sb.hash_seed())
+    }
+
+    /// Hash version (on disk) for a new index: the superblock default, or half_md4
+    /// when that is not one we know.
+    fn default_hash_version(&self) -> u8 {
+        let v = self.sb.def_hash_version();
+        if v <= dirhash::DX_HASH_TEA {
+            v
+        } else {
+            dirhash::DX_HASH_HALF_MD4
+        }
+    }
+
+    /// Read the dx root (and interior nodes) of an indexed directory.
+    fn load_index(&mut self, dir: u32, st: &DirState) -> Result<DxIndex> {
+        let geo = self.dx_geo();
+        let nblocks = st.pblocks.len() as u32;
+        let read = |me: &Inner, lblk: u32, root: bool| -> Result<Vec<u8>> {
+            let pblk = st.pblocks[lblk as usize];
+            let b = me.read_meta(pblk)?;
+            let d = b.data().to_vec();
+            if me.csum.enabled {
+                let co = if root {
+                    dx::ROOT_COUNT_OFFSET
+                } else {
+                    dx::NODE_COUNT_OFFSET
+                };
+                dx::verify_csum(&d, co, st.seed, pblk)?;
+            }
+            Ok(d)
+        };
+        let b0 = read(self, 0, true)?;
+        let root = dx::parse_root(&b0, &geo, st.pblocks[0])?;
+        let mut idx = DxIndex {
+            hash_version: root.hash_version,
+            eff_version: self.sb.effective_hash_version(root.hash_version),
+            levels: root.indirect_levels,
+            dotdot: root.dotdot_inode,
+            root: root.entries,
+            nodes: HashMap::new(),
+        };
+        let check_child = |b: u32| -> Result<()> {
+            if b == 0 || b >= nblocks {
+                return Err(FsError::corrupt(format!(
+                    "directory {dir}: htree points at block {b} of {nblocks}"
+                )));
+            }
+            Ok(())
+        };
+        let mut frontier: Vec<u32> = Vec::new();
+        for e in &idx.root {
+            check_child(e.block)?;
+            frontier.push(e.block);
+        }
+        for _ in 0..idx.levels {
+            let mut next = Vec::new();
+            for b in frontier {
+                if idx.nodes.contains_key(&b) {
+                    return Err(FsError::corrupt(format!(
+                        "directory {dir}: htree node {b} referenced twice"
+                    )));
+                }
+                let d = read(self, b, false)?;
+                let node = dx::parse_node(&d, &geo, st.pblocks[b as usize])?;
+                for e in &node.entries {
+                    check_child(e.block)?;
+                    next.push(e.block);
+                }
+                idx.nodes.insert(b, node.entries);
+            }
+            frontier = next;
+        }
+        for b in frontier {
+            if idx.nodes.contains_key(&b) {
+                return Err(FsError::corrupt(format!(
+                    "directory {dir}: htree block {b} is both a node and a leaf"
+                )));
+            }
+        }
+        Ok(idx)
+    }
 }

@@ -171,7 +171,12 @@ mod tests {
 
     #[test]
     fn times_round_trip_including_before_1970() {
-        for (s, n) in [(0i64, 0u32), (1_700_000_000, 123_456_789), (-1, 500), (-100, 0)] {
+        for (s, n) in [
+            (0i64, 0u32),
+            (1_700_000_000, 123_456_789),
+            (-1, 500),
+            (-100, 0),
+        ] {
             let t = Timestamp::new(s, n);
             assert_eq!(timestamp(system_time(t)), t);
         }

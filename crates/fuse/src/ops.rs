@@ -131,7 +131,9 @@ impl Filesystem for CommitFuse {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
         if self.writeback_cache {
             if let Err(missing) = config.add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE) {
-                tracing::warn!("kernel lacks writeback cache support ({missing:?}); continuing without it");
+                tracing::warn!(
+                    "kernel lacks writeback cache support ({missing:?}); continuing without it"
+                );
             }
         }
         // Lookups and readdirs in one directory may run in parallel.
@@ -563,12 +565,13 @@ impl Filesystem for CommitFuse {
         let (uid, gid) = (req.uid(), req.gid());
         let perm = (mode & !umask & 0o7777) as u16;
         self.run(move |s| {
-            let r = s
-                .fs
-                .create(parent, &name, perm, uid, gid)
-                .and_then(|a| s.fs.open_inode(a.ino).map(|()| a));
+            let r =
+                s.fs.create(parent, &name, perm, uid, gid)
+                    .and_then(|a| s.fs.open_inode(a.ino).map(|()| a));
             match r {
-                Ok(a) => reply.created(&s.ttl, &file_attr(&a), gen(&a), s.fh(), FopenFlags::empty()),
+                Ok(a) => {
+                    reply.created(&s.ttl, &file_attr(&a), gen(&a), s.fh(), FopenFlags::empty())
+                }
                 Err(e) => reply.error(to_errno("create", &e)),
             }
         });

@@ -1,0 +1,383 @@
+//! The on-disk JBD2 log: geometry, the commit write sequence, checkpointing
+//! (ext4-format.md §8.9–8.11, §8.13).
+//!
+//! Commit protocol (ordered mode, synchronous commit like the kernel's default):
+//!
+//! 1. File data was written to its home blocks by `write` before the commit starts.
+//! 2. If the log is empty, the journal superblock is written with `s_start` = the
+//!    transaction's first block and `s_sequence` = its tid.
+//! 3. Revoke blocks, then descriptor + data-copy groups, are written to the log as
+//!    one contiguous write per physically contiguous run.
+//! 4. One device flush: log blocks, the superblock update and ordered file data
+//!    are now durable.
+//! 5. The commit block is written with FUA. The transaction is durable on return.
+//! 6. The committed copies become the buffers' "committed" versions; home writes
+//!    happen only at checkpoint: write them home, flush, then write the journal
+//!    superblock (FUA) marking the log empty.
+//!
+//! Per fsync with metadata: 2 device writes (log run + commit block; 3 when the
+//! superblock must first be pointed at a fresh log) and 1 flush + 1 FUA.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use commitfs_device::{BlockDevice, IoCategory};
+use commitfs_format::bytes::put_be32;
+use commitfs_format::jbd2::{self, JournalSuperblock};
+use commitfs_format::jbd2_log::{self, LogFormat, Tag, TAG_ESCAPE};
+
+use crate::recovery::{log_end, log_format, read_superblock};
+use crate::{Buffer, JournalError, Result};
+
+/// Where the journal's blocks live: runs of (journal block, device block, length).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JournalMap {
+    runs: Vec<(u32, u64, u32)>,
+    len: u32,
+}
+
+impl JournalMap {
+    /// Build from runs sorted by journal block; they must cover `[0, len)` without
+    /// gaps.
+    pub fn new(mut runs: Vec<(u32, u64, u32)>) -> Result<JournalMap> {
+        runs.sort_by_key(|r| r.0);
+        let mut next = 0u32;
+        for &(j, _, l) in &runs {
+            if j != next || l == 0 {
+                return Err(JournalError::BadJournal(format!(
+                    "journal inode has a hole at journal block {next}"
+                )));
+            }
+            next = j
+                .checked_add(l)
+                .ok_or_else(|| JournalError::BadJournal("journal too large".into()))?;
+        }
+        Ok(JournalMap { runs, len: next })
+    }
+    /// A journal in one contiguous run.
+    pub fn contiguous(start: u64, len: u32) -> JournalMap {
+        JournalMap {
+            runs: vec![(0, start, len)],
+            len,
+        }
+    }
+    pub fn len(&self) -> u32 {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Device block of journal block `j`.
+    pub fn phys(&self, j: u32) -> Option<u64> {
+        let i = self.runs.partition_point(|r| r.0 <= j);
+        let (js, ps, l) = *self.runs.get(i.checked_sub(1)?)?;
+        (j < js + l).then(|| ps + (j - js) as u64)
+    }
+}
+
+/// What the file system tells the log at mount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LogOptions {
+    /// The file system has `64bit`: tags carry high block numbers.
+    pub bit64: bool,
+    /// The file system has `metadata_csum`: use CSUM_V3.
+    pub csum: bool,
+    /// The file system has `fast_commit` (keeps the fast-commit area out of the log).
+    pub fast_commit: bool,
+}
+
+pub(crate) struct CommitWrite {
+    pub log_blocks: u64,
+    pub checkpointed: bool,
+}
+
+pub(crate) struct LogState {
+    map: JournalMap,
+    bs: usize,
+    raw_sb: Vec<u8>,
+    fmt: LogFormat,
+    first: u32,
+    last: u32,
+    /// Next log block to write.
+    head: u32,
+    /// First block of the oldest live transaction; 0 when the log is empty.
+    tail: u32,
+    next_tid: u32,
+    fast_commit_bit: bool,
+    last_commit_sec: u64,
+    /// Buffers whose committed version is still only in the log.
+    checkpoint: BTreeMap<u64, Arc<Buffer>>,
+}
+
+fn now() -> (u64, u32) {
+    let d = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    (d.as_secs(), d.subsec_nanos())
+}
+
+impl LogState {
+    pub fn open(dev: &dyn BlockDevice, bs: usize, map: JournalMap, opts: LogOptions) -> Result<LogState> {
+        let (jsb, mut raw) = read_superblock(dev, &map, bs)?;
+        if jsb.start != 0 {
+            return Err(JournalError::BadJournal(
+                "the journal needs recovery before it can be used".into(),
+            ));
+        }
+        if jsb.errno != 0 {
+            return Err(JournalError::BadJournal(format!(
+                "the journal recorded error {} (run e2fsck)",
+                jsb.errno
+            )));
+        }
+        // Features the kernel sets at a read-write mount (§8.4).
+        let mut incompat = jsb.feature_incompat & !jbd2::INCOMPAT_CSUM_V2 & !jbd2::INCOMPAT_ASYNC_COMMIT;
+        let mut compat = jsb.feature_compat;
+        if opts.bit64 {
+            incompat |= jbd2::INCOMPAT_64BIT;
+        }
+        if opts.csum {
+            incompat |= jbd2::INCOMPAT_CSUM_V3;
+            compat &= !jbd2::COMPAT_CHECKSUM;
+            raw[jbd2::S_CHECKSUM_TYPE] = jbd2::CHECKSUM_TYPE_CRC32C;
+        }
+        // The fast-commit area is reserved whenever the file system has the feature;
+        // the FAST_COMMIT bit itself is set by the fast-commit issue's writer.
+        let _ = opts.fast_commit;
+        put_be32(&mut raw, jbd2::S_FEATURE_INCOMPAT, incompat);
+        put_be32(&mut raw, jbd2::S_FEATURE_COMPAT, compat);
+        let jsb = JournalSuperblock {
+            feature_incompat: incompat,
+            feature_compat: compat,
+            ..jsb
+        };
+        let fmt = log_format(&jsb, bs);
+        let first = jsb.first;
+        // Reserve the fast-commit area even before the bit is set, so enabling fast
+        // commits never finds log blocks in it.
+        let fc = if opts.fast_commit { jsb.fc_blocks(true) } else { 0 };
+        let last = jsb.maxlen.saturating_sub(fc).min(log_end(&jsb, opts.fast_commit));
+        if last <= first + 8 {
+            return Err(JournalError::BadJournal(format!(
+                "journal of {} blocks is too small",
+                jsb.maxlen
+            )));
+        }
+        let mut st = LogState {
+            map,
+            bs,
+            raw_sb: raw,
+            fmt,
+            first,
+            last,
+            head: first,
+            tail: 0,
+            next_tid: jsb.sequence.wrapping_add(1),
+            fast_commit_bit: incompat & jbd2::INCOMPAT_FAST_COMMIT != 0,
+            last_commit_sec: 0,
+            checkpoint: BTreeMap::new(),
+        };
+        st.write_sb(dev, 0, st.next_tid, true)?;
+        Ok(st)
+    }
+
+    pub fn next_tid(&self) -> u32 {
+        self.next_tid
+    }
+
+    fn capacity(&self) -> u64 {
+        (self.last - self.first) as u64
+    }
+
+    pub fn max_transaction_blocks(&self) -> u64 {
+        (self.capacity() / 4).max(8)
+    }
+
+    fn used(&self) -> u64 {
+        if self.tail == 0 {
+            0
+        } else if self.head >= self.tail {
+            (self.head - self.tail) as u64
+        } else {
+            (self.last - self.tail + self.head - self.first) as u64
+        }
+    }
+
+    fn advance(&self, j: u32) -> u32 {
+        if j + 1 >= self.last {
+            self.first
+        } else {
+            j + 1
+        }
+    }
+
+    /// A freed block: drop its pending checkpoint. Returns whether its committed
+    /// copy is still in the live log (so the caller must revoke it).
+    pub fn forget(&mut self, blocknr: u64) -> bool {
+        match self.checkpoint.remove(&blocknr) {
+            Some(b) => {
+                b.committed.lock().take();
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn write_sb(&mut self, dev: &dyn BlockDevice, start: u32, sequence: u32, fua: bool) -> Result<()> {
+        put_be32(&mut self.raw_sb, jbd2::S_START, start);
+        put_be32(&mut self.raw_sb, jbd2::S_SEQUENCE, sequence);
+        if self.fmt.has_csum() {
+            let c = jbd2::compute_checksum(&self.raw_sb);
+            put_be32(&mut self.raw_sb, jbd2::S_CHECKSUM, c);
+        }
+        let p = self.map.phys(0).expect("journal block 0 is mapped");
+        dev.write_at(p * self.bs as u64, &self.raw_sb, IoCategory::Journal, fua)?;
+        Ok(())
+    }
+
+    /// Write `blocks` (already built) at consecutive log positions from `head`,
+    /// merging physically contiguous runs into single device writes.
+    fn write_log_blocks(&mut self, dev: &dyn BlockDevice, blocks: &[Vec<u8>]) -> Result<()> {
+        let mut i = 0;
+        while i < blocks.len() {
+            let start_j = self.head;
+            let start_p = self.map.phys(start_j).ok_or_else(|| {
+                JournalError::BadJournal(format!("journal block {start_j} not mapped"))
+            })?;
+            let mut run = Vec::with_capacity(self.bs * 8);
+            let mut j = start_j;
+            loop {
+                run.extend_from_slice(&blocks[i]);
+                i += 1;
+                let nj = self.advance(j);
+                self.head = nj;
+                if i == blocks.len() || nj != j + 1 {
+                    break;
+                }
+                match self.map.phys(nj) {
+                    Some(p) if p == start_p + (nj - start_j) as u64 => j = nj,
+                    _ => break,
+                }
+            }
+            dev.write_at(start_p * self.bs as u64, &run, IoCategory::Journal, false)?;
+        }
+        Ok(())
+    }
+
+    pub fn commit(
+        &mut self,
+        dev: &dyn BlockDevice,
+        tid: u32,
+        frozen: &[(Arc<Buffer>, Arc<[u8]>)],
+        revokes: &std::collections::BTreeSet<u64>,
+    ) -> Result<CommitWrite> {
+        let f = self.fmt;
+        let revoke_list: Vec<u64> = revokes.iter().copied().collect();
+        let revoke_blocks = jbd2_log::build_revokes(&f, tid, &revoke_list);
+        let per = f.tags_per_descriptor().max(1);
+        let ndesc = frozen.len().div_ceil(per);
+        let needed = (revoke_blocks.len() + ndesc + frozen.len() + 1) as u64;
+        if needed + 1 > self.capacity() {
+            return Err(JournalError::TransactionTooBig {
+                needed,
+                capacity: self.capacity(),
+            });
+        }
+        let mut checkpointed = false;
+        // Keep one block of slack so head never catches the tail. With the
+        // FAST_COMMIT bit, never let a transaction straddle the wrap (e2fsprogs
+        // 1.47 recovery bug, §8.10).
+        let straddles = self.head as u64 + needed > self.last as u64;
+        if self.used() + needed + 1 > self.capacity() || (self.fast_commit_bit && straddles) {
+            self.checkpoint(dev)?;
+            checkpointed = true;
+        }
+        let mut sb_written = false;
+        if self.tail == 0 {
+            self.head = self.first;
+            self.tail = self.head;
+            self.write_sb(dev, self.tail, tid, false)?;
+            sb_written = true;
+        }
+        let mut blocks: Vec<Vec<u8>> = revoke_blocks;
+        for chunk in frozen.chunks(per) {
+            let mut tags = Vec::with_capacity(chunk.len());
+            let mut datas = Vec::with_capacity(chunk.len());
+            for (b, data) in chunk {
+                let mut copy = data.to_vec();
+                let mut flags = 0;
+                if jbd2_log::needs_escape(&copy) {
+                    copy[..4].fill(0);
+                    flags |= TAG_ESCAPE;
+                }
+                let checksum = if f.has_csum() {
+                    jbd2_log::data_checksum(&f, tid, &copy)
+                } else {
+                    0
+                };
+                tags.push(Tag {
+                    blocknr: b.blocknr(),
+                    flags,
+                    checksum,
+                });
+                datas.push(copy);
+            }
+            blocks.push(jbd2_log::build_descriptor(&f, tid, &tags));
+            blocks.extend(datas);
+        }
+        self.write_log_blocks(dev, &blocks)?;
+        // Log blocks, superblock pointer and ordered data durable before the commit.
+        dev.flush()?;
+        let (mut sec, nsec) = now();
+        sec = sec.max(self.last_commit_sec); // commit times must not go backwards
+        self.last_commit_sec = sec;
+        let commit = jbd2_log::build_commit(&f, tid, sec, nsec);
+        let cj = self.head;
+        let cp = self
+            .map
+            .phys(cj)
+            .ok_or_else(|| JournalError::BadJournal(format!("journal block {cj} not mapped")))?;
+        dev.write_at(cp * self.bs as u64, &commit, IoCategory::Journal, true)?;
+        self.head = self.advance(cj);
+        self.next_tid = tid.wrapping_add(1);
+        for (b, data) in frozen {
+            *b.committed.lock() = Some(data.clone());
+            self.checkpoint.insert(b.blocknr(), b.clone());
+        }
+        Ok(CommitWrite {
+            log_blocks: blocks.len() as u64 + 1 + sb_written as u64,
+            checkpointed,
+        })
+    }
+
+    /// Write every committed version home, flush, then mark the log empty.
+    pub fn checkpoint(&mut self, dev: &dyn BlockDevice) -> Result<()> {
+        let bufs = std::mem::take(&mut self.checkpoint);
+        for (blk, b) in &bufs {
+            let v = b.committed.lock().take();
+            if let Some(v) = v {
+                dev.write_at(blk * self.bs as u64, &v, IoCategory::Metadata, false)?;
+            }
+        }
+        dev.flush()?;
+        if self.tail != 0 {
+            // Empty log: nothing to replay; the next commit re-points s_start.
+            self.tail = 0;
+            let seq = self.next_tid;
+            self.write_sb(dev, 0, seq, true)?;
+        }
+        self.head = self.first;
+        Ok(())
+    }
+
+    /// Clean close: checkpoint and leave `s_start = 0`, `s_sequence` past every tid
+    /// used, FAST_COMMIT cleared on disk (§8.11).
+    pub fn close(&mut self, dev: &dyn BlockDevice, next_tid: u32) -> Result<()> {
+        self.checkpoint(dev)?;
+        let incompat = self.fmt.incompat & !jbd2::INCOMPAT_FAST_COMMIT;
+        put_be32(&mut self.raw_sb, jbd2::S_FEATURE_INCOMPAT, incompat);
+        let seq = next_tid.max(self.next_tid).wrapping_add(1);
+        self.write_sb(dev, 0, seq, true)
+    }
+}

@@ -1,0 +1,297 @@
+//! JBD2 recovery: scan, revoke, replay (ext4-format.md §8.12).
+//!
+//! Works on the raw device through a [`JournalMap`], before the file system reads any
+//! metadata. Replay is idempotent: it only copies logged blocks to their homes, so a
+//! crash during replay followed by another recovery gives the same result (the
+//! journal superblock is reset only after every home write is durable).
+
+use std::collections::HashMap;
+
+use commitfs_device::{BlockDevice, IoCategory};
+use commitfs_format::bytes::put_be32;
+use commitfs_format::jbd2::{self, JournalSuperblock, BLOCKTYPE_COMMIT, BLOCKTYPE_DESCRIPTOR, BLOCKTYPE_REVOKE};
+use commitfs_format::jbd2_log::{self, LogFormat, TAG_ESCAPE};
+
+use crate::{JournalError, JournalMap, Result};
+
+/// What a recovery did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Whether the log held anything to replay.
+    pub needed: bool,
+    /// First and one-past-last replayed transaction ids.
+    pub start_tid: u32,
+    pub end_tid: u32,
+    pub transactions: u32,
+    pub blocks_replayed: u64,
+    pub blocks_revoked: u64,
+    /// Why the scan stopped, when it stopped early on a damaged transaction.
+    pub stopped_at: Option<String>,
+}
+
+/// tid comparison modulo 2^32 (§8.11).
+pub(crate) fn tid_gt(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) > 0
+}
+pub(crate) fn tid_geq(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) >= 0
+}
+
+pub(crate) struct LogReader<'a> {
+    pub dev: &'a dyn BlockDevice,
+    pub map: &'a JournalMap,
+    pub bs: usize,
+    pub first: u32,
+    /// One past the last regular log block (`j_last`).
+    pub last: u32,
+}
+
+impl LogReader<'_> {
+    pub fn read(&self, jblk: u32, buf: &mut [u8]) -> Result<()> {
+        let p = self
+            .map
+            .phys(jblk)
+            .ok_or(JournalError::BadJournal(format!("journal block {jblk} is not mapped")))?;
+        self.dev
+            .read_at(p * self.bs as u64, buf, IoCategory::Journal)?;
+        Ok(())
+    }
+    pub fn next(&self, jblk: u32) -> u32 {
+        if jblk + 1 >= self.last {
+            self.first
+        } else {
+            jblk + 1
+        }
+    }
+}
+
+/// The log format (features, seed) of a journal superblock.
+pub(crate) fn log_format(jsb: &JournalSuperblock, bs: usize) -> LogFormat {
+    LogFormat {
+        block_size: bs,
+        incompat: jsb.feature_incompat,
+        seed: commitfs_format::crc32c_raw(0xFFFF_FFFF, &jsb.uuid),
+    }
+}
+
+/// Read and validate the journal superblock (journal block 0).
+pub fn read_superblock(dev: &dyn BlockDevice, map: &JournalMap, bs: usize) -> Result<(JournalSuperblock, Vec<u8>)> {
+    let p = map
+        .phys(0)
+        .ok_or_else(|| JournalError::BadJournal("journal block 0 is not mapped".into()))?;
+    let mut raw = vec![0u8; bs];
+    dev.read_at(p * bs as u64, &mut raw, IoCategory::Journal)?;
+    let jsb = JournalSuperblock::parse(&raw, p)?;
+    if jsb.blocksize as usize != bs {
+        return Err(JournalError::BadJournal(format!(
+            "journal block size {} differs from the file system's {bs}",
+            jsb.blocksize
+        )));
+    }
+    if jsb.maxlen > map.len() {
+        return Err(JournalError::BadJournal(format!(
+            "journal claims {} blocks but its inode maps {}",
+            jsb.maxlen,
+            map.len()
+        )));
+    }
+    let unknown = jsb.feature_incompat & !jbd2::KNOWN_INCOMPAT;
+    if unknown != 0 {
+        return Err(JournalError::BadJournal(format!(
+            "unknown journal incompat features {:#x}",
+            unknown
+        )));
+    }
+    Ok((jsb, raw))
+}
+
+/// `j_last`: end of the regular log area (§8.10).
+pub(crate) fn log_end(jsb: &JournalSuperblock, fs_fast_commit: bool) -> u32 {
+    let fc = if jsb.feature_incompat & jbd2::INCOMPAT_FAST_COMMIT != 0 {
+        jsb.fc_blocks(fs_fast_commit)
+    } else {
+        0
+    };
+    jsb.maxlen.saturating_sub(fc).max(jsb.first + 1)
+}
+
+/// Replay the journal if it holds committed transactions, then mark it empty.
+/// `fs_fast_commit`: the ext4 superblock has the fast_commit feature.
+pub fn recover(dev: &dyn BlockDevice, map: &JournalMap, bs: usize, fs_fast_commit: bool) -> Result<RecoveryReport> {
+    let (jsb, mut raw) = read_superblock(dev, map, bs)?;
+    let mut report = RecoveryReport::default();
+    if jsb.start == 0 {
+        return Ok(report);
+    }
+    report.needed = true;
+    let f = log_format(&jsb, bs);
+    let rd = LogReader {
+        dev,
+        map,
+        bs,
+        first: jsb.first,
+        last: log_end(&jsb, fs_fast_commit),
+    };
+    report.start_tid = jsb.sequence;
+
+    // PASS_SCAN: find the first tid that is not validly committed.
+    let mut buf = vec![0u8; bs];
+    let mut pos = jsb.start;
+    let mut tid = jsb.sequence;
+    let mut last_commit_time = 0u64;
+    let mut need_check_commit_time = false;
+    let mut steps: u64 = 0;
+    let limit = jsb.maxlen as u64 * 2;
+    loop {
+        steps += 1;
+        if steps > limit {
+            break;
+        }
+        rd.read(pos, &mut buf)?;
+        let Some((btype, seq)) = jbd2_log::parse_header(&buf) else {
+            break;
+        };
+        if seq != tid {
+            break;
+        }
+        let here = pos;
+        pos = rd.next(pos);
+        match btype {
+            BLOCKTYPE_DESCRIPTOR => {
+                if !jbd2_log::verify_tail(&buf, &f) {
+                    need_check_commit_time = true;
+                }
+                let tags = match jbd2_log::parse_descriptor(&buf, &f, here as u64) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        report.stopped_at = Some(e.to_string());
+                        break;
+                    }
+                };
+                for _ in &tags {
+                    pos = rd.next(pos);
+                }
+            }
+            BLOCKTYPE_REVOKE => {
+                if !jbd2_log::verify_tail(&buf, &f) {
+                    need_check_commit_time = true;
+                }
+            }
+            BLOCKTYPE_COMMIT => {
+                let Some(c) = jbd2_log::parse_commit(&buf, &f) else {
+                    break;
+                };
+                if need_check_commit_time {
+                    if c.sec >= last_commit_time {
+                        report.stopped_at = Some(format!(
+                            "transaction {tid}: a descriptor or revoke block failed its checksum"
+                        ));
+                    }
+                    break;
+                }
+                if !c.checksum_ok {
+                    if c.sec >= last_commit_time {
+                        report.stopped_at =
+                            Some(format!("transaction {tid}: commit block checksum mismatch"));
+                    }
+                    break;
+                }
+                last_commit_time = c.sec;
+                tid = tid.wrapping_add(1);
+            }
+            _ => break,
+        }
+    }
+    let end_tid = tid;
+    report.end_tid = end_tid;
+    report.transactions = end_tid.wrapping_sub(jsb.sequence);
+
+    // PASS_REVOKE: highest revoking tid per block.
+    let mut revoked: HashMap<u64, u32> = HashMap::new();
+    let mut pos = jsb.start;
+    let mut tid = jsb.sequence;
+    while tid != end_tid {
+        rd.read(pos, &mut buf)?;
+        let Some((btype, _)) = jbd2_log::parse_header(&buf) else { break };
+        let here = pos;
+        pos = rd.next(pos);
+        match btype {
+            BLOCKTYPE_DESCRIPTOR => {
+                let n = jbd2_log::parse_descriptor(&buf, &f, here as u64)?.len();
+                for _ in 0..n {
+                    pos = rd.next(pos);
+                }
+            }
+            BLOCKTYPE_REVOKE => {
+                for b in jbd2_log::parse_revoke(&buf, &f, here as u64)? {
+                    let e = revoked.entry(b).or_insert(tid);
+                    if tid_gt(tid, *e) {
+                        *e = tid;
+                    }
+                }
+            }
+            BLOCKTYPE_COMMIT => tid = tid.wrapping_add(1),
+            _ => break,
+        }
+    }
+
+    // PASS_REPLAY.
+    let mut pos = jsb.start;
+    let mut tid = jsb.sequence;
+    let mut data = vec![0u8; bs];
+    let mut bad_tags = 0u64;
+    let total_blocks = dev.size() / bs as u64;
+    while tid != end_tid {
+        rd.read(pos, &mut buf)?;
+        let Some((btype, _)) = jbd2_log::parse_header(&buf) else { break };
+        let here = pos;
+        pos = rd.next(pos);
+        match btype {
+            BLOCKTYPE_DESCRIPTOR => {
+                let tags = jbd2_log::parse_descriptor(&buf, &f, here as u64)?;
+                for t in tags {
+                    let dpos = pos;
+                    pos = rd.next(pos);
+                    if revoked.get(&t.blocknr).is_some_and(|&r| tid_geq(r, tid)) {
+                        report.blocks_revoked += 1;
+                        continue;
+                    }
+                    rd.read(dpos, &mut data)?;
+                    if f.has_csum() && jbd2_log::data_checksum(&f, tid, &data) != t.checksum {
+                        bad_tags += 1;
+                        continue;
+                    }
+                    if t.blocknr >= total_blocks {
+                        return Err(JournalError::BadJournal(format!(
+                            "transaction {tid} logs block {} beyond the device",
+                            t.blocknr
+                        )));
+                    }
+                    if t.flags & TAG_ESCAPE != 0 {
+                        put_be32(&mut data, 0, jbd2::JBD2_MAGIC);
+                    }
+                    dev.write_at(t.blocknr * bs as u64, &data, IoCategory::Metadata, false)?;
+                    report.blocks_replayed += 1;
+                }
+            }
+            BLOCKTYPE_COMMIT => tid = tid.wrapping_add(1),
+            _ => {}
+        }
+    }
+    dev.flush()?;
+    if bad_tags > 0 {
+        return Err(JournalError::BadJournal(format!(
+            "{bad_tags} journaled blocks failed their checksums; replay incomplete"
+        )));
+    }
+    // Mark the journal empty only now that every home write is durable.
+    put_be32(&mut raw, jbd2::S_SEQUENCE, end_tid.wrapping_add(1));
+    put_be32(&mut raw, jbd2::S_START, 0);
+    if jsb.has_csum_v2or3() {
+        let c = jbd2::compute_checksum(&raw);
+        put_be32(&mut raw, jbd2::S_CHECKSUM, c);
+    }
+    let p0 = map.phys(0).expect("checked in read_superblock");
+    dev.write_at(p0 * bs as u64, &raw, IoCategory::Journal, true)?;
+    Ok(report)
+}
