@@ -466,7 +466,17 @@ pub fn inode(data: &[u8]) {
         extra_isize,
         projid: s.next() as u32,
         extra_fields: (modelled_end..end).map(|_| s.next() as u8).collect(),
-        xattr_area: (end..isz).map(|_| s.next() as u8).collect(),
+        xattr_area: (end..isz)
+            .map(|at| {
+                // With i_extra_isize 0 the area starts at i_extra_isize itself, which
+                // a parsed inode always has as zero.
+                if at < 0x82 {
+                    0
+                } else {
+                    s.next() as u8
+                }
+            })
+            .collect(),
     };
     let mut b1 = vec![0u8; isz];
     made.serialize(&mut b1, ino, &csum);

@@ -3,8 +3,8 @@
 //! Uninitialised groups are handled as the kernel does (§3.2): a BLOCK_UNINIT bitmap
 //! is synthesised and written at the first allocation, an INODE_UNINIT bitmap is
 //! written zeroed with padding, `bg_itable_unused` tracks the used watermark. Free
-//! counts live in the descriptors; the superblock totals are recomputed from them
-//! at every sync (`Inner::refresh_super_counts`).
+//! counts live in the descriptors; the superblock totals are derived from them
+//! (`Inner::refresh_super_counts`) and written home at unmount and after recovery.
 
 use commitfs_format::bitmap;
 use commitfs_format::group_desc::{BG_BLOCK_UNINIT, BG_INODE_UNINIT};
@@ -193,7 +193,6 @@ impl Inner {
             gdm.block_bitmap_csum = new_csum;
         }
         self.write_gd(h, g)?;
-        self.sb_dirty = true;
         Ok(Some((self.sb.group_first_block(g) + bit as u64, run as u32)))
     }
 
@@ -241,7 +240,6 @@ impl Inner {
             }
             b = gend;
         }
-        self.sb_dirty = true;
         Ok(())
     }
 
@@ -333,7 +331,6 @@ impl Inner {
             if is_dir {
                 self.last_dir_group = g;
             }
-            self.sb_dirty = true;
             return Ok(ino);
         }
         Err(FsError::NoSpace)
@@ -369,7 +366,6 @@ impl Inner {
             self.inode_hint[g as usize] = bit as u32;
         }
         self.inodes.remove(&ino);
-        self.sb_dirty = true;
         Ok(())
     }
 

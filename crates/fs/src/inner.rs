@@ -26,7 +26,7 @@ use commitfs_format::group_desc::{self, GroupDesc};
 use commitfs_format::inode::{Inode, Timestamp};
 use commitfs_format::superblock::{self as sbf, FeatureKind, Superblock};
 use commitfs_format::FormatError;
-use commitfs_journal::{Buffer, Handle, Journal};
+use commitfs_journal::{Buffer, Handle, Journal, JournalMap, LogOptions};
 
 use crate::error::{FsError, Result};
 use crate::types::MountOptions;
@@ -109,9 +109,6 @@ impl Inner {
                 sbf::feature_names(FeatureKind::Incompat, bad_incompat).join(", "),
             ));
         }
-        if sb.has_incompat(sbf::INCOMPAT_RECOVER) {
-            return Err(FsError::NeedsRecovery);
-        }
         let mut read_only = opts.read_only || dev.is_read_only();
         let bad_ro = sb.feature_ro_compat() & !SUPPORTED_RO_COMPAT;
         if bad_ro != 0 && !read_only {
@@ -160,22 +157,118 @@ impl Inner {
             opts,
         };
         inner.load_group_descs()?;
+        inner.open_journal()?;
         if !inner.read_only {
             let t = now();
             let mut sb = inner.sb.clone();
             // Until the journal issue makes commits atomic, a crash can leave the
             // image inconsistent: clear VALID_FS so e2fsck checks it (as the kernel
             // does for unjournalled file systems, §2.4); a clean unmount sets it.
-            sb.set_state(sb.state() & !sbf::STATE_VALID_FS);
+            if !inner.journal.has_log() {
+                sb.set_state(sb.state() & !sbf::STATE_VALID_FS);
+            } else {
+                // Journaled: VALID_FS stays set, needs_recovery marks a live log
+                // (§2.4, §8.11).
+                sb.set_feature_incompat(sb.feature_incompat() | sbf::INCOMPAT_RECOVER);
+            }
             sb.set_mnt_count(sb.mnt_count().wrapping_add(1));
             sb.set_mtime(t.sec as u64);
             inner.sb = sb;
-            let h = inner.journal.start(1)?;
-            inner.write_super(&h)?;
-            inner.journal.stop(h)?;
-            inner.journal.commit()?;
+            // Written home directly, not through the log: needs_recovery must be on
+            // disk before the first transaction reaches the log, or the kernel would
+            // wipe the log instead of replaying it.
+            inner.write_super_direct()?;
         }
         Ok(inner)
+    }
+
+    /// Device blocks of the journal inode (§8.1).
+    fn journal_map(&mut self) -> Result<JournalMap> {
+        let jino = self.sb.journal_inum();
+        let ji = self.read_inode(jino)?;
+        if ji.mode & commitfs_format::inode::S_IFMT != commitfs_format::inode::S_IFREG
+            || !ji.has_flag(commitfs_format::inode::FL_EXTENTS)
+        {
+            return Err(FsError::UnsupportedFeature(format!(
+                "journal inode {jino} is not an extent-mapped regular file"
+            )));
+        }
+        let runs = self
+            .ext_list(jino, &ji)?
+            .into_iter()
+            .filter(|m| !m.unwritten)
+            .map(|m| (m.lblk, m.pblk, m.len))
+            .collect();
+        Ok(JournalMap::new(runs)?)
+    }
+
+    /// Replay a journal left by a crash (ours or the kernel's), then open the log for
+    /// writing on a read-write mount.
+    fn open_journal(&mut self) -> Result<()> {
+        if !self.sb.has_compat(sbf::COMPAT_HAS_JOURNAL) {
+            if self.sb.has_incompat(sbf::INCOMPAT_RECOVER) {
+                return Err(FsError::NeedsRecovery);
+            }
+            return Ok(());
+        }
+        if self.sb.journal_inum() == 0 {
+            return Err(FsError::UnsupportedFeature("external journal".into()));
+        }
+        let map = self.journal_map()?;
+        let fast_commit = self.sb.has_compat(sbf::COMPAT_FAST_COMMIT);
+        let (jsb, _) = commitfs_journal::read_superblock(&*self.dev, &map, self.bs)?;
+        if jsb.start != 0 {
+            if self.read_only {
+                return Err(FsError::NeedsRecovery);
+            }
+            let report = commitfs_journal::recover(&*self.dev, &map, self.bs, fast_commit)?;
+            tracing::info!(
+                "journal recovery: {} transactions ({}..{}), {} blocks replayed, {} revoked{}",
+                report.transactions,
+                report.start_tid,
+                report.end_tid,
+                report.blocks_replayed,
+                report.blocks_revoked,
+                report
+                    .stopped_at
+                    .as_deref()
+                    .map(|s| format!("; stopped early: {s}"))
+                    .unwrap_or_default()
+            );
+            self.reload_after_recovery()?;
+        }
+        if self.read_only {
+            if self.sb.has_incompat(sbf::INCOMPAT_RECOVER) && jsb.start != 0 {
+                return Err(FsError::NeedsRecovery);
+            }
+            return Ok(());
+        }
+        let opts = LogOptions {
+            bit64: self.sb.is_64bit(),
+            csum: self.sb.metadata_csum(),
+            fast_commit,
+        };
+        self.journal = Arc::new(Journal::open_log(self.dev.clone(), self.bs, map, opts)?);
+        Ok(())
+    }
+
+    /// After a replay every cached structure may be stale: reread the superblock and
+    /// the descriptors, drop caches.
+    fn reload_after_recovery(&mut self) -> Result<()> {
+        let mut raw = [0u8; sbf::SUPERBLOCK_SIZE];
+        self.dev
+            .read_at(sbf::SUPERBLOCK_OFFSET, &mut raw, IoCategory::Metadata)?;
+        let mut sb = Superblock::parse(&raw)?;
+        sb.set_feature_incompat(sb.feature_incompat() & !sbf::INCOMPAT_RECOVER);
+        self.sb = sb;
+        self.journal = Arc::new(Journal::new(self.dev.clone(), self.bs, self.read_only));
+        self.inodes.clear();
+        self.gds.clear();
+        self.load_group_descs()?;
+        // Free counts in the superblock may lag (the kernel keeps them in memory);
+        // the descriptors are authoritative.
+        self.refresh_super_counts();
+        Ok(())
     }
 
     fn load_group_descs(&mut self) -> Result<()> {
@@ -341,6 +434,12 @@ impl Inner {
             return Ok(());
         }
         self.refresh_super_counts();
+        if self.journal.has_log() && !self.sb_dirty {
+            // Like the kernel, free counts are not logged at every commit: the
+            // descriptors are authoritative and the totals are rewritten at
+            // unmount and after recovery.
+            return Ok(());
+        }
         let h = self.start(1)?;
         self.write_super(&h)?;
         self.stop(h)
@@ -359,7 +458,32 @@ impl Inner {
         }
         let st = self.sb.state() | sbf::STATE_VALID_FS;
         self.sb.set_state(st);
-        self.sync()
+        if !self.journal.has_log() {
+            return self.sync();
+        }
+        // Commit and checkpoint everything, mark the log empty, then clear
+        // needs_recovery in the home superblock (§8.11 clean unmount).
+        self.sync()?;
+        self.journal.close()?;
+        self.sb
+            .set_feature_incompat(self.sb.feature_incompat() & !sbf::INCOMPAT_RECOVER);
+        self.refresh_super_counts();
+        self.write_super_direct()
+    }
+
+    /// Write the superblock to its home location and flush, bypassing the journal
+    /// (mount and unmount state changes, like the kernel's ext4_commit_super).
+    fn write_super_direct(&mut self) -> Result<()> {
+        let bytes = self.sb.to_bytes();
+        self.dev
+            .write_at(sbf::SUPERBLOCK_OFFSET, &bytes, IoCategory::Metadata, false)?;
+        self.dev.flush()?;
+        // Keep a cached copy of the block coherent.
+        let (blk, off) = if self.bs == 1024 { (1, 0) } else { (0, 1024) };
+        if let Ok(b) = self.journal.bread(blk) {
+            b.data_mut()[off..off + sbf::SUPERBLOCK_SIZE].copy_from_slice(&bytes);
+        }
+        Ok(())
     }
 
     // ---- inodes -----------------------------------------------------------------

@@ -117,7 +117,10 @@ impl Inner {
             };
             if d.links_count == 1 {
                 let f = self.sb.feature_ro_compat() | sbf::RO_COMPAT_DIR_NLINK;
-                self.sb.set_feature_ro_compat(f);
+                if f != self.sb.feature_ro_compat() {
+                    self.sb.set_feature_ro_compat(f);
+                    self.sb_dirty = true;
+                }
             }
         } else if dlinks < 0 && d.links_count > 2 {
             d.links_count -= 1;

@@ -63,7 +63,9 @@ impl FuseConfig {
         let mut c = Config::default();
         let mut o = vec![
             MountOption::FSName(self.fsname.clone()),
-            MountOption::Subtype("commitfs".into()),
+            // As a kernel option rather than `Subtype`: fuser drops `Subtype` when it
+            // mounts directly (as root), and the kernel understands `subtype=` itself.
+            MountOption::CUSTOM("subtype=commitfs".into()),
             MountOption::DefaultPermissions,
         ];
         o.push(if self.read_only {

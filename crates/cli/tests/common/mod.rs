@@ -15,6 +15,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use commitfs_fs::{FileType, Fs, FsError, Ino, ROOT_INO};
 
+#[allow(unused_imports)]
 pub use commitfs_fs::testutil::{fsck, mkfs, problem_lines, FsckResult, TempImage};
 
 // ---------------------------------------------------------------- temp paths
