@@ -1124,8 +1124,12 @@ impl Gen {
                 g(Op::Utimens { path, atime, mtime }, "utimens", vec!["utimens"])
             }
             16 => {
+                // Half the time an entry that already has attributes.
+                let with = self.rng.gen_bool(0.5) && t.iter().any(|i| !i.xattrs.is_empty());
                 let path = if self.rng.gen_bool(0.97) {
-                    self.pick(t, |i| matches!(i.kind, Kind::File | Kind::Dir))?.path.clone()
+                    self.pick(t, |i| matches!(i.kind, Kind::File | Kind::Dir) && (!with || !i.xattrs.is_empty()))?
+                        .path
+                        .clone()
                 } else {
                     self.new_path(t)
                 };

@@ -503,13 +503,11 @@ impl Inner {
         goal: u64,
     ) -> Result<Vec<(u64, u32)>> {
         let (mut tree, orig) = self.load_tree(ino, inode)?;
-        eprintln!("STAT slow");
         let freed = tree.apply(op)?;
         tree.normalize()?;
         if !tree.shape_ok() {
             tracing::debug!("inode {ino}: extent tree repacked for e2fsck compactness");
             tree.full_repack();
-            eprintln!("STAT repack");
         }
         // Allocate blocks for new nodes; on failure give them back, nothing written.
         let mut fresh: Vec<u64> = Vec::new();
@@ -832,11 +830,11 @@ impl MemTree {
             let f_split = f_other + pieces.iter().map(|&s| eff_slack(s, cap)).sum::<usize>();
             let excess = sz - cap;
             if f_split <= cap || room_other < excess {
-                eprintln!("STAT split");
+                // Split (§5.4 step 3); the slack it adds stays within the budget.
                 self.replace_range(l, i, i, &pieces);
                 continue;
             }
-            eprintln!("STAT ripple");
+            // Shift entries toward the nearest nodes with room instead.
             let (mut a, mut b, mut room) = (i, i, 0);
             while room < excess {
                 let left = (0..a).rev().find(|&j| sizes[j] < cap);
@@ -890,7 +888,6 @@ impl MemTree {
             if total > (b - a) * cap {
                 break;
             }
-            eprintln!("STAT fold");
             self.replace_range(l, a, b, &balanced(total, b - a));
         }
     }
@@ -916,7 +913,7 @@ impl MemTree {
                     MNode::index(blk, root.n)
                 };
                 root.n = 1;
-                eprintln!("STAT grow");
+                eprintln!("STAT grow from depth {} root {:?}", self.levels.len()-1, self.levels.iter().map(|l| l.len()).collect::<Vec<_>>());
                 self.levels.insert(1, vec![node]);
                 continue;
             }
@@ -924,7 +921,6 @@ impl MemTree {
                 let s1: usize = (0..self.levels[1].len()).map(|i| self.size(1, i)).sum();
                 if s1 <= root_cap {
                     let level1 = self.levels.remove(1);
-                    eprintln!("STAT collapse");
                     let leaf = self.levels.len() == 1;
                     let root = &mut self.levels[0][0];
                     root.n = 0;

@@ -77,6 +77,7 @@ pub(crate) struct Inner {
     /// Last group a directory was placed in (spreads top-level directories).
     pub last_dir_group: u32,
     pub next_generation: u32,
+    #[allow(dead_code)] // kept for the stats and later mount options
     pub opts: MountOptions,
 }
 

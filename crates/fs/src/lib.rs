@@ -35,19 +35,86 @@ pub struct Fs {
     block_size: u32,
     read_only: bool,
     unmounted: std::sync::atomic::AtomicBool,
+    committer: Mutex<Option<Committer>>,
+}
+
+/// Background thread committing the running transaction every `commit=` seconds
+/// (ext4's default is 5).
+struct Committer {
+    stop: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Committer {
+    fn spawn(journal: Arc<commitfs_journal::Journal>, interval: std::time::Duration) -> Committer {
+        let stop = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let s2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("commitfs-commit".into())
+            .spawn(move || {
+                let (m, cv) = &*s2;
+                let mut stopped = m.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    let (g, _) = cv
+                        .wait_timeout(stopped, interval)
+                        .unwrap_or_else(|e| e.into_inner());
+                    stopped = g;
+                    if *stopped {
+                        return;
+                    }
+                    if journal.pending() > 0 {
+                        if let Err(e) = journal.commit() {
+                            tracing::error!("periodic commit failed: {e}");
+                        }
+                    }
+                }
+            })
+            .ok();
+        Committer { stop, thread }
+    }
+
+    fn shutdown(&mut self) {
+        let (m, cv) = &*self.stop;
+        *m.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        cv.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 impl Fs {
     /// Mount the file system on `dev`.
     pub fn open(dev: DeviceRef, opts: MountOptions) -> Result<Fs> {
+        let interval = opts.commit_interval;
         let inner = Inner::mount(dev.clone(), opts)?;
+        let committer = (!inner.read_only && interval > 0).then(|| {
+            Committer::spawn(
+                inner.journal.clone(),
+                std::time::Duration::from_secs(interval as u64),
+            )
+        });
         Ok(Fs {
             block_size: inner.bs as u32,
             read_only: inner.read_only,
             inner: Mutex::new(inner),
             dev,
             unmounted: Default::default(),
+            committer: Mutex::new(committer),
         })
+    }
+
+    /// Commit early when the running transaction has grown large.
+    fn maybe_commit(&self) -> Result<()> {
+        let j = {
+            let g = self.inner.lock();
+            if g.read_only || !g.journal.should_commit() {
+                return Ok(());
+            }
+            g.journal.clone()
+        };
+        j.commit()?;
+        Ok(())
     }
 
     /// Mount an image file or block device by path.
@@ -64,6 +131,9 @@ impl Fs {
             .swap(true, std::sync::atomic::Ordering::SeqCst)
         {
             return Ok(());
+        }
+        if let Some(mut c) = self.committer.lock().take() {
+            c.shutdown();
         }
         self.inner.lock().unmount()
     }
@@ -137,7 +207,9 @@ impl Fs {
     }
 
     pub fn setattr(&self, ino: Ino, set: &SetAttr) -> Result<Attr> {
-        self.inner.lock().setattr(ino, set)
+        let a = self.inner.lock().setattr(ino, set)?;
+        self.maybe_commit()?;
+        Ok(a)
     }
 
     /// Call `f` for each entry from `offset` on (0 starts at "."); stop when it
@@ -177,7 +249,12 @@ impl Fs {
     /// Create a regular file with permission bits `perm`.
     pub fn create(&self, parent: Ino, name: &[u8], perm: u16, uid: u32, gid: u32) -> Result<Attr> {
         let mode = FileType::Regular.mode_bits() | (perm & 0o7777);
-        self.inner.lock().create_node(parent, name, mode, 0, uid, gid, None)
+        let a = self
+            .inner
+            .lock()
+            .create_node(parent, name, mode, 0, uid, gid, None)?;
+        self.maybe_commit()?;
+        Ok(a)
     }
 
     /// Create a node of any non-directory type; `mode` includes the type bits.
@@ -229,7 +306,8 @@ impl Fs {
     }
 
     pub fn unlink(&self, parent: Ino, name: &[u8]) -> Result<()> {
-        self.inner.lock().unlink(parent, name)
+        self.inner.lock().unlink(parent, name)?;
+        self.maybe_commit()
     }
 
     pub fn rmdir(&self, parent: Ino, name: &[u8]) -> Result<()> {
@@ -267,11 +345,14 @@ impl Fs {
     }
 
     pub fn write(&self, ino: Ino, offset: u64, data: &[u8]) -> Result<usize> {
-        self.inner.lock().write(ino, offset, data)
+        let n = self.inner.lock().write(ino, offset, data)?;
+        self.maybe_commit()?;
+        Ok(n)
     }
 
     pub fn fallocate(&self, ino: Ino, offset: u64, len: u64, flags: FallocFlags) -> Result<()> {
-        self.inner.lock().fallocate(ino, offset, len, flags)
+        self.inner.lock().fallocate(ino, offset, len, flags)?;
+        self.maybe_commit()
     }
 
     pub fn getxattr(&self, ino: Ino, name: &[u8]) -> Result<Vec<u8>> {

@@ -31,7 +31,7 @@ use std::sync::Arc;
 
 use commitfs_device::{DeviceError, DeviceRef, IoCategory};
 use commitfs_format::FormatError;
-use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub use log::{JournalMap, LogOptions};
 pub use recovery::{read_superblock, recover, RecoveryReport};
@@ -87,12 +87,40 @@ impl Buffer {
     }
 }
 
-/// A handle: one atomic file-system operation's membership in a transaction.
-#[derive(Debug)]
+/// A handle: one atomic file-system operation's membership in a transaction. A
+/// commit waits until every handle of the transaction has stopped, so an
+/// operation's changes are never split between two transactions. Dropping a handle
+/// stops it (also on error paths).
 #[must_use = "a handle must be stopped"]
 pub struct Handle {
     tid: u32,
     credits: u32,
+    tx: Arc<TxShared>,
+}
+
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handle")
+            .field("tid", &self.tid)
+            .field("credits", &self.credits)
+            .finish()
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        let mut r = self.tx.running.lock();
+        r.handles = r.handles.saturating_sub(1);
+        if r.handles == 0 {
+            self.tx.idle.notify_all();
+        }
+    }
+}
+
+/// The running transaction and the condition "no handle is open".
+struct TxShared {
+    running: Mutex<Running>,
+    idle: Condvar,
 }
 
 impl Handle {
@@ -143,7 +171,7 @@ pub struct Journal {
     blocks: u64,
     read_only: bool,
     cache: Mutex<HashMap<u64, Arc<Buffer>>>,
-    running: Mutex<Running>,
+    tx: Arc<TxShared>,
     /// Commits are serialised; a commit holds this while writing.
     commit_lock: Mutex<()>,
     aborted: AtomicBool,
@@ -169,11 +197,14 @@ impl Journal {
             blocks,
             read_only,
             cache: Mutex::new(HashMap::new()),
-            running: Mutex::new(Running {
-                tid: 1,
-                buffers: BTreeMap::new(),
-                revokes: BTreeSet::new(),
-                handles: 0,
+            tx: Arc::new(TxShared {
+                running: Mutex::new(Running {
+                    tid: 1,
+                    buffers: BTreeMap::new(),
+                    revokes: BTreeSet::new(),
+                    handles: 0,
+                }),
+                idle: Condvar::new(),
             }),
             commit_lock: Mutex::new(()),
             aborted: AtomicBool::new(false),
@@ -199,7 +230,7 @@ impl Journal {
     ) -> Result<Journal> {
         let state = log::LogState::open(&*dev, block_size, map, opts)?;
         let mut j = Journal::new(dev, block_size, false);
-        j.running.get_mut().tid = state.next_tid();
+        j.tx.running.lock().tid = state.next_tid();
         j.log = Some(Mutex::new(state));
         Ok(j)
     }
@@ -291,10 +322,14 @@ impl Journal {
         if self.aborted.load(Ordering::Acquire) {
             return Err(JournalError::Aborted);
         }
-        let mut r = self.running.lock();
+        let mut r = self.tx.running.lock();
         r.handles += 1;
         self.handles.fetch_add(1, Ordering::Relaxed);
-        Ok(Handle { tid: r.tid, credits })
+        Ok(Handle {
+            tid: r.tid,
+            credits,
+            tx: self.tx.clone(),
+        })
     }
 
     /// Declare that `h` is about to modify `b`.
@@ -308,7 +343,7 @@ impl Journal {
     /// The modification of `b` by `h` is complete; the running transaction owns it.
     pub fn dirty_metadata(&self, _h: &Handle, b: &Arc<Buffer>) {
         b.dirty.store(true, Ordering::Release);
-        let mut r = self.running.lock();
+        let mut r = self.tx.running.lock();
         // A block journaled again after being revoked: its new copy must replay.
         r.revokes.remove(&b.blocknr);
         r.buffers.insert(b.blocknr, b.clone());
@@ -317,7 +352,7 @@ impl Journal {
     /// A metadata block was freed: its pending change must never reach the device,
     /// and a later reuse as a data block must not see a stale cached copy.
     pub fn forget(&self, _h: &Handle, blocknr: u64) {
-        self.running.lock().buffers.remove(&blocknr);
+        self.tx.running.lock().buffers.remove(&blocknr);
         let cached = self.cache.lock().remove(&blocknr);
         if let Some(b) = &cached {
             b.dirty.store(false, Ordering::Release);
@@ -326,16 +361,13 @@ impl Journal {
         if let Some(l) = &self.log {
             // Its logged copy must never be replayed over the block's next use.
             if l.lock().forget(blocknr) {
-                self.running.lock().revokes.insert(blocknr);
+                self.tx.running.lock().revokes.insert(blocknr);
             }
         }
     }
 
     pub fn stop(&self, h: Handle) -> Result<()> {
-        let mut r = self.running.lock();
-        if r.tid == h.tid {
-            r.handles = r.handles.saturating_sub(1);
-        }
+        drop(h);
         Ok(())
     }
 
@@ -347,7 +379,11 @@ impl Journal {
         }
         let _c = self.commit_lock.lock();
         let (tid, buffers, revokes) = {
-            let mut r = self.running.lock();
+            let mut r = self.tx.running.lock();
+            // T_LOCKED: wait until every handle of the transaction has stopped.
+            while r.handles > 0 {
+                self.tx.idle.wait(&mut r);
+            }
             let tid = r.tid;
             r.tid = r.tid.wrapping_add(1);
             (tid, std::mem::take(&mut r.buffers), std::mem::take(&mut r.revokes))
@@ -388,7 +424,7 @@ impl Journal {
             // Nothing to log; an fsync still needs its data durable.
             self.dev.flush()?;
             // The tid was not used; give it back so tids stay dense.
-            self.running.lock().tid = tid;
+            self.tx.running.lock().tid = tid;
             return Ok(0);
         }
         // Freeze: the log gets a copy; handles may keep changing the live version.
@@ -438,7 +474,7 @@ impl Journal {
         self.commit()?;
         if let Some(l) = &self.log {
             let _c = self.commit_lock.lock();
-            let next = self.running.lock().tid;
+            let next = self.tx.running.lock().tid;
             l.lock().close(&*self.dev, next)?;
         }
         Ok(())
@@ -446,7 +482,7 @@ impl Journal {
 
     /// Number of dirty buffers waiting for the next commit.
     pub fn pending(&self) -> usize {
-        self.running.lock().buffers.len()
+        self.tx.running.lock().buffers.len()
     }
 
     pub fn stats(&self) -> JournalStats {
@@ -628,7 +664,7 @@ mod log_tests {
             let off = (JSTART as usize + jb) * BS;
             let blk = &torn[off..off + BS];
             if let Some((t, seq)) = commitfs_format::jbd2_log::parse_header(blk) {
-                if t == jbd2::BLOCKTYPE_COMMIT && seq == j.running.lock().tid - 1 {
+                if t == jbd2::BLOCKTYPE_COMMIT && seq == j.tx.running.lock().tid - 1 {
                     torn[off + 0x40] ^= 0xFF;
                     found = true;
                 }

@@ -704,6 +704,9 @@ fn is_mounted(dir: &Path) -> bool {
 }
 
 fn fuse_available() -> Result<(), String> {
+    if std::env::var_os("COMMITFS_DEMO_NO_FUSE").is_some() {
+        return Err("COMMITFS_DEMO_NO_FUSE is set".into());
+    }
     if !Path::new("/dev/fuse").exists() {
         return Err("/dev/fuse is missing (load the fuse module)".into());
     }

@@ -135,8 +135,15 @@ fn assert_fsck_clean(path: &Path) {
     );
 }
 
+/// Commit now and then so a long test never builds one oversized transaction.
+fn tick(fs: &Fs, step: usize) {
+    if step % 256 == 255 {
+        fs.sync().unwrap();
+    }
+}
+
 /// Unmount, then demand a silent `e2fsck -fn`.
-fn finish(fs: Fs, img: &TempImage) {
+fn finish(mut fs: Fs, img: &TempImage) {
     fs.unmount().unwrap();
     drop(fs);
     assert_fsck_clean(&img.path);
@@ -218,6 +225,7 @@ fn many_names(bs: u32) {
     let mut rng = StdRng::seed_from_u64(bs as u64);
     let mut m = Model::default();
     for i in 0..22_000u32 {
+        tick(&fs, i as usize);
         let name = if i % 3 == 0 {
             random_name(&mut rng)
         } else {
@@ -236,13 +244,15 @@ fn many_names(bs: u32) {
         assert_eq!(dx.unwrap().0, 1, "20k names on 1 KiB blocks need an interior level");
     }
     // Remove about half, add new ones, check again.
-    for _ in 0..11_000 {
+    for i in 0..11_000 {
+        tick(&fs, i);
         let (name, _) = m.pick(&mut rng).unwrap();
         fs.unlink(d, &name).unwrap();
         m.remove(&name);
         assert!(matches!(fs.lookup(d, &name), Err(FsError::NotFound)));
     }
     for i in 0..5000u32 {
+        tick(&fs, i as usize);
         let name = format!("again-{i}").into_bytes();
         let a = fs.create(d, &name, 0o644, 0, 0).unwrap();
         m.insert(name, a.ino);
@@ -279,6 +289,7 @@ fn random_ops(bs: u32, seed: u64, ops: usize) {
     let mut mb = Model::default();
     let mut subdirs: HashSet<u32> = HashSet::new();
     for step in 0..ops {
+        tick(&fs, step);
         let (dir, other) = if rng.gen_bool(0.7) { (a, b) } else { (b, a) };
         let (m, mo) = if dir == a {
             (&mut ma, &mut mb)
@@ -378,12 +389,13 @@ fn random_ops_4k_blocks() {
 /// grow the index, returns every entry present throughout exactly once.
 #[test]
 fn readdir_offsets_stable_under_modification() {
-    let img = image("dir-rd", 1024, 64, &["-N", "30000"]);
+    let img = image("dir-rd", 1024, 96, &["-N", "60000"]);
     let fs = open(&img);
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
     let mut rng = StdRng::seed_from_u64(7);
     let mut m = Model::default();
     for i in 0..3000 {
+        tick(&fs, i);
         let name = format!("base-{i}").into_bytes();
         let ino = fs.create(d, &name, 0o644, 0, 0).unwrap().ino;
         m.insert(name, ino);
@@ -411,9 +423,10 @@ fn readdir_offsets_stable_under_modification() {
                 *seen.entry(e.name.clone()).or_insert(0) += 1;
             }
             offset = got.last().unwrap().next_offset;
+            fs.sync().unwrap();
             // Modify the directory between chunks: enough inserts to split leaves
             // and grow the index, and removals of seen and unseen names.
-            for _ in 0..rng.gen_range(0..80) {
+            for _ in 0..rng.gen_range(0..40) {
                 let name = format!("r{round}-{added}").into_bytes();
                 added += 1;
                 let ino = fs.create(d, &name, 0o644, 0, 0).unwrap().ino;
@@ -490,6 +503,7 @@ fn enospc_leaves_directory_consistent() {
         let mut m = Model::default();
         let mut nospace = 0;
         for i in 0..3000 {
+            tick(&fs, i);
             let name = format!("entry-with-a-longer-name-{i:05}").into_bytes();
             match fs.create(d, &name, 0o644, 0, 0) {
                 Ok(a) => m.insert(name, a.ino),
@@ -531,6 +545,7 @@ fn full_htree_returns_nospace() {
     let mut m = Model::default();
     let mut full = false;
     for i in 0..80_000u32 {
+        tick(&fs, i as usize);
         let mut name = format!("{i:08}-").into_bytes();
         name.resize(255, b'x');
         let t = targets[(i / 60_000) as usize];
@@ -578,6 +593,7 @@ fn largedir_adds_second_interior_level() {
         fs.link(t, d, &name).unwrap();
         m.insert(name, t);
         i += 1;
+        tick(&fs, i as usize);
         if i % 1000 == 0 && dir_index_state(&fs, d).1.unwrap().0 == 2 {
             break;
         }
@@ -602,7 +618,8 @@ fn feature_variants() {
             let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
             let mut rng = StdRng::seed_from_u64(bs as u64);
             let mut m = Model::default();
-            for _ in 0..4000 {
+            for i in 0..4000 {
+                tick(&fs, i);
                 let name = random_name(&mut rng);
                 if m.get(&name).is_some() {
                     continue;
@@ -610,7 +627,8 @@ fn feature_variants() {
                 let a = fs.create(d, &name, 0o644, 0, 0).unwrap();
                 m.insert(name, a.ino);
             }
-            for _ in 0..1000 {
+            for i in 0..1000 {
+                tick(&fs, i);
                 let (name, _) = m.pick(&mut rng).unwrap();
                 fs.unlink(d, &name).unwrap();
                 m.remove(&name);
@@ -654,6 +672,7 @@ fn extends_directories_built_by_e2fsprogs() {
     assert!(dir_index_state(&fs, d).0);
     let mut rng = StdRng::seed_from_u64(3);
     for i in 0..4000 {
+        tick(&fs, i);
         let name = format!("new-{i}").into_bytes();
         let a = fs.create(d, &name, 0o644, 0, 0).unwrap();
         m.insert(name, a.ino);
@@ -708,6 +727,7 @@ fn index_blocks_verify_after_growth() {
     let fs = open(&img);
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
     for i in 0..6000 {
+        tick(&fs, i);
         fs.create(d, format!("verify-{i}").as_bytes(), 0o644, 0, 0).unwrap();
     }
     let mut g = fs.inner.lock();
