@@ -14,7 +14,8 @@
 //! * `COMMITFS_DIFF_SKIP` — comma-separated op groups not to generate (debugging:
 //!   create,mknod,mkdir,rmdir,unlink,rename,link,symlink,readlink,write,read,
 //!   truncate,fallocate,chmod,chown,utimens,xattr,fsync,handle,stat),
-//! * `COMMITFS_DIFF_KEEP_GOING=1` — do not stop at the first mismatching result.
+//! * `COMMITFS_DIFF_KEEP_GOING=1` — do not stop at the first mismatching result,
+//! * `COMMITFS_DIFF_LOG=<file>` — write every operation with both results there.
 
 mod common;
 
@@ -802,7 +803,9 @@ impl Gen {
             return format!("/missing{}/{name}", self.rng.gen_range(0..3));
         }
         if r < 5 {
-            if let Some(f) = self.pick(t, |i| i.kind != Kind::Dir) {
+            // (Not below a symlink: the kernel would follow it, the library's
+            // path helper does not.)
+            if let Some(f) = self.pick(t, |i| !matches!(i.kind, Kind::Dir | Kind::Symlink)) {
                 return join_path(&f.path.clone(), &name);
             }
         }
@@ -1281,7 +1284,17 @@ fn env_u64(name: &str) -> Option<u64> {
 }
 
 /// Run the sequence on the kernel mount and on `other`, comparing every result.
-fn run_sequence(case: &Case, seed: u64, nops: usize, bs: u64, kroot: &Path, other: &mut dyn Target, other_name: &str) {
+/// Panics at the first mismatch, or (COMMITFS_DIFF_KEEP_GOING=1) returns them all
+/// so the caller can still compare the final trees before failing.
+fn run_sequence(
+    case: &Case,
+    seed: u64,
+    nops: usize,
+    bs: u64,
+    kroot: &Path,
+    other: &mut dyn Target,
+    other_name: &str,
+) -> Mismatches {
     let mut kernel = PosixTarget {
         root: kroot.to_path_buf(),
         handles: HashMap::new(),
@@ -1307,6 +1320,8 @@ fn run_sequence(case: &Case, seed: u64, nops: usize, bs: u64, kroot: &Path, othe
         "COMMITFS_DIFF_SEED={seed} COMMITFS_DIFF_OPS=<n> cargo test -p commitfs --test differential {}",
         case.name
     );
+    // COMMITFS_DIFF_LOG=<file>: every operation and both results, for debugging.
+    let mut log = std::env::var_os("COMMITFS_DIFF_LOG").map(|p| std::fs::File::create(p).expect("create log"));
     let mut tree = scan(kroot);
     for i in 0..nops {
         let g = gen.gen(&tree);
@@ -1328,6 +1343,10 @@ fn run_sequence(case: &Case, seed: u64, nops: usize, bs: u64, kroot: &Path, othe
             }
         };
         let line = format!("#{i} {:?} -> kernel {} / {other_name} {}", g.op, show(&rk), show(&ro));
+        if let Some(f) = log.as_mut() {
+            use std::io::Write;
+            let _ = writeln!(f, "{line}");
+        }
         history.push(line.clone());
         if history.len() > 25 {
             history.remove(0);
@@ -1364,12 +1383,22 @@ fn run_sequence(case: &Case, seed: u64, nops: usize, bs: u64, kroot: &Path, othe
     kernel.close_all().expect("close kernel handles");
     other.close_all().unwrap_or_else(|e| panic!("[{}] seed {seed}: {other_name} close_all: {e}", case.name));
     eprintln!("[{}] seed {seed}: {nops} ops; coverage (ok, err): {covered:?}", case.name);
-    if !mismatches.is_empty() {
-        panic!("[{}] seed {seed}: {} result mismatches:\n{}", case.name, mismatches.len(), mismatches.join("\n"));
-    }
     if nops >= 2000 {
         let missing: Vec<&&str> = REQUIRED.iter().filter(|t| covered.get(**t).is_none_or(|c| c.0 == 0)).collect();
         assert!(missing.is_empty(), "[{}] seed {seed}: sequence never succeeded at {missing:?}", case.name);
+    }
+    Mismatches(mismatches)
+}
+
+/// Result mismatches collected in keep-going mode; checked when dropped (at the
+/// end of the test, after the final tree comparison had its say).
+struct Mismatches(Vec<String>);
+
+impl Drop for Mismatches {
+    fn drop(&mut self) {
+        if !self.0.is_empty() && !std::thread::panicking() {
+            panic!("{} result mismatches:\n{}", self.0.len(), self.0.join("\n"));
+        }
     }
 }
 
@@ -1418,7 +1447,7 @@ fn lib_case(case: &Case) {
         fs,
         handles: HashMap::new(),
     };
-    run_sequence(case, seed, nops, bs, km.path(), &mut lib, "commitfs");
+    let _m = run_sequence(case, seed, nops, bs, km.path(), &mut lib, "commitfs");
 
     let ctx = format!("[{}] seed {seed}", case.name);
     let ks = snapshot_posix(km.path(), SnapOpts::default());
@@ -1461,7 +1490,7 @@ fn fuse_case(case: &Case) {
         root: fm.path().to_path_buf(),
         handles: HashMap::new(),
     };
-    run_sequence(case, seed, nops, bs, km.path(), &mut fuse, "fuse");
+    let _m = run_sequence(case, seed, nops, bs, km.path(), &mut fuse, "fuse");
 
     let ks = snapshot_posix(km.path(), SnapOpts::default());
     let fs_snap = snapshot_posix(fm.path(), SnapOpts::default());
@@ -1505,7 +1534,7 @@ fn harness_kernel_vs_kernel() {
         root: kb.path().to_path_buf(),
         handles: HashMap::new(),
     };
-    run_sequence(&case, seed, nops, 1024, ka.path(), &mut other, "kernel-2");
+    let _m = run_sequence(&case, seed, nops, 1024, ka.path(), &mut other, "kernel-2");
     let sa = snapshot_posix(ka.path(), SnapOpts::default());
     let sb = snapshot_posix(kb.path(), SnapOpts::default());
     assert_same(&sa, "kernel-1", &sb, "kernel-2", recent(t0), "harness");

@@ -913,7 +913,6 @@ impl MemTree {
                     MNode::index(blk, root.n)
                 };
                 root.n = 1;
-                eprintln!("STAT grow from depth {} root {:?}", self.levels.len()-1, self.levels.iter().map(|l| l.len()).collect::<Vec<_>>());
                 self.levels.insert(1, vec![node]);
                 continue;
             }

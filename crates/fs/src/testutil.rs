@@ -74,7 +74,7 @@ pub fn problem_lines(out: &str) -> Vec<String> {
         .filter(|l| {
             !(l.starts_with("Pass ")
                 || l.starts_with("e2fsck ")
-                || l.contains(" files, ") && l.contains(" blocks")
+                || (l.contains(" files") && l.ends_with(" blocks"))
                 || l.starts_with("Checking ")
                 || l.starts_with("Warning: skipping journal recovery")
                 || *l == "Journal checksum v3"

@@ -1,0 +1,295 @@
+//! `commitfs info`, `mkfs` and `demo` through the real binary; `info` is checked
+//! field by field against `dumpe2fs -h`.
+
+use std::collections::HashMap;
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use commitfs::testutil::mkfs;
+
+const BIN: &str = env!("CARGO_BIN_EXE_commitfs");
+
+fn unique(tag: &str) -> PathBuf {
+    static N: AtomicU64 = AtomicU64::new(0);
+    std::env::temp_dir().join(format!(
+        "commitfs-clitest-{tag}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+/// Removes a file or an (empty or not) directory tree on drop.
+struct Gone(PathBuf);
+impl Drop for Gone {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+fn dumpe2fs(img: &Path) -> HashMap<String, String> {
+    let out = Command::new("dumpe2fs").arg("-h").arg(img).output().unwrap();
+    assert!(out.status.success(), "dumpe2fs failed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect()
+}
+
+fn info_json(img: &Path) -> serde_json::Value {
+    let out = Command::new(BIN)
+        .args(["info", "--json"])
+        .arg(img)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "info failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("info --json prints JSON")
+}
+
+fn num(d: &HashMap<String, String>, k: &str) -> u64 {
+    let v = d.get(k).unwrap_or_else(|| panic!("dumpe2fs has no {k:?}"));
+    if let Some(h) = v.strip_prefix("0x") {
+        u64::from_str_radix(h, 16).unwrap()
+    } else {
+        v.split_whitespace().next().unwrap().parse().unwrap()
+    }
+}
+
+fn compare_with_dumpe2fs(img: &Path) -> serde_json::Value {
+    let d = dumpe2fs(img);
+    let j = info_json(img);
+    let ju = |k: &str| j[k].as_u64().unwrap_or_else(|| panic!("json field {k}"));
+    let mut want_features: Vec<&str> = d["Filesystem features"].split_whitespace().collect();
+    let mut got_features: Vec<&str> = j["features"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(got_features, want_features, "feature order as dumpe2fs lists them");
+    want_features.sort();
+    got_features.sort();
+    assert_eq!(got_features, want_features);
+    assert_eq!(ju("block_size"), num(&d, "Block size"));
+    assert_eq!(ju("blocks"), num(&d, "Block count"));
+    assert_eq!(ju("free_blocks"), num(&d, "Free blocks"));
+    assert_eq!(ju("reserved_blocks"), num(&d, "Reserved block count"));
+    assert_eq!(ju("inodes"), num(&d, "Inode count"));
+    assert_eq!(ju("free_inodes"), num(&d, "Free inodes"));
+    assert_eq!(ju("inode_size"), num(&d, "Inode size"));
+    assert_eq!(ju("blocks_per_group"), num(&d, "Blocks per group"));
+    assert_eq!(ju("inodes_per_group"), num(&d, "Inodes per group"));
+    assert_eq!(ju("mount_count"), num(&d, "Mount count"));
+    assert_eq!(j["uuid"].as_str().unwrap(), d["Filesystem UUID"]);
+    let label = &d["Filesystem volume name"];
+    let want_label = if label == "<none>" { "" } else { label.as_str() };
+    assert_eq!(j["label"].as_str().unwrap(), want_label);
+    assert_eq!(j["state"].as_str().unwrap(), d["Filesystem state"]);
+    let groups = (ju("blocks") - num(&d, "First block")).div_ceil(ju("blocks_per_group"));
+    assert_eq!(ju("groups"), groups);
+    let jr = &j["journal"];
+    assert_eq!(jr["inode"].as_u64().unwrap(), num(&d, "Journal inode"));
+    assert_eq!(jr["s_maxlen"].as_u64().unwrap(), num(&d, "Total journal blocks"));
+    assert_eq!(jr["size_blocks"].as_u64().unwrap(), num(&d, "Total journal blocks"));
+    assert_eq!(jr["s_sequence"].as_u64().unwrap(), num(&d, "Journal sequence"));
+    assert_eq!(jr["s_start"].as_u64().unwrap(), num(&d, "Journal start"));
+    assert_eq!(jr["s_blocksize"].as_u64().unwrap(), ju("block_size"));
+    assert_eq!(jr["s_first"].as_u64().unwrap(), 1);
+    assert_eq!(jr["blocktype"].as_u64().unwrap(), 4);
+    assert_eq!(jr["magic"].as_str().unwrap(), "0xc03b3998");
+    let fc = d.get("Fast commit length").map(|v| v.parse::<u64>().unwrap()).unwrap_or(0);
+    assert_eq!(jr["fast_commit_blocks"].as_u64().unwrap(), fc);
+    let want_jf = &d["Journal features"];
+    let got_jf: Vec<&str> = jr["feature_names"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    if want_jf == "(none)" {
+        assert!(got_jf.is_empty(), "journal features {got_jf:?}");
+    } else {
+        // dumpe2fs has no name for FAST_COMMIT (prints FEATURE_I5).
+        let want: Vec<String> = want_jf
+            .split_whitespace()
+            .map(|f| if f == "FEATURE_I5" { "journal_fast_commit".to_string() } else { f.to_string() })
+            .collect();
+        assert_eq!(got_jf, want);
+    }
+    // The journal superblock really sits where info says: check with debugfs.
+    let bmap = Command::new("debugfs")
+        .args(["-R", "bmap <8> 0"])
+        .arg(img)
+        .output()
+        .unwrap();
+    let first: u64 = String::from_utf8_lossy(&bmap.stdout).trim().parse().unwrap();
+    assert_eq!(jr["first_block"].as_u64().unwrap(), first);
+    let recover = d["Filesystem features"].contains("needs_recovery")
+        || num(&d, "Journal start") != 0;
+    assert_eq!(j["needs_recovery"].as_bool().unwrap(), recover);
+    j
+}
+
+#[test]
+fn info_matches_dumpe2fs_on_fresh_images() {
+    let a = mkfs("info-1k", 64, &[]);
+    let j = compare_with_dumpe2fs(&a.path);
+    assert_eq!(j["block_size"], 1024);
+    assert_eq!(j["needs_recovery"], false);
+    let b = mkfs("info-4k-fc", 1024, &["-O", "fast_commit", "-L", "my-label"]);
+    let j = compare_with_dumpe2fs(&b.path);
+    assert_eq!(j["label"], "my-label");
+    assert_eq!(j["journal"]["fast_commit_blocks"], 128);
+    assert_eq!(j["journal"]["s_maxlen"], 8320);
+    // Human output says the same things.
+    let out = Command::new(BIN).arg("info").arg(&b.path).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("Label:            my-label"), "{text}");
+    assert!(text.contains("s_maxlen 8320"), "{text}");
+    assert!(text.contains("Needs recovery:   no"), "{text}");
+}
+
+#[test]
+fn info_after_use_and_with_recovery_needed() {
+    let img = mkfs("info-used", 64, &[]);
+    {
+        let fs = commitfs::Fs::open_path(&img.path, Default::default()).unwrap();
+        let f = fs.create(commitfs::ROOT_INO, b"f", 0o644, 0, 0).unwrap();
+        fs.write(f.ino, 0, &[1u8; 100_000]).unwrap();
+        fs.mkdir(commitfs::ROOT_INO, b"d", 0o755, 0, 0).unwrap();
+        fs.unmount().unwrap();
+    }
+    let j = compare_with_dumpe2fs(&img.path);
+    assert_eq!(j["state"], "clean");
+    assert!(j["mount_count"].as_u64().unwrap() >= 1);
+
+    // needs_recovery set in the superblock.
+    let st = Command::new("debugfs")
+        .args(["-w", "-R", "feature needs_recovery"])
+        .arg(&img.path)
+        .output()
+        .unwrap();
+    assert!(st.status.success());
+    let j = compare_with_dumpe2fs(&img.path);
+    assert_eq!(j["needs_recovery"], true);
+    let out = Command::new(BIN).arg("info").arg(&img.path).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Needs recovery:   yes"));
+}
+
+#[test]
+fn info_sees_a_live_journal_log() {
+    // A fresh image has no JBD2 checksums, so s_start can be patched directly.
+    let img = mkfs("info-start", 64, &[]);
+    let j = info_json(&img.path);
+    assert_eq!(j["journal"]["features_incompat"], 0);
+    let first = j["journal"]["first_block"].as_u64().unwrap();
+    let f = fs::OpenOptions::new().write(true).open(&img.path).unwrap();
+    f.write_all_at(&5u32.to_be_bytes(), first * 1024 + 0x1C).unwrap();
+    drop(f);
+    let j = compare_with_dumpe2fs(&img.path);
+    assert_eq!(j["journal"]["s_start"], 5);
+    assert_eq!(j["needs_recovery"], true);
+}
+
+#[test]
+fn info_rejects_what_is_not_ext4() {
+    let p = unique("notext4");
+    let _g = Gone(p.clone());
+    fs::write(&p, vec![0u8; 1 << 20]).unwrap();
+    let out = Command::new(BIN).arg("info").arg(&p).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a valid ext4 image"), "{err}");
+    let out = Command::new(BIN).arg("info").arg(unique("missing")).output().unwrap();
+    assert!(!out.status.success());
+}
+
+#[test]
+fn mkfs_makes_what_was_asked() {
+    let p = unique("mkfs").with_extension("img");
+    let _g = Gone(p.clone());
+    let out = Command::new(BIN)
+        .arg("mkfs")
+        .arg(&p)
+        .args(["--size", "64M", "--fast-commit", "--block-size", "1024", "-L", "lbl"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("65536 blocks of 1024 bytes"), "{text}");
+    assert_eq!(fs::metadata(&p).unwrap().len(), 64 << 20);
+    let d = dumpe2fs(&p);
+    assert!(d["Filesystem features"].contains("fast_commit"));
+    assert_eq!(num(&d, "Block size"), 1024);
+    assert_eq!(num(&d, "Block count"), 65536);
+    assert_eq!(d["Filesystem volume name"], "lbl");
+    // Lazy init disabled: every group's inode table is zeroed already.
+    let out = Command::new("dumpe2fs").arg(&p).output().unwrap();
+    let groups = String::from_utf8_lossy(&out.stdout);
+    assert!(!groups.contains("ITABLE_ZEROED") || !groups.contains("[INODE_UNINIT, BLOCK_UNINIT]"));
+    let v = commitfs::cmd::fsck::check(&p).unwrap();
+    assert!(v.is_clean(), "{}", v.output);
+
+    // Re-making with another size resizes the file; bad input fails.
+    let out = Command::new(BIN)
+        .arg("mkfs")
+        .arg(&p)
+        .args(["--size", "1G"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(fs::metadata(&p).unwrap().len(), 1 << 30);
+    assert_eq!(num(&dumpe2fs(&p), "Block size"), 4096);
+    for bad in [&["--size", "12Q"][..], &[][..], &["--size", "64M", "--block-size", "3000"][..]] {
+        let out = Command::new(BIN).arg("mkfs").arg(&p).args(bad).output().unwrap();
+        assert!(!out.status.success(), "mkfs {bad:?} succeeded");
+    }
+}
+
+#[test]
+fn demo_passes_with_fuse_and_with_the_library() {
+    let dir = unique("demo");
+    let _g = Gone(dir.clone());
+    let out = Command::new(BIN)
+        .args(["demo", "--dir"])
+        .arg(&dir)
+        .arg("--keep")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "demo failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("mounted with FUSE"), "{text}");
+    assert!(text.contains("e2fsck -fn: clean"), "{text}");
+    assert!(text.contains("demo: PASS"), "{text}");
+    assert!(dir.join("demo.img").exists(), "--keep keeps the image");
+    assert!(!dir.join("mnt").exists() || fs::read_dir(dir.join("mnt")).is_ok());
+
+    let out = Command::new(BIN)
+        .arg("demo")
+        .env("COMMITFS_DEMO_NO_FUSE", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "library demo failed:\n{text}");
+    assert!(text.contains("through the library API"), "{text}");
+    assert!(text.contains("demo: PASS"), "{text}");
+    // The temporary directory is gone afterwards.
+    let tmp = text
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("commitfs demo in "))
+        .expect("demo names its directory");
+    assert!(!Path::new(tmp).exists(), "{tmp} left behind");
+}

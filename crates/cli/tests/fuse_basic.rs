@@ -1,0 +1,794 @@
+//! End-to-end tests of the FUSE mount through the real `commitfs` binary: every
+//! FUSE operation via std::fs / libc, concurrency, read-only and writeback-cache
+//! mounts, daemon mode, refusal of unsupported features, and `e2fsck -fn` after
+//! every unmount. Needs root, /dev/fuse and fusermount3 (fuse3).
+
+use std::ffi::CString;
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use commitfs::cmd::fsck;
+use commitfs::testutil::{mkfs, TempImage};
+
+const BIN: &str = env!("CARGO_BIN_EXE_commitfs");
+
+fn unique(tag: &str) -> PathBuf {
+    static N: AtomicU64 = AtomicU64::new(0);
+    std::env::temp_dir().join(format!(
+        "commitfs-fusetest-{tag}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+fn is_mounted(dir: &Path) -> bool {
+    let t = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let want = dir.to_string_lossy();
+    t.lines().any(|l| l.split(' ').nth(4) == Some(&*want))
+}
+
+fn mount_fstype(dir: &Path) -> Option<String> {
+    let t = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let want = dir.to_string_lossy();
+    t.lines()
+        .find(|l| l.split(' ').nth(4) == Some(&*want))
+        .and_then(|l| l.split(" - ").nth(1))
+        .and_then(|r| r.split(' ').next())
+        .map(str::to_string)
+}
+
+fn require_fuse() {
+    assert!(
+        Path::new("/dev/fuse").exists(),
+        "these tests need /dev/fuse (modprobe fuse) and fusermount3 (apt-get install fuse3)"
+    );
+}
+
+fn assert_fsck_clean(image: &Path) {
+    let v = fsck::check(image).expect("run e2fsck");
+    assert!(
+        v.is_clean(),
+        "e2fsck -fn reported problems (exit {}):\n{}",
+        v.code,
+        v.output
+    );
+}
+
+/// A `commitfs mount --foreground` child. Drop unmounts (fusermount3 -u, then
+/// `umount -l` as a last resort), reaps the child and removes the mount point,
+/// also when the test panics.
+struct Mount {
+    dir: PathBuf,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Mount {
+    fn new(image: &Path, opts: &[&str]) -> Mount {
+        require_fuse();
+        let dir = unique("mnt");
+        fs::create_dir_all(&dir).unwrap();
+        let log = dir.with_extension("log");
+        let lf = File::create(&log).unwrap();
+        let child = Command::new(BIN)
+            .arg("mount")
+            .arg(image)
+            .arg(&dir)
+            .arg("--foreground")
+            .args(opts)
+            .env("COMMITFS_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(lf.try_clone().unwrap())
+            .stderr(lf)
+            .spawn()
+            .expect("spawn commitfs mount");
+        let mut m = Mount {
+            dir,
+            child: Some(child),
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !is_mounted(&m.dir) {
+            if let Some(st) = m.child.as_mut().unwrap().try_wait().unwrap() {
+                m.child = None;
+                panic!("commitfs mount exited with {st}:\n{}", m.log_text());
+            }
+            assert!(Instant::now() < deadline, "not mounted after 20 s:\n{}", m.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        m
+    }
+
+    fn p(&self, rel: &str) -> PathBuf {
+        self.dir.join(rel)
+    }
+
+    fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Unmount with fusermount3 and require the daemon to exit 0.
+    fn unmount(&mut self) {
+        let mut ok = false;
+        for _ in 0..50 {
+            if Command::new("fusermount3")
+                .arg("-u")
+                .arg(&self.dir)
+                .stderr(Stdio::null())
+                .status()
+                .map(|s| s.success())
+                .unwrap_or(false)
+            {
+                ok = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert!(ok, "fusermount3 -u {} kept failing", self.dir.display());
+        let mut c = self.child.take().expect("daemon running");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let st = loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                break st;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("daemon did not exit after unmount:\n{}", self.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(st.success(), "daemon exited with {st}:\n{}", self.log_text());
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if is_mounted(&self.dir) {
+            let ok = Command::new("fusermount3")
+                .arg("-u")
+                .arg(&self.dir)
+                .stderr(Stdio::null())
+                .status()
+                .map(|s| s.success())
+                .unwrap_or(false);
+            if !ok {
+                let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+            }
+        }
+        if let Some(mut c) = self.child.take() {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while matches!(c.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = fs::remove_dir(&self.dir);
+        let _ = fs::remove_file(&self.log);
+    }
+}
+
+fn cpath(p: &Path) -> CString {
+    CString::new(p.as_os_str().as_bytes()).unwrap()
+}
+
+fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+fn err_of(r: std::io::Result<impl Sized>) -> i32 {
+    match r {
+        Ok(_) => 0,
+        Err(e) => e.raw_os_error().unwrap_or(-1),
+    }
+}
+
+fn renameat2(a: &Path, b: &Path, flags: u32) -> i32 {
+    let (a, b) = (cpath(a), cpath(b));
+    // SAFETY: valid NUL-terminated paths.
+    let r = unsafe {
+        libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), flags)
+    };
+    if r == 0 {
+        0
+    } else {
+        errno()
+    }
+}
+
+fn setxattr(p: &Path, name: &str, v: &[u8], flags: i32) -> i32 {
+    let (c, n) = (cpath(p), CString::new(name).unwrap());
+    // SAFETY: valid strings and value slice.
+    let r = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), v.as_ptr().cast(), v.len(), flags) };
+    if r == 0 {
+        0
+    } else {
+        errno()
+    }
+}
+
+/// getxattr with a buffer of `size` bytes: Ok(bytes or size) / Err(errno).
+fn getxattr(p: &Path, name: &str, size: usize) -> Result<Vec<u8>, i32> {
+    let (c, n) = (cpath(p), CString::new(name).unwrap());
+    let mut buf = vec![0u8; size];
+    // SAFETY: buffer pointer/length describe `buf` (null for a size probe).
+    let r = unsafe {
+        libc::getxattr(
+            c.as_ptr(),
+            n.as_ptr(),
+            if size == 0 { std::ptr::null_mut() } else { buf.as_mut_ptr().cast() },
+            size,
+        )
+    };
+    if r < 0 {
+        return Err(errno());
+    }
+    if size == 0 {
+        return Ok((r as u64).to_le_bytes().to_vec());
+    }
+    buf.truncate(r as usize);
+    Ok(buf)
+}
+
+fn listxattr(p: &Path) -> Vec<String> {
+    let c = cpath(p);
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: buffer pointer/length describe `buf`.
+    let r = unsafe { libc::listxattr(c.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    assert!(r >= 0, "listxattr: errno {}", errno());
+    buf.truncate(r as usize);
+    let mut v: Vec<String> = buf
+        .split(|&b| b == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+fn removexattr(p: &Path, name: &str) -> i32 {
+    let (c, n) = (cpath(p), CString::new(name).unwrap());
+    // SAFETY: valid strings.
+    if unsafe { libc::removexattr(c.as_ptr(), n.as_ptr()) } == 0 {
+        0
+    } else {
+        errno()
+    }
+}
+
+fn fallocate(f: &File, mode: i32, off: i64, len: i64) -> i32 {
+    // SAFETY: fd is open for writing.
+    if unsafe { libc::fallocate(f.as_raw_fd(), mode, off, len) } == 0 {
+        0
+    } else {
+        errno()
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed as u32) as u8)
+        .collect()
+}
+
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn every_fuse_operation_end_to_end() {
+    let img = mkfs("fuse-ops", 64, &[]);
+    let mut m = Mount::new(&img.path, &[]);
+    assert_eq!(mount_fstype(&m.dir).as_deref(), Some("fuse.commitfs"));
+
+    // statfs
+    let sv = nix_statvfs(&m.dir);
+    assert_eq!(sv.f_bsize, 1024);
+    assert_eq!(sv.f_blocks, 65536);
+    assert!(sv.f_bfree > 0 && sv.f_bfree < sv.f_blocks);
+    assert_eq!(sv.f_files, 16384);
+    assert_eq!(sv.f_namemax, 255);
+
+    // getattr of the root; lookup of lost+found
+    let root = fs::metadata(&m.dir).unwrap();
+    assert!(root.is_dir());
+    assert_eq!(root.ino(), 1, "FUSE root is inode 1");
+    let lf = fs::metadata(m.p("lost+found")).unwrap();
+    assert_eq!(lf.ino(), 11);
+    assert_eq!(lf.mode() & 0o7777, 0o700);
+
+    // mkdir, create, write, read, append, overwrite, truncate
+    fs::create_dir(m.p("d")).unwrap();
+    fs::set_permissions(m.p("d"), fs::Permissions::from_mode(0o750)).unwrap();
+    assert_eq!(fs::metadata(m.p("d")).unwrap().mode() & 0o7777, 0o750);
+    assert_eq!(fs::metadata(m.p("d")).unwrap().nlink(), 2);
+    assert_eq!(fs::metadata(&m.dir).unwrap().nlink(), 4);
+    let a = pattern(200_000, 1);
+    fs::write(m.p("d/a.bin"), &a).unwrap();
+    assert_eq!(fs::read(m.p("d/a.bin")).unwrap(), a);
+    let mut f = OpenOptions::new().append(true).open(m.p("d/a.bin")).unwrap();
+    f.write_all(b"tail").unwrap();
+    drop(f);
+    let f = OpenOptions::new().write(true).open(m.p("d/a.bin")).unwrap();
+    f.write_all_at(b"MIDDLE", 70_000).unwrap();
+    f.set_len(150_000).unwrap();
+    f.set_len(160_000).unwrap();
+    drop(f);
+    let mut want = a.clone();
+    want.extend_from_slice(b"tail");
+    want[70_000..70_006].copy_from_slice(b"MIDDLE");
+    want.truncate(150_000);
+    want.resize(160_000, 0);
+    assert_eq!(fs::read(m.p("d/a.bin")).unwrap(), want);
+    assert_eq!(fs::metadata(m.p("d/a.bin")).unwrap().len(), 160_000);
+
+    // setattr: chmod, chown, utimensat (explicit and UTIME_NOW), ctime moves
+    let p = m.p("d/a.bin");
+    fs::set_permissions(&p, fs::Permissions::from_mode(0o4640)).unwrap();
+    std::os::unix::fs::chown(&p, Some(1234), Some(5678)).unwrap();
+    let md = fs::metadata(&p).unwrap();
+    assert_eq!((md.uid(), md.gid()), (1234, 5678));
+    // chown clears setuid (the kernel asks for it with a mode change).
+    assert_eq!(md.mode() & 0o7777, 0o640);
+    let ts = [
+        libc::timespec {
+            tv_sec: 1_000_000_000,
+            tv_nsec: 123_456_789,
+        },
+        libc::timespec {
+            tv_sec: 1_500_000_000,
+            tv_nsec: 42,
+        },
+    ];
+    let cp = cpath(&p);
+    // SAFETY: valid path and two timespecs.
+    assert_eq!(unsafe { libc::utimensat(libc::AT_FDCWD, cp.as_ptr(), ts.as_ptr(), 0) }, 0);
+    let md = fs::metadata(&p).unwrap();
+    assert_eq!((md.atime(), md.atime_nsec()), (1_000_000_000, 123_456_789));
+    assert_eq!((md.mtime(), md.mtime_nsec()), (1_500_000_000, 42));
+    let before = now_secs();
+    let now = [
+        libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_NOW,
+        },
+        libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_OMIT,
+        },
+    ];
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::utimensat(libc::AT_FDCWD, cp.as_ptr(), now.as_ptr(), 0) }, 0);
+    let md = fs::metadata(&p).unwrap();
+    assert!(md.atime() >= before && md.atime() <= now_secs() + 1, "atime {}", md.atime());
+    assert_eq!(md.mtime(), 1_500_000_000, "UTIME_OMIT left mtime alone");
+    assert!(md.ctime() >= before);
+
+    // mknod: fifo and character device; symlink and readlink
+    let fifo = cpath(&m.p("d/fifo"));
+    // SAFETY: valid path.
+    assert_eq!(unsafe { libc::mknod(fifo.as_ptr(), libc::S_IFIFO | 0o644, 0) }, 0);
+    assert!(fs::symlink_metadata(m.p("d/fifo")).unwrap().file_type().is_fifo());
+    let chr = cpath(&m.p("d/null"));
+    let dev = libc::makedev(1, 3);
+    // SAFETY: valid path.
+    assert_eq!(unsafe { libc::mknod(chr.as_ptr(), libc::S_IFCHR | 0o666, dev) }, 0);
+    let md = fs::symlink_metadata(m.p("d/null")).unwrap();
+    assert_eq!(md.rdev(), dev);
+    assert_eq!(md.mode() & libc::S_IFMT, libc::S_IFCHR);
+    std::os::unix::fs::symlink("a.bin", m.p("d/short")).unwrap();
+    let long_target = "t/".repeat(150);
+    std::os::unix::fs::symlink(&long_target, m.p("d/long")).unwrap();
+    assert_eq!(fs::read_link(m.p("d/short")).unwrap(), Path::new("a.bin"));
+    assert_eq!(fs::read_link(m.p("d/long")).unwrap(), Path::new(&long_target));
+    assert_eq!(fs::read(m.p("d/short")).unwrap(), want, "follow the symlink");
+
+    // link
+    fs::hard_link(m.p("d/a.bin"), m.p("hard")).unwrap();
+    assert_eq!(fs::metadata(m.p("hard")).unwrap().nlink(), 2);
+    assert_eq!(
+        fs::metadata(m.p("hard")).unwrap().ino(),
+        fs::metadata(m.p("d/a.bin")).unwrap().ino()
+    );
+
+    // rename, RENAME_NOREPLACE, RENAME_EXCHANGE
+    fs::write(m.p("x"), b"xxx").unwrap();
+    fs::write(m.p("y"), b"yyyy").unwrap();
+    fs::rename(m.p("x"), m.p("d/x2")).unwrap();
+    assert_eq!(fs::read(m.p("d/x2")).unwrap(), b"xxx");
+    assert_eq!(renameat2(&m.p("d/x2"), &m.p("y"), libc::RENAME_NOREPLACE), libc::EEXIST);
+    assert_eq!(renameat2(&m.p("d/x2"), &m.p("z"), libc::RENAME_NOREPLACE), 0);
+    assert_eq!(renameat2(&m.p("z"), &m.p("y"), libc::RENAME_EXCHANGE), 0);
+    assert_eq!(fs::read(m.p("z")).unwrap(), b"yyyy");
+    assert_eq!(fs::read(m.p("y")).unwrap(), b"xxx");
+    fs::rename(m.p("y"), m.p("z")).unwrap(); // replace
+    assert_eq!(fs::read(m.p("z")).unwrap(), b"xxx");
+    assert_eq!(err_of(fs::metadata(m.p("y"))), libc::ENOENT);
+    fs::create_dir(m.p("e")).unwrap();
+    fs::rename(m.p("e"), m.p("d/e")).unwrap();
+    assert_eq!(fs::metadata(&m.dir).unwrap().nlink(), 4);
+    assert_eq!(fs::metadata(m.p("d")).unwrap().nlink(), 3);
+
+    // readdir
+    assert_eq!(
+        names(&m.p("d")),
+        ["a.bin", "e", "fifo", "long", "null", "short"]
+    );
+    for i in 0..300 {
+        fs::write(m.p(&format!("d/e/f{i:03}")), [i as u8]).unwrap();
+    }
+    let listed = names(&m.p("d/e"));
+    assert_eq!(listed.len(), 300, "readdir over several reply buffers");
+    assert_eq!(listed[299], "f299");
+
+    // unlink, rmdir and error mapping
+    assert_eq!(err_of(fs::remove_dir(m.p("d/e"))), libc::ENOTEMPTY);
+    for i in 0..300 {
+        fs::remove_file(m.p(&format!("d/e/f{i:03}"))).unwrap();
+    }
+    fs::remove_dir(m.p("d/e")).unwrap();
+    fs::remove_file(m.p("hard")).unwrap();
+    assert_eq!(fs::metadata(m.p("d/a.bin")).unwrap().nlink(), 1);
+    assert_eq!(err_of(fs::metadata(m.p("nope"))), libc::ENOENT);
+    assert_eq!(err_of(fs::create_dir(m.p("d"))), libc::EEXIST);
+    assert_eq!(err_of(fs::metadata(m.p("z/sub"))), libc::ENOTDIR);
+    assert_eq!(err_of(fs::remove_dir(m.p("z"))), libc::ENOTDIR);
+    assert_eq!(err_of(fs::write(m.p(&"n".repeat(256)), b"")), libc::ENAMETOOLONG);
+
+    // xattrs: set, size probe, ERANGE, list, flags, remove
+    let p = m.p("z");
+    assert_eq!(setxattr(&p, "user.k", b"value-1", 0), 0);
+    assert_eq!(setxattr(&p, "user.other", &[9u8; 300], 0), 0);
+    let probe = getxattr(&p, "user.k", 0).unwrap();
+    assert_eq!(u64::from_le_bytes(probe.try_into().unwrap()), 7);
+    assert_eq!(getxattr(&p, "user.k", 3), Err(libc::ERANGE));
+    assert_eq!(getxattr(&p, "user.k", 64).unwrap(), b"value-1");
+    assert_eq!(listxattr(&p), ["user.k", "user.other"]);
+    assert_eq!(setxattr(&p, "user.k", b"v2", libc::XATTR_CREATE), libc::EEXIST);
+    assert_eq!(setxattr(&p, "user.none", b"v", libc::XATTR_REPLACE), libc::ENODATA);
+    assert_eq!(setxattr(&p, "user.k", b"v2", libc::XATTR_REPLACE), 0);
+    assert_eq!(getxattr(&p, "user.k", 64).unwrap(), b"v2");
+    assert_eq!(removexattr(&p, "user.k"), 0);
+    assert_eq!(getxattr(&p, "user.k", 64), Err(libc::ENODATA));
+    assert_eq!(removexattr(&p, "user.k"), libc::ENODATA);
+    assert_eq!(listxattr(&p), ["user.other"]);
+
+    // fallocate: plain, KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE, ZERO_RANGE, unsupported
+    let fp = m.p("falloc");
+    let f = OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .read(true)
+        .write(true)
+        .open(&fp)
+        .unwrap();
+    assert_eq!(fallocate(&f, 0, 0, 40_960), 0);
+    assert_eq!(f.metadata().unwrap().len(), 40_960);
+    let blocks0 = f.metadata().unwrap().blocks();
+    assert!(blocks0 >= 80, "allocated {blocks0} sectors");
+    assert_eq!(fallocate(&f, libc::FALLOC_FL_KEEP_SIZE, 40_960, 40_960), 0);
+    assert_eq!(f.metadata().unwrap().len(), 40_960, "KEEP_SIZE keeps the size");
+    assert!(f.metadata().unwrap().blocks() >= blocks0 + 80);
+    f.write_all_at(&[0xAB; 40_960], 0).unwrap();
+    assert_eq!(
+        fallocate(
+            &f,
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            4096,
+            8192
+        ),
+        0
+    );
+    assert_eq!(fallocate(&f, libc::FALLOC_FL_ZERO_RANGE, 20_480, 1000), 0);
+    let mut got = vec![0u8; 40_960];
+    f.read_exact_at(&mut got, 0).unwrap();
+    let mut want = vec![0xABu8; 40_960];
+    want[4096..12_288].fill(0);
+    want[20_480..21_480].fill(0);
+    assert!(got == want, "punch/zero range contents wrong");
+    assert_eq!(
+        fallocate(&f, libc::FALLOC_FL_COLLAPSE_RANGE, 0, 4096),
+        libc::EOPNOTSUPP
+    );
+    drop(f);
+
+    // open-unlinked file stays readable and writable until the last close
+    let op = m.p("d/open-unlinked");
+    let data = pattern(50_000, 7);
+    fs::write(&op, &data).unwrap();
+    let mut f = OpenOptions::new().read(true).write(true).open(&op).unwrap();
+    fs::remove_file(&op).unwrap();
+    assert_eq!(err_of(fs::metadata(&op)), libc::ENOENT);
+    let mut got = Vec::new();
+    f.read_to_end(&mut got).unwrap();
+    assert_eq!(got, data);
+    f.write_all_at(b"still here", 10).unwrap();
+    let mut b = [0u8; 10];
+    f.read_exact_at(&mut b, 10).unwrap();
+    assert_eq!(&b, b"still here");
+    assert_eq!(f.metadata().unwrap().nlink(), 0);
+    drop(f);
+
+    // fsync of a file and a directory, flush on close
+    let mut f = File::create(m.p("synced")).unwrap();
+    f.write_all(b"durable").unwrap();
+    f.sync_all().unwrap();
+    f.sync_data().unwrap();
+    drop(f);
+    File::open(m.p("d")).unwrap().sync_all().unwrap();
+    let mut f = File::open(m.p("synced")).unwrap();
+    f.seek(SeekFrom::Start(3)).unwrap();
+    let mut s = String::new();
+    f.read_to_string(&mut s).unwrap();
+    assert_eq!(s, "able");
+    drop(f);
+
+    let sv2 = nix_statvfs(&m.dir);
+    assert!(sv2.f_bfree < sv.f_bfree, "statfs sees the allocations");
+
+    m.unmount();
+    assert_fsck_clean(&img.path);
+
+    // What the FUSE mount wrote reads back through the library.
+    let lib = commitfs::Fs::open_path(
+        &img.path,
+        commitfs::MountOptions {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let ino = lib.resolve("/synced").unwrap();
+    let mut b = [0u8; 7];
+    assert_eq!(lib.read(ino, 0, &mut b).unwrap(), 7);
+    assert_eq!(&b, b"durable");
+    assert!(lib.resolve("/d/open-unlinked").is_err());
+}
+
+fn now_secs() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+}
+
+fn nix_statvfs(p: &Path) -> libc::statvfs {
+    let c = cpath(p);
+    // SAFETY: zeroed POD filled by statvfs.
+    let mut sv: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid path and out pointer.
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut sv) }, 0, "statvfs errno {}", errno());
+    sv
+}
+
+#[test]
+fn fsync_loop_does_not_block_lookups() {
+    let img = mkfs("fuse-conc", 64, &[]);
+    let mut m = Mount::new(&img.path, &[]);
+    for i in 0..50 {
+        fs::write(m.p(&format!("f{i}")), format!("{i}")).unwrap();
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let syncs = Arc::new(AtomicU64::new(0));
+    let dir = m.dir.clone();
+    let (s2, st2) = (syncs.clone(), stop.clone());
+    let syncer = std::thread::spawn(move || {
+        let mut f = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("log"))
+            .unwrap();
+        let mut n = 0u64;
+        while !st2.load(Ordering::SeqCst) && n < 2000 {
+            f.write_all(&[b'x'; 512]).unwrap();
+            f.sync_all().unwrap();
+            n += 1;
+            s2.store(n, Ordering::SeqCst);
+        }
+        n
+    });
+    let t0 = Instant::now();
+    let mut lookups = 0u64;
+    let mut worst = Duration::ZERO;
+    while t0.elapsed() < Duration::from_secs(3) {
+        for i in 0..50 {
+            let t = Instant::now();
+            // Fresh names defeat the dentry cache: each one is a FUSE lookup.
+            assert_eq!(err_of(fs::metadata(m.p(&format!("missing{lookups}")))), libc::ENOENT);
+            let md = fs::metadata(m.p(&format!("f{i}"))).unwrap();
+            assert!(md.is_file());
+            worst = worst.max(t.elapsed());
+            lookups += 1;
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    let n = syncer.join().unwrap();
+    assert!(n > 10, "only {n} fsyncs in 3 s");
+    assert!(lookups > 500, "only {lookups} lookups ran alongside the fsync loop");
+    assert!(worst < Duration::from_secs(2), "a lookup took {worst:?}");
+    assert_eq!(fs::metadata(m.p("log")).unwrap().len(), n * 512);
+    m.unmount();
+    assert_fsck_clean(&img.path);
+}
+
+#[test]
+fn read_only_mount_refuses_writes_and_leaves_the_image_alone() {
+    let img = mkfs("fuse-ro", 64, &[]);
+    {
+        let mut m = Mount::new(&img.path, &[]);
+        fs::create_dir(m.p("dir")).unwrap();
+        fs::write(m.p("dir/file"), b"contents").unwrap();
+        m.unmount();
+    }
+    let before = fs::read(&img.path).unwrap();
+    let mut m = Mount::new(&img.path, &["-o", "ro"]);
+    assert_eq!(fs::read(m.p("dir/file")).unwrap(), b"contents");
+    assert_eq!(err_of(fs::write(m.p("new"), b"x")), libc::EROFS);
+    assert_eq!(err_of(fs::create_dir(m.p("d2"))), libc::EROFS);
+    assert_eq!(err_of(fs::remove_file(m.p("dir/file"))), libc::EROFS);
+    assert_eq!(
+        err_of(OpenOptions::new().write(true).open(m.p("dir/file"))),
+        libc::EROFS
+    );
+    m.unmount();
+    assert!(fs::read(&img.path).unwrap() == before, "a read-only mount changed the image");
+    assert_fsck_clean(&img.path);
+}
+
+#[test]
+fn writeback_cache_mount_round_trips() {
+    let img = mkfs("fuse-wb", 64, &["-b", "4096"]);
+    let mut m = Mount::new(&img.path, &["-o", "writeback_cache,commit=1"]);
+    let data = pattern(1 << 20, 3);
+    {
+        let mut f = File::create(m.p("wb.bin")).unwrap();
+        for c in data.chunks(10_000) {
+            f.write_all(c).unwrap();
+        }
+    }
+    let mut f = OpenOptions::new().append(true).open(m.p("wb.bin")).unwrap();
+    f.write_all(b"appended").unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let mut want = data.clone();
+    want.extend_from_slice(b"appended");
+    assert_eq!(fs::read(m.p("wb.bin")).unwrap(), want);
+    m.unmount();
+    assert_fsck_clean(&img.path);
+    let lib = commitfs::Fs::open_path(
+        &img.path,
+        commitfs::MountOptions {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let ino = lib.resolve("/wb.bin").unwrap();
+    assert_eq!(lib.getattr(ino).unwrap().size, want.len() as u64);
+    let mut got = vec![0u8; want.len()];
+    let mut off = 0;
+    while off < got.len() {
+        let n = lib.read(ino, off as u64, &mut got[off..]).unwrap();
+        assert!(n > 0);
+        off += n;
+    }
+    assert!(got == want, "library reads what the writeback-cache mount wrote");
+}
+
+/// Waits until a process that is not our child has exited (or is a zombie).
+fn wait_gone(pid: i32, secs: u64) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < deadline {
+        match fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => return true,
+            Ok(s) => {
+                let state = s.rsplit(')').next().and_then(|r| r.split_whitespace().next());
+                if state == Some("Z") || state == Some("X") {
+                    return true;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+struct Cleanup(PathBuf);
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if is_mounted(&self.0) {
+            let ok = Command::new("fusermount3")
+                .arg("-u")
+                .arg(&self.0)
+                .stderr(Stdio::null())
+                .status()
+                .map(|s| s.success())
+                .unwrap_or(false);
+            if !ok {
+                let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+            }
+        }
+        let _ = fs::remove_dir(&self.0);
+        let _ = fs::remove_file(self.0.with_extension("pid"));
+    }
+}
+
+#[test]
+fn daemon_returns_once_mounted_and_umount_writes_home() {
+    require_fuse();
+    let img = mkfs("fuse-daemon", 64, &[]);
+    let dir = unique("dmnt");
+    fs::create_dir_all(&dir).unwrap();
+    let guard = Cleanup(dir.clone());
+    let pidf = dir.with_extension("pid");
+    let out = Command::new(BIN)
+        .arg("mount")
+        .arg(&img.path)
+        .arg(&dir)
+        .arg("--pid-file")
+        .arg(&pidf)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "mount failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // No polling: the mount must be usable the moment the command returns.
+    assert!(is_mounted(&dir), "not mounted when `commitfs mount` returned");
+    fs::write(dir.join("hello"), b"from the daemon").unwrap();
+    assert_eq!(fs::read(dir.join("hello")).unwrap(), b"from the daemon");
+    let pid: i32 = fs::read_to_string(&pidf).unwrap().trim().parse().unwrap();
+    assert!(!wait_gone(pid, 0));
+    let st = Command::new("umount").arg(&dir).status().unwrap();
+    assert!(st.success());
+    assert!(wait_gone(pid, 60), "daemon {pid} still running after umount");
+    drop(guard);
+    assert_fsck_clean(&img.path);
+    let info = Command::new(BIN).arg("info").arg(&img.path).output().unwrap();
+    let text = String::from_utf8_lossy(&info.stdout);
+    assert!(text.contains("State:            clean"), "{text}");
+}
+
+#[test]
+fn unsupported_incompat_feature_is_refused_by_name() {
+    require_fuse();
+    let img: TempImage = mkfs("fuse-inline", 64, &["-O", "inline_data"]);
+    let dir = unique("imnt");
+    fs::create_dir_all(&dir).unwrap();
+    let _guard = Cleanup(dir.clone());
+    for fg in [false, true] {
+        let mut c = Command::new(BIN);
+        c.arg("mount").arg(&img.path).arg(&dir);
+        if fg {
+            c.arg("--foreground");
+        }
+        let out = c.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "mount of an inline_data image succeeded");
+        assert!(err.contains("inline_data"), "error does not name the feature: {err}");
+        assert!(!is_mounted(&dir));
+    }
+    // Unknown option and missing mount point fail cleanly too.
+    let out = Command::new(BIN)
+        .args(["mount", "-o", "bogus"])
+        .arg(&img.path)
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bogus"));
+}
