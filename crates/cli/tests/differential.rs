@@ -53,38 +53,133 @@ enum NodeType {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Create { path: String, perm: u32 },
-    Mknod { path: String, nt: NodeType, perm: u32, major: u32, minor: u32 },
-    Mkdir { path: String, perm: u32 },
-    Rmdir { path: String },
-    Unlink { path: String },
+    Create {
+        path: String,
+        perm: u32,
+    },
+    Mknod {
+        path: String,
+        nt: NodeType,
+        perm: u32,
+        major: u32,
+        minor: u32,
+    },
+    Mkdir {
+        path: String,
+        perm: u32,
+    },
+    Rmdir {
+        path: String,
+    },
+    Unlink {
+        path: String,
+    },
     /// flags: 0, RENAME_NOREPLACE (1) or RENAME_EXCHANGE (2).
-    Rename { from: String, to: String, flags: u32 },
-    Link { from: String, to: String },
-    Symlink { target: Vec<u8>, path: String },
-    Readlink { path: String },
-    Write { path: String, off: u64, len: usize, seed: u64 },
-    Read { path: String, off: u64, len: usize },
-    Truncate { path: String, size: u64 },
+    Rename {
+        from: String,
+        to: String,
+        flags: u32,
+    },
+    Link {
+        from: String,
+        to: String,
+    },
+    Symlink {
+        target: Vec<u8>,
+        path: String,
+    },
+    Readlink {
+        path: String,
+    },
+    Write {
+        path: String,
+        off: u64,
+        len: usize,
+        seed: u64,
+    },
+    Read {
+        path: String,
+        off: u64,
+        len: usize,
+    },
+    Truncate {
+        path: String,
+        size: u64,
+    },
     /// mode: FALLOC_FL_* bits.
-    Fallocate { path: String, mode: i32, off: u64, len: u64 },
-    Chmod { path: String, perm: u32 },
-    Chown { path: String, uid: u32, gid: u32 },
-    Utimens { path: String, atime: TimeArg, mtime: TimeArg },
+    Fallocate {
+        path: String,
+        mode: i32,
+        off: u64,
+        len: u64,
+    },
+    Chmod {
+        path: String,
+        perm: u32,
+    },
+    Chown {
+        path: String,
+        uid: u32,
+        gid: u32,
+    },
+    Utimens {
+        path: String,
+        atime: TimeArg,
+        mtime: TimeArg,
+    },
     /// flags: 0, XATTR_CREATE (1), XATTR_REPLACE (2).
-    SetXattr { path: String, name: String, len: usize, seed: u64, flags: i32 },
-    RemoveXattr { path: String, name: String },
-    GetXattr { path: String, name: String },
-    ListXattr { path: String },
-    Fsync { path: String, datasync: bool },
-    FsyncDir { path: String },
-    Open { path: String, h: u32 },
-    Close { h: u32 },
-    ReadH { h: u32, off: u64, len: usize },
-    WriteH { h: u32, off: u64, len: usize, seed: u64 },
+    SetXattr {
+        path: String,
+        name: String,
+        len: usize,
+        seed: u64,
+        flags: i32,
+    },
+    RemoveXattr {
+        path: String,
+        name: String,
+    },
+    GetXattr {
+        path: String,
+        name: String,
+    },
+    ListXattr {
+        path: String,
+    },
+    Fsync {
+        path: String,
+        datasync: bool,
+    },
+    FsyncDir {
+        path: String,
+    },
+    Open {
+        path: String,
+        h: u32,
+    },
+    Close {
+        h: u32,
+    },
+    ReadH {
+        h: u32,
+        off: u64,
+        len: usize,
+    },
+    WriteH {
+        h: u32,
+        off: u64,
+        len: usize,
+        seed: u64,
+    },
     /// Open, unlink, then read the whole (still open) file; the handle stays open.
-    OpenUnlinkRead { path: String, h: u32, len: usize },
-    Stat { path: String },
+    OpenUnlinkRead {
+        path: String,
+        h: u32,
+        len: usize,
+    },
+    Stat {
+        path: String,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -118,7 +213,11 @@ type Res = Result<Val, Fail>;
 
 fn show(r: &Res) -> String {
     match r {
-        Ok(Val::Bytes(b)) => format!("Ok({} bytes, {:?})", b.len(), String::from_utf8_lossy(&b[..b.len().min(80)])),
+        Ok(Val::Bytes(b)) => format!(
+            "Ok({} bytes, {:?})",
+            b.len(),
+            String::from_utf8_lossy(&b[..b.len().min(80)])
+        ),
         Ok(v) => format!("Ok({v:?})"),
         Err(f) if f.msg.is_empty() => format!("Err({})", errno_name(f.errno)),
         Err(f) => format!("Err({}: {})", errno_name(f.errno), f.msg),
@@ -144,7 +243,11 @@ fn gen_data(seed: u64, len: usize) -> Vec<u8> {
         x ^= x << 25;
         x ^= x >> 27;
         let w = x.wrapping_mul(0x2545_F491_4F6C_DD1D);
-        let bytes = if sparse && w % 17 != 0 { [0u8; 8] } else { w.to_le_bytes() };
+        let bytes = if sparse && w % 17 != 0 {
+            [0u8; 8]
+        } else {
+            w.to_le_bytes()
+        };
         let n = (len - v.len()).min(8);
         v.extend_from_slice(&bytes[..n]);
     }
@@ -186,7 +289,10 @@ struct PosixTarget {
 }
 
 fn errf(errno: i32) -> Fail {
-    Fail { errno, msg: String::new() }
+    Fail {
+        errno,
+        msg: String::new(),
+    }
 }
 
 fn io_fail(e: std::io::Error) -> Fail {
@@ -298,13 +404,28 @@ impl Target for PosixTarget {
                     libc::close(fd);
                     Ok(Val::Unit)
                 }
-                Op::Mknod { path, nt, perm, major, minor } => {
+                Op::Mknod {
+                    path,
+                    nt,
+                    perm,
+                    major,
+                    minor,
+                } => {
                     let dev = libc::makedev(*major, *minor);
-                    check(libc::mknod(self.c(path).as_ptr(), kind_bits(*nt) | perm, dev)).map(|_| Val::Unit)
+                    check(libc::mknod(
+                        self.c(path).as_ptr(),
+                        kind_bits(*nt) | perm,
+                        dev,
+                    ))
+                    .map(|_| Val::Unit)
                 }
-                Op::Mkdir { path, perm } => check(libc::mkdir(self.c(path).as_ptr(), *perm)).map(|_| Val::Unit),
+                Op::Mkdir { path, perm } => {
+                    check(libc::mkdir(self.c(path).as_ptr(), *perm)).map(|_| Val::Unit)
+                }
                 Op::Rmdir { path } => check(libc::rmdir(self.c(path).as_ptr())).map(|_| Val::Unit),
-                Op::Unlink { path } => check(libc::unlink(self.c(path).as_ptr())).map(|_| Val::Unit),
+                Op::Unlink { path } => {
+                    check(libc::unlink(self.c(path).as_ptr())).map(|_| Val::Unit)
+                }
                 Op::Rename { from, to, flags } => {
                     let (a, b) = (self.c(from), self.c(to));
                     let r = libc::syscall(
@@ -326,14 +447,23 @@ impl Target for PosixTarget {
                 }
                 Op::Readlink { path } => {
                     let mut buf = vec![0u8; 8192];
-                    let n = libc::readlink(self.c(path).as_ptr(), buf.as_mut_ptr() as *mut libc::c_char, buf.len());
+                    let n = libc::readlink(
+                        self.c(path).as_ptr(),
+                        buf.as_mut_ptr() as *mut libc::c_char,
+                        buf.len(),
+                    );
                     if n < 0 {
                         return Err(errf(last_errno()));
                     }
                     buf.truncate(n as usize);
                     Ok(Val::Bytes(buf))
                 }
-                Op::Write { path, off, len, seed } => {
+                Op::Write {
+                    path,
+                    off,
+                    len,
+                    seed,
+                } => {
                     let f = self.open_rw(path)?;
                     pwrite_all(&f, *off, &gen_data(*seed, *len))
                 }
@@ -348,12 +478,19 @@ impl Target for PosixTarget {
                 Op::Truncate { path, size } => {
                     check(libc::truncate(self.c(path).as_ptr(), *size as i64)).map(|_| Val::Unit)
                 }
-                Op::Fallocate { path, mode, off, len } => {
+                Op::Fallocate {
+                    path,
+                    mode,
+                    off,
+                    len,
+                } => {
                     let f = self.open_rw(path)?;
                     let fd = std::os::unix::io::AsRawFd::as_raw_fd(&f);
                     check(libc::fallocate(fd, *mode, *off as i64, *len as i64)).map(|_| Val::Unit)
                 }
-                Op::Chmod { path, perm } => check(libc::chmod(self.c(path).as_ptr(), *perm)).map(|_| Val::Unit),
+                Op::Chmod { path, perm } => {
+                    check(libc::chmod(self.c(path).as_ptr(), *perm)).map(|_| Val::Unit)
+                }
                 Op::Chown { path, uid, gid } => {
                     check(libc::lchown(self.c(path).as_ptr(), *uid, *gid)).map(|_| Val::Unit)
                 }
@@ -367,7 +504,13 @@ impl Target for PosixTarget {
                     ))
                     .map(|_| Val::Unit)
                 }
-                Op::SetXattr { path, name, len, seed, flags } => {
+                Op::SetXattr {
+                    path,
+                    name,
+                    len,
+                    seed,
+                    flags,
+                } => {
                     let v = gen_data(*seed, *len);
                     let n = CString::new(name.as_str()).expect("xattr name");
                     check(libc::lsetxattr(
@@ -383,9 +526,9 @@ impl Target for PosixTarget {
                     let n = CString::new(name.as_str()).expect("xattr name");
                     check(libc::lremovexattr(self.c(path).as_ptr(), n.as_ptr())).map(|_| Val::Unit)
                 }
-                Op::GetXattr { path, name } => {
-                    posix_get_xattr(&self.p(path), name.as_bytes()).map(Val::Bytes).map_err(errf)
-                }
+                Op::GetXattr { path, name } => posix_get_xattr(&self.p(path), name.as_bytes())
+                    .map(Val::Bytes)
+                    .map_err(errf),
                 Op::ListXattr { path } => posix_list_xattrs(&self.p(path))
                     .map(|m| Val::Names(m.into_keys().collect()))
                     .map_err(errf),
@@ -483,7 +626,10 @@ impl LibTarget {
         let mut buf = vec![0u8; len];
         let mut got = 0;
         while got < len {
-            let n = self.fs.read(ino, off + got as u64, &mut buf[got..]).map_err(lf)?;
+            let n = self
+                .fs
+                .read(ino, off + got as u64, &mut buf[got..])
+                .map_err(lf)?;
             if n == 0 {
                 break;
             }
@@ -512,16 +658,28 @@ impl Target for LibTarget {
         match op {
             Op::Create { path, perm } => {
                 let (p, n) = self.parent(path)?;
-                fs.create(p, &n, *perm as u16, 0, 0).map(|_| Val::Unit).map_err(lf)
+                fs.create(p, &n, *perm as u16, 0, 0)
+                    .map(|_| Val::Unit)
+                    .map_err(lf)
             }
-            Op::Mknod { path, nt, perm, major, minor } => {
+            Op::Mknod {
+                path,
+                nt,
+                perm,
+                major,
+                minor,
+            } => {
                 let (p, n) = self.parent(path)?;
                 let mode = (kind_bits(*nt) | perm) as u16;
-                fs.mknod(p, &n, mode, dev32(*major, *minor), 0, 0).map(|_| Val::Unit).map_err(lf)
+                fs.mknod(p, &n, mode, dev32(*major, *minor), 0, 0)
+                    .map(|_| Val::Unit)
+                    .map_err(lf)
             }
             Op::Mkdir { path, perm } => {
                 let (p, n) = self.parent(path)?;
-                fs.mkdir(p, &n, *perm as u16, 0, 0).map(|_| Val::Unit).map_err(lf)
+                fs.mkdir(p, &n, *perm as u16, 0, 0)
+                    .map(|_| Val::Unit)
+                    .map_err(lf)
             }
             Op::Rmdir { path } => {
                 let (p, n) = self.parent(path)?;
@@ -547,10 +705,17 @@ impl Target for LibTarget {
             }
             Op::Symlink { target, path } => {
                 let (p, n) = self.parent(path)?;
-                fs.symlink(p, &n, target, 0, 0).map(|_| Val::Unit).map_err(lf)
+                fs.symlink(p, &n, target, 0, 0)
+                    .map(|_| Val::Unit)
+                    .map_err(lf)
             }
             Op::Readlink { path } => fs.readlink(self.ino(path)?).map(Val::Bytes).map_err(lf),
-            Op::Write { path, off, len, seed } => {
+            Op::Write {
+                path,
+                off,
+                len,
+                seed,
+            } => {
                 let ino = self.ino(path)?;
                 self.write_val(ino, *off, &gen_data(*seed, *len))
             }
@@ -563,22 +728,33 @@ impl Target for LibTarget {
                     size: Some(*size),
                     ..Default::default()
                 };
-                fs.setattr(self.ino(path)?, &set).map(|_| Val::Unit).map_err(lf)
+                fs.setattr(self.ino(path)?, &set)
+                    .map(|_| Val::Unit)
+                    .map_err(lf)
             }
-            Op::Fallocate { path, mode, off, len } => {
+            Op::Fallocate {
+                path,
+                mode,
+                off,
+                len,
+            } => {
                 let f = FallocFlags {
                     keep_size: mode & libc::FALLOC_FL_KEEP_SIZE != 0,
                     punch_hole: mode & libc::FALLOC_FL_PUNCH_HOLE != 0,
                     zero_range: mode & libc::FALLOC_FL_ZERO_RANGE != 0,
                 };
-                fs.fallocate(self.ino(path)?, *off, *len, f).map(|_| Val::Unit).map_err(lf)
+                fs.fallocate(self.ino(path)?, *off, *len, f)
+                    .map(|_| Val::Unit)
+                    .map_err(lf)
             }
             Op::Chmod { path, perm } => {
                 let set = SetAttr {
                     mode: Some(*perm as u16),
                     ..Default::default()
                 };
-                fs.setattr(self.ino(path)?, &set).map(|_| Val::Unit).map_err(lf)
+                fs.setattr(self.ino(path)?, &set)
+                    .map(|_| Val::Unit)
+                    .map_err(lf)
             }
             Op::Chown { path, uid, gid } => {
                 // The VFS (not ext4) drops setuid, and setgid when group-executable,
@@ -609,9 +785,17 @@ impl Target for LibTarget {
                     mtime: ts_of(*mtime),
                     ..Default::default()
                 };
-                fs.setattr(self.ino(path)?, &set).map(|_| Val::Unit).map_err(lf)
+                fs.setattr(self.ino(path)?, &set)
+                    .map(|_| Val::Unit)
+                    .map_err(lf)
             }
-            Op::SetXattr { path, name, len, seed, flags } => {
+            Op::SetXattr {
+                path,
+                name,
+                len,
+                seed,
+                flags,
+            } => {
                 let f = XattrFlags {
                     create: flags & libc::XATTR_CREATE != 0,
                     replace: flags & libc::XATTR_REPLACE != 0,
@@ -620,16 +804,23 @@ impl Target for LibTarget {
                     .map(|_| Val::Unit)
                     .map_err(lf)
             }
-            Op::RemoveXattr { path, name } => {
-                fs.removexattr(self.ino(path)?, name.as_bytes()).map(|_| Val::Unit).map_err(lf)
-            }
-            Op::GetXattr { path, name } => fs.getxattr(self.ino(path)?, name.as_bytes()).map(Val::Bytes).map_err(lf),
+            Op::RemoveXattr { path, name } => fs
+                .removexattr(self.ino(path)?, name.as_bytes())
+                .map(|_| Val::Unit)
+                .map_err(lf),
+            Op::GetXattr { path, name } => fs
+                .getxattr(self.ino(path)?, name.as_bytes())
+                .map(Val::Bytes)
+                .map_err(lf),
             Op::ListXattr { path } => {
                 let mut v = fs.listxattr(self.ino(path)?).map_err(lf)?;
                 v.sort();
                 Ok(Val::Names(v))
             }
-            Op::Fsync { path, datasync } => fs.fsync(self.ino(path)?, *datasync).map(|_| Val::Unit).map_err(lf),
+            Op::Fsync { path, datasync } => fs
+                .fsync(self.ino(path)?, *datasync)
+                .map(|_| Val::Unit)
+                .map_err(lf),
             Op::FsyncDir { path } => fs.fsyncdir(self.ino(path)?).map(|_| Val::Unit).map_err(lf),
             Op::Open { path, h } => {
                 let ino = self.ino(path)?;
@@ -679,7 +870,9 @@ impl Target for LibTarget {
     fn close_all(&mut self) -> Result<(), String> {
         let hs: Vec<(u32, Ino)> = self.handles.drain().collect();
         for (_, ino) in hs {
-            self.fs.release(ino).map_err(|e| format!("release({ino}): {e}"))?;
+            self.fs
+                .release(ino)
+                .map_err(|e| format!("release({ino}): {e}"))?;
         }
         Ok(())
     }
@@ -809,7 +1002,10 @@ impl Gen {
                 return join_path(&f.path.clone(), &name);
             }
         }
-        let d = self.pick(t, |i| i.kind == Kind::Dir).map(|i| i.path.clone()).unwrap_or("/".into());
+        let d = self
+            .pick(t, |i| i.kind == Kind::Dir)
+            .map(|i| i.path.clone())
+            .unwrap_or("/".into());
         join_path(&d, &name)
     }
 
@@ -817,7 +1013,9 @@ impl Gen {
         if self.rng.gen_range(0..100) < 4 {
             return self.new_path(t);
         }
-        self.pick(t, |i| i.path != "/").map(|i| i.path.clone()).unwrap_or_else(|| "/nothing".into())
+        self.pick(t, |i| i.path != "/")
+            .map(|i| i.path.clone())
+            .unwrap_or_else(|| "/nothing".into())
     }
 
     fn file(&mut self, t: &[Info]) -> Option<Info> {
@@ -826,7 +1024,11 @@ impl Gen {
 
     fn time(&mut self) -> TimeArg {
         let r = &mut self.rng;
-        let nsec = if r.gen_bool(0.2) { 0 } else { r.gen_range(0..1_000_000_000) };
+        let nsec = if r.gen_bool(0.2) {
+            0
+        } else {
+            r.gen_range(0..1_000_000_000)
+        };
         match r.gen_range(0..10) {
             0 => TimeArg::Now,
             1 => TimeArg::At(r.gen_range(-(1i64 << 31)..0), nsec),
@@ -861,33 +1063,38 @@ impl Gen {
 
     fn gen_one(&mut self, t: &[Info]) -> Option<Generated> {
         let n_entries = t.len();
-        let huge = t.iter().filter(|i| i.kind == Kind::File && i.size > GIB4).count();
+        let huge = t
+            .iter()
+            .filter(|i| i.kind == Kind::File && i.size > GIB4)
+            .count();
         let bs = self.bs;
-        let g = |op: Op, group: &'static str, tags: Vec<&'static str>| Some(Generated { op, group, tags });
+        let g = |op: Op, group: &'static str, tags: Vec<&'static str>| {
+            Some(Generated { op, group, tags })
+        };
         // Keep the tree between roughly 50 and 400 entries.
         let w_create = if n_entries > 400 { 1 } else { 10 };
         let w_remove = if n_entries < 50 { 2 } else { 8 };
         let weights: [(u32, u32); 21] = [
-            (0, w_create),      // create
-            (1, w_create / 2),  // mknod
-            (2, w_create / 2),  // mkdir
-            (3, w_remove / 2),  // rmdir
-            (4, w_remove),      // unlink
-            (5, 10),            // rename
-            (6, 4),             // link
-            (7, 5),             // symlink
-            (8, 2),             // readlink
-            (9, 18),            // write
-            (10, 4),            // read
-            (11, 6),            // truncate
-            (12, 6),            // fallocate
-            (13, 3),            // chmod
-            (14, 3),            // chown
-            (15, 4),            // utimens
-            (16, 10),           // xattr
-            (17, 3),            // fsync
-            (18, 6),            // handles
-            (19, 3),            // stat
+            (0, w_create),     // create
+            (1, w_create / 2), // mknod
+            (2, w_create / 2), // mkdir
+            (3, w_remove / 2), // rmdir
+            (4, w_remove),     // unlink
+            (5, 10),           // rename
+            (6, 4),            // link
+            (7, 5),            // symlink
+            (8, 2),            // readlink
+            (9, 18),           // write
+            (10, 4),           // read
+            (11, 6),           // truncate
+            (12, 6),           // fallocate
+            (13, 3),           // chmod
+            (14, 3),           // chown
+            (15, 4),           // utimens
+            (16, 10),          // xattr
+            (17, 3),           // fsync
+            (18, 6),           // handles
+            (19, 3),           // stat
             (20, 0),
         ];
         let total: u32 = weights.iter().map(|w| w.1).sum();
@@ -917,10 +1124,23 @@ impl Gen {
                 let (major, minor) = if self.rng.gen_bool(0.5) {
                     (self.rng.gen_range(0..256), self.rng.gen_range(0..256))
                 } else {
-                    (self.rng.gen_range(256..4096), self.rng.gen_range(0..1 << 20))
+                    (
+                        self.rng.gen_range(256..4096),
+                        self.rng.gen_range(0..1 << 20),
+                    )
                 };
                 let perm = self.rng.gen_range(0..0o10000);
-                g(Op::Mknod { path, nt, perm, major, minor }, "mknod", vec![tag])
+                g(
+                    Op::Mknod {
+                        path,
+                        nt,
+                        perm,
+                        major,
+                        minor,
+                    },
+                    "mknod",
+                    vec![tag],
+                )
             }
             2 => {
                 let path = self.new_path(t);
@@ -931,8 +1151,10 @@ impl Gen {
             3 => {
                 let empty = self.rng.gen_bool(0.7);
                 let path = if self.rng.gen_bool(0.85) {
-                    self.pick(t, |i| i.kind == Kind::Dir && i.path != "/" && (!empty || i.children == 0))
-                        .map(|i| i.path.clone())?
+                    self.pick(t, |i| {
+                        i.kind == Kind::Dir && i.path != "/" && (!empty || i.children == 0)
+                    })
+                    .map(|i| i.path.clone())?
                 } else {
                     self.any_path(t)
                 };
@@ -940,7 +1162,8 @@ impl Gen {
             }
             4 => {
                 let path = if self.rng.gen_bool(0.9) {
-                    self.pick(t, |i| i.kind != Kind::Dir).map(|i| i.path.clone())?
+                    self.pick(t, |i| i.kind != Kind::Dir)
+                        .map(|i| i.path.clone())?
                 } else {
                     self.any_path(t)
                 };
@@ -980,15 +1203,28 @@ impl Gen {
                 if src.kind == Kind::Dir && split(&src.path).0 != split(&to).0 {
                     tags.push("rename_dir_cross_parent");
                 }
-                g(Op::Rename { from: src.path, to, flags }, "rename", tags)
+                g(
+                    Op::Rename {
+                        from: src.path,
+                        to,
+                        flags,
+                    },
+                    "rename",
+                    tags,
+                )
             }
             6 => {
                 let from = if self.rng.gen_bool(0.9) {
-                    self.pick(t, |i| i.kind != Kind::Dir).map(|i| i.path.clone())?
+                    self.pick(t, |i| i.kind != Kind::Dir)
+                        .map(|i| i.path.clone())?
                 } else {
                     self.any_path(t)
                 };
-                let to = if self.rng.gen_bool(0.9) { self.new_path(t) } else { self.any_path(t) };
+                let to = if self.rng.gen_bool(0.9) {
+                    self.new_path(t)
+                } else {
+                    self.any_path(t)
+                };
                 g(Op::Link { from, to }, "link", vec!["link"])
             }
             7 => {
@@ -1010,12 +1246,17 @@ impl Gen {
                     let c = b"abcdefghij/..-_XYZ0123456789"[self.rng.gen_range(0..28)];
                     target.push(c);
                 }
-                let tag = if len < 60 { "symlink_short" } else { "symlink_long" };
+                let tag = if len < 60 {
+                    "symlink_short"
+                } else {
+                    "symlink_long"
+                };
                 g(Op::Symlink { target, path }, "symlink", vec![tag])
             }
             8 => {
                 let path = if self.rng.gen_bool(0.8) {
-                    self.pick(t, |i| i.kind == Kind::Symlink).map(|i| i.path.clone())?
+                    self.pick(t, |i| i.kind == Kind::Symlink)
+                        .map(|i| i.path.clone())?
                 } else {
                     self.any_path(t)
                 };
@@ -1042,8 +1283,21 @@ impl Gen {
                     _ => (self.rng.gen_range(0..=s.min(1 << 20)), "write"),
                 };
                 let seed = self.rng.gen();
-                let tag = if tag == "write" && off > s { "write_sparse" } else { tag };
-                g(Op::Write { path: f.path, off, len, seed }, "write", vec![tag])
+                let tag = if tag == "write" && off > s {
+                    "write_sparse"
+                } else {
+                    tag
+                };
+                g(
+                    Op::Write {
+                        path: f.path,
+                        off,
+                        len,
+                        seed,
+                    },
+                    "write",
+                    vec![tag],
+                )
             }
             10 => {
                 let f = self.file(t)?;
@@ -1053,13 +1307,22 @@ impl Gen {
                     self.rng.gen_range(0..f.size + 10_000)
                 };
                 let len = self.len();
-                g(Op::Read { path: f.path, off, len }, "read", vec!["read"])
+                g(
+                    Op::Read {
+                        path: f.path,
+                        off,
+                        len,
+                    },
+                    "read",
+                    vec!["read"],
+                )
             }
             11 => {
                 let f = if self.rng.gen_bool(0.95) {
                     self.file(t)?
                 } else {
-                    self.pick(t, |i| i.kind != Kind::Symlink && i.path != "/")?.clone()
+                    self.pick(t, |i| i.kind != Kind::Symlink && i.path != "/")?
+                        .clone()
                 };
                 let s = f.size;
                 let huge_ok = f.size > GIB4 || huge < 2;
@@ -1086,7 +1349,10 @@ impl Gen {
                 let (mode, tag) = match self.rng.gen_range(0..8) {
                     0 | 1 => (0, "fallocate"),
                     2 | 3 => (libc::FALLOC_FL_KEEP_SIZE, "fallocate_keep_size"),
-                    4..=6 => (libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, "fallocate_punch_hole"),
+                    4..=6 => (
+                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                        "fallocate_punch_hole",
+                    ),
                     _ => (libc::FALLOC_FL_ZERO_RANGE, "fallocate_zero_range"),
                 };
                 let s = f.size;
@@ -1100,7 +1366,16 @@ impl Gen {
                 } else {
                     bs * self.rng.gen_range(1..128)
                 };
-                g(Op::Fallocate { path: f.path, mode, off, len }, "fallocate", vec![tag])
+                g(
+                    Op::Fallocate {
+                        path: f.path,
+                        mode,
+                        off,
+                        len,
+                    },
+                    "fallocate",
+                    vec![tag],
+                )
             }
             13 => {
                 let path = self.pick(t, |i| i.kind != Kind::Symlink)?.path.clone();
@@ -1124,20 +1399,30 @@ impl Gen {
                 if self.rng.gen_bool(0.1) {
                     atime = TimeArg::Omit;
                 }
-                g(Op::Utimens { path, atime, mtime }, "utimens", vec!["utimens"])
+                g(
+                    Op::Utimens { path, atime, mtime },
+                    "utimens",
+                    vec!["utimens"],
+                )
             }
             16 => {
                 // Half the time an entry that already has attributes.
                 let with = self.rng.gen_bool(0.5) && t.iter().any(|i| !i.xattrs.is_empty());
                 let path = if self.rng.gen_bool(0.97) {
-                    self.pick(t, |i| matches!(i.kind, Kind::File | Kind::Dir) && (!with || !i.xattrs.is_empty()))?
-                        .path
-                        .clone()
+                    self.pick(t, |i| {
+                        matches!(i.kind, Kind::File | Kind::Dir) && (!with || !i.xattrs.is_empty())
+                    })?
+                    .path
+                    .clone()
                 } else {
                     self.new_path(t)
                 };
                 // Mostly a name the target has (get/replace/remove then succeed).
-                let has: Vec<String> = t.iter().find(|i| i.path == path).map(|i| i.xattrs.clone()).unwrap_or_default();
+                let has: Vec<String> = t
+                    .iter()
+                    .find(|i| i.path == path)
+                    .map(|i| i.xattrs.clone())
+                    .unwrap_or_default();
                 let name = if !has.is_empty() && self.rng.gen_bool(0.6) {
                     has[self.rng.gen_range(0..has.len())].clone()
                 } else if self.rng.gen_bool(0.2) {
@@ -1152,7 +1437,10 @@ impl Gen {
                             if self.rng.gen_range(0..30) == 0 {
                                 (bs as usize + 100, "xattr_set_too_big")
                             } else {
-                                (self.rng.gen_range(100..(bs as usize / 5)), "xattr_set_large")
+                                (
+                                    self.rng.gen_range(100..(bs as usize / 5)),
+                                    "xattr_set_large",
+                                )
                             }
                         } else {
                             (self.rng.gen_range(0..40), "xattr_set_small")
@@ -1163,9 +1451,23 @@ impl Gen {
                             _ => (0, "xattr_set"),
                         };
                         let seed = self.rng.gen();
-                        g(Op::SetXattr { path, name, len, seed, flags }, "xattr", vec![tag, ftag])
+                        g(
+                            Op::SetXattr {
+                                path,
+                                name,
+                                len,
+                                seed,
+                                flags,
+                            },
+                            "xattr",
+                            vec![tag, ftag],
+                        )
                     }
-                    5 | 6 => g(Op::RemoveXattr { path, name }, "xattr", vec!["xattr_remove"]),
+                    5 | 6 => g(
+                        Op::RemoveXattr { path, name },
+                        "xattr",
+                        vec!["xattr_remove"],
+                    ),
                     7 | 8 => g(Op::GetXattr { path, name }, "xattr", vec!["xattr_get"]),
                     _ => g(Op::ListXattr { path }, "xattr", vec!["xattr_list"]),
                 }
@@ -1189,7 +1491,15 @@ impl Gen {
                     self.open.push(h);
                     if r == 0 {
                         let len = f.size.min(1 << 20) as usize + 10;
-                        return g(Op::OpenUnlinkRead { path: f.path, h, len }, "handle", vec!["open_unlink_read"]);
+                        return g(
+                            Op::OpenUnlinkRead {
+                                path: f.path,
+                                h,
+                                len,
+                            },
+                            "handle",
+                            vec!["open_unlink_read"],
+                        );
                     }
                     return g(Op::Open { path: f.path, h }, "handle", vec!["open"]);
                 }
@@ -1212,7 +1522,11 @@ impl Gen {
                         let off = self.rng.gen_range(0..(1u64 << 20));
                         let len = self.len();
                         let seed = self.rng.gen();
-                        g(Op::WriteH { h, off, len, seed }, "handle", vec!["write_handle"])
+                        g(
+                            Op::WriteH { h, off, len, seed },
+                            "handle",
+                            vec!["write_handle"],
+                        )
                     }
                 }
             }
@@ -1321,7 +1635,8 @@ fn run_sequence(
         case.name
     );
     // COMMITFS_DIFF_LOG=<file>: every operation and both results, for debugging.
-    let mut log = std::env::var_os("COMMITFS_DIFF_LOG").map(|p| std::fs::File::create(p).expect("create log"));
+    let mut log = std::env::var_os("COMMITFS_DIFF_LOG")
+        .map(|p| std::fs::File::create(p).expect("create log"));
     let mut tree = scan(kroot);
     for i in 0..nops {
         let g = gen.gen(&tree);
@@ -1342,7 +1657,12 @@ fn run_sequence(
                 );
             }
         };
-        let line = format!("#{i} {:?} -> kernel {} / {other_name} {}", g.op, show(&rk), show(&ro));
+        let line = format!(
+            "#{i} {:?} -> kernel {} / {other_name} {}",
+            g.op,
+            show(&rk),
+            show(&ro)
+        );
         if let Some(f) = log.as_mut() {
             use std::io::Write;
             let _ = writeln!(f, "{line}");
@@ -1371,21 +1691,47 @@ fn run_sequence(
         if !same(&rk, &ro) {
             let m = format!("[{}] seed {seed}: result mismatch at {line}", case.name);
             if !keep_going {
-                panic!("{m}\nrecent ops:\n  {}\nrepro: {repro} (n = {})", history.join("\n  "), i + 1);
+                panic!(
+                    "{m}\nrecent ops:\n  {}\nrepro: {repro} (n = {})",
+                    history.join("\n  "),
+                    i + 1
+                );
             }
             eprintln!("{m}");
             mismatches.push(m);
         }
-        if rk.is_ok() && !matches!(g.op, Op::Read { .. } | Op::ReadH { .. } | Op::Stat { .. } | Op::Readlink { .. } | Op::GetXattr { .. } | Op::ListXattr { .. }) {
+        if rk.is_ok()
+            && !matches!(
+                g.op,
+                Op::Read { .. }
+                    | Op::ReadH { .. }
+                    | Op::Stat { .. }
+                    | Op::Readlink { .. }
+                    | Op::GetXattr { .. }
+                    | Op::ListXattr { .. }
+            )
+        {
             tree = scan(kroot);
         }
     }
     kernel.close_all().expect("close kernel handles");
-    other.close_all().unwrap_or_else(|e| panic!("[{}] seed {seed}: {other_name} close_all: {e}", case.name));
-    eprintln!("[{}] seed {seed}: {nops} ops; coverage (ok, err): {covered:?}", case.name);
+    other
+        .close_all()
+        .unwrap_or_else(|e| panic!("[{}] seed {seed}: {other_name} close_all: {e}", case.name));
+    eprintln!(
+        "[{}] seed {seed}: {nops} ops; coverage (ok, err): {covered:?}",
+        case.name
+    );
     if nops >= 2000 {
-        let missing: Vec<&&str> = REQUIRED.iter().filter(|t| covered.get(**t).is_none_or(|c| c.0 == 0)).collect();
-        assert!(missing.is_empty(), "[{}] seed {seed}: sequence never succeeded at {missing:?}", case.name);
+        let missing: Vec<&&str> = REQUIRED
+            .iter()
+            .filter(|t| covered.get(**t).is_none_or(|c| c.0 == 0))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "[{}] seed {seed}: sequence never succeeded at {missing:?}",
+            case.name
+        );
     }
     Mismatches(mismatches)
 }
@@ -1403,15 +1749,24 @@ impl Drop for Mismatches {
 }
 
 fn block_size_of(case: &Case) -> u64 {
-    let pos = case.mkfs.iter().position(|a| *a == "-b").expect("cases pass -b");
+    let pos = case
+        .mkfs
+        .iter()
+        .position(|a| *a == "-b")
+        .expect("cases pass -b");
     case.mkfs[pos + 1].parse().expect("block size")
 }
 
 fn setup(case: &Case) -> (u64, usize, i64, TempImage) {
     umask0();
     let seed = env_u64("COMMITFS_DIFF_SEED").unwrap_or(case.default_seed);
-    let nops = env_u64("COMMITFS_DIFF_OPS").map(|n| n as usize).unwrap_or(2000);
-    eprintln!("[{}] seed {seed} ({nops} ops): set COMMITFS_DIFF_SEED={seed} to reproduce", case.name);
+    let nops = env_u64("COMMITFS_DIFF_OPS")
+        .map(|n| n as usize)
+        .unwrap_or(2000);
+    eprintln!(
+        "[{}] seed {seed} ({nops} ops): set COMMITFS_DIFF_SEED={seed} to reproduce",
+        case.name
+    );
     let t0 = now_secs();
     let img = mkfs(case.name, IMAGE_MIB, case.mkfs);
     (seed, nops, t0, img)
@@ -1453,25 +1808,52 @@ fn lib_case(case: &Case) {
     let ks = snapshot_posix(km.path(), SnapOpts::default());
     let ls = snapshot_lib(&lib.fs, SnapOpts::default());
     eprintln!("{ctx}: final tree has {} entries", ks.entries.len());
-    assert_same(&ks, "kernel", &ls, "commitfs", recent(t0), &format!("{ctx}: final trees"));
+    assert_same(
+        &ks,
+        "kernel",
+        &ls,
+        "commitfs",
+        recent(t0),
+        &format!("{ctx}: final trees"),
+    );
 
-    lib.fs.unmount().unwrap_or_else(|e| panic!("{ctx}: commitfs unmount: {e}"));
+    lib.fs
+        .unmount()
+        .unwrap_or_else(|e| panic!("{ctx}: commitfs unmount: {e}"));
     drop(lib);
-    km.unmount().unwrap_or_else(|e| panic!("{ctx}: kernel unmount: {e}"));
-    check_fsck(&kimg.path, "kernel image").unwrap_or_else(|e| panic!("{ctx}: harness problem: {e}"));
+    km.unmount()
+        .unwrap_or_else(|e| panic!("{ctx}: kernel unmount: {e}"));
+    check_fsck(&kimg.path, "kernel image")
+        .unwrap_or_else(|e| panic!("{ctx}: harness problem: {e}"));
     check_fsck(&limg.path, "commitfs image").unwrap_or_else(|e| panic!("{ctx}: {e}"));
 
     // What commitfs wrote must read back the same: by commitfs after a remount ...
     let fs = open_lib(&limg.path, true).unwrap_or_else(|e| panic!("{ctx}: commitfs remount: {e}"));
     let ls2 = snapshot_lib(&fs, SnapOpts::default());
     drop(fs);
-    assert_same(&ls, "commitfs", &ls2, "commitfs-remounted", EXACT, &format!("{ctx}: after remount"));
+    assert_same(
+        &ls,
+        "commitfs",
+        &ls2,
+        "commitfs-remounted",
+        EXACT,
+        &format!("{ctx}: after remount"),
+    );
     // ... and by the kernel.
-    let mut km2 = KernelMount::mount(&limg.path, "ro,noatime").unwrap_or_else(|e| panic!("{ctx}: kernel mount of commitfs image: {e}"));
+    let mut km2 = KernelMount::mount(&limg.path, "ro,noatime")
+        .unwrap_or_else(|e| panic!("{ctx}: kernel mount of commitfs image: {e}"));
     let ks2 = snapshot_posix(km2.path(), SnapOpts::default());
     km2.unmount().expect("unmount");
-    assert_same(&ls, "commitfs", &ks2, "kernel-reading-commitfs-image", EXACT, &format!("{ctx}: kernel view of commitfs image"));
-    check_fsck(&limg.path, "commitfs image after kernel ro mount").unwrap_or_else(|e| panic!("{ctx}: {e}"));
+    assert_same(
+        &ls,
+        "commitfs",
+        &ks2,
+        "kernel-reading-commitfs-image",
+        EXACT,
+        &format!("{ctx}: kernel view of commitfs image"),
+    );
+    check_fsck(&limg.path, "commitfs image after kernel ro mount")
+        .unwrap_or_else(|e| panic!("{ctx}: {e}"));
 }
 
 /// FUSE mount vs kernel.
@@ -1495,16 +1877,27 @@ fn fuse_case(case: &Case) {
     let ks = snapshot_posix(km.path(), SnapOpts::default());
     let fs_snap = snapshot_posix(fm.path(), SnapOpts::default());
     eprintln!("{ctx}: final tree has {} entries", ks.entries.len());
-    assert_same(&ks, "kernel", &fs_snap, "fuse", recent(t0), &format!("{ctx}: final trees"));
+    assert_same(
+        &ks,
+        "kernel",
+        &fs_snap,
+        "fuse",
+        recent(t0),
+        &format!("{ctx}: final trees"),
+    );
     drop(fuse);
-    fm.unmount().unwrap_or_else(|e| panic!("{ctx}: FUSE unmount: {e}"));
+    fm.unmount()
+        .unwrap_or_else(|e| panic!("{ctx}: FUSE unmount: {e}"));
     drop(wd);
-    km.unmount().unwrap_or_else(|e| panic!("{ctx}: kernel unmount: {e}"));
-    check_fsck(&kimg.path, "kernel image").unwrap_or_else(|e| panic!("{ctx}: harness problem: {e}"));
+    km.unmount()
+        .unwrap_or_else(|e| panic!("{ctx}: kernel unmount: {e}"));
+    check_fsck(&kimg.path, "kernel image")
+        .unwrap_or_else(|e| panic!("{ctx}: harness problem: {e}"));
     check_fsck(&fimg.path, "commitfs (FUSE) image").unwrap_or_else(|e| panic!("{ctx}: {e}"));
 
     // The image must hold what the FUSE mount showed: read it with the kernel.
-    let mut km2 = KernelMount::mount(&fimg.path, "ro,noatime").unwrap_or_else(|e| panic!("{ctx}: kernel mount of commitfs image: {e}"));
+    let mut km2 = KernelMount::mount(&fimg.path, "ro,noatime")
+        .unwrap_or_else(|e| panic!("{ctx}: kernel mount of commitfs image: {e}"));
     let ks2 = snapshot_posix(km2.path(), SnapOpts::default());
     km2.unmount().expect("unmount");
     let o = CompareOpts {
@@ -1512,7 +1905,14 @@ fn fuse_case(case: &Case) {
         dir_sizes: true,
         atime: true,
     };
-    assert_same(&fs_snap, "fuse", &ks2, "kernel-reading-commitfs-image", o, &format!("{ctx}: kernel view of FUSE-written image"));
+    assert_same(
+        &fs_snap,
+        "fuse",
+        &ks2,
+        "kernel-reading-commitfs-image",
+        o,
+        &format!("{ctx}: kernel view of FUSE-written image"),
+    );
 }
 
 /// The harness itself: two kernel mounts of identical images must agree on every
@@ -1558,7 +1958,12 @@ fn lib_vs_kernel_4k_fast_commit_orphan_file() {
     lib_case(&Case {
         name: "lib_vs_kernel_4k_fast_commit_orphan_file",
         default_seed: 0x4c0f_fee4,
-        mkfs: &["-b", "4096", "-O", "fast_commit,metadata_csum_seed,orphan_file"],
+        mkfs: &[
+            "-b",
+            "4096",
+            "-O",
+            "fast_commit,metadata_csum_seed,orphan_file",
+        ],
     });
 }
 

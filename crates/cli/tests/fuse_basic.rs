@@ -101,7 +101,11 @@ impl Mount {
                 m.child = None;
                 panic!("commitfs mount exited with {st}:\n{}", m.log_text());
             }
-            assert!(Instant::now() < deadline, "not mounted after 20 s:\n{}", m.log_text());
+            assert!(
+                Instant::now() < deadline,
+                "not mounted after 20 s:\n{}",
+                m.log_text()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         m
@@ -145,7 +149,11 @@ impl Mount {
             }
             std::thread::sleep(Duration::from_millis(20));
         };
-        assert!(st.success(), "daemon exited with {st}:\n{}", self.log_text());
+        assert!(
+            st.success(),
+            "daemon exited with {st}:\n{}",
+            self.log_text()
+        );
     }
 }
 
@@ -195,7 +203,13 @@ fn renameat2(a: &Path, b: &Path, flags: u32) -> i32 {
     let (a, b) = (cpath(a), cpath(b));
     // SAFETY: valid NUL-terminated paths.
     let r = unsafe {
-        libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), flags)
+        libc::renameat2(
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            flags,
+        )
     };
     if r == 0 {
         0
@@ -224,7 +238,11 @@ fn getxattr(p: &Path, name: &str, size: usize) -> Result<Vec<u8>, i32> {
         libc::getxattr(
             c.as_ptr(),
             n.as_ptr(),
-            if size == 0 { std::ptr::null_mut() } else { buf.as_mut_ptr().cast() },
+            if size == 0 {
+                std::ptr::null_mut()
+            } else {
+                buf.as_mut_ptr().cast()
+            },
             size,
         )
     };
@@ -275,7 +293,11 @@ fn fallocate(f: &File, mode: i32, off: i64, len: i64) -> i32 {
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
-        .map(|i| (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed as u32) as u8)
+        .map(|i| {
+            (i as u32)
+                .wrapping_mul(2_654_435_761)
+                .wrapping_add(seed as u32) as u8
+        })
         .collect()
 }
 
@@ -319,7 +341,10 @@ fn every_fuse_operation_end_to_end() {
     let a = pattern(200_000, 1);
     fs::write(m.p("d/a.bin"), &a).unwrap();
     assert_eq!(fs::read(m.p("d/a.bin")).unwrap(), a);
-    let mut f = OpenOptions::new().append(true).open(m.p("d/a.bin")).unwrap();
+    let mut f = OpenOptions::new()
+        .append(true)
+        .open(m.p("d/a.bin"))
+        .unwrap();
     f.write_all(b"tail").unwrap();
     drop(f);
     let f = OpenOptions::new().write(true).open(m.p("d/a.bin")).unwrap();
@@ -355,7 +380,10 @@ fn every_fuse_operation_end_to_end() {
     ];
     let cp = cpath(&p);
     // SAFETY: valid path and two timespecs.
-    assert_eq!(unsafe { libc::utimensat(libc::AT_FDCWD, cp.as_ptr(), ts.as_ptr(), 0) }, 0);
+    assert_eq!(
+        unsafe { libc::utimensat(libc::AT_FDCWD, cp.as_ptr(), ts.as_ptr(), 0) },
+        0
+    );
     let md = fs::metadata(&p).unwrap();
     assert_eq!((md.atime(), md.atime_nsec()), (1_000_000_000, 123_456_789));
     assert_eq!((md.mtime(), md.mtime_nsec()), (1_500_000_000, 42));
@@ -371,21 +399,37 @@ fn every_fuse_operation_end_to_end() {
         },
     ];
     // SAFETY: as above.
-    assert_eq!(unsafe { libc::utimensat(libc::AT_FDCWD, cp.as_ptr(), now.as_ptr(), 0) }, 0);
+    assert_eq!(
+        unsafe { libc::utimensat(libc::AT_FDCWD, cp.as_ptr(), now.as_ptr(), 0) },
+        0
+    );
     let md = fs::metadata(&p).unwrap();
-    assert!(md.atime() >= before && md.atime() <= now_secs() + 1, "atime {}", md.atime());
+    assert!(
+        md.atime() >= before && md.atime() <= now_secs() + 1,
+        "atime {}",
+        md.atime()
+    );
     assert_eq!(md.mtime(), 1_500_000_000, "UTIME_OMIT left mtime alone");
     assert!(md.ctime() >= before);
 
     // mknod: fifo and character device; symlink and readlink
     let fifo = cpath(&m.p("d/fifo"));
     // SAFETY: valid path.
-    assert_eq!(unsafe { libc::mknod(fifo.as_ptr(), libc::S_IFIFO | 0o644, 0) }, 0);
-    assert!(fs::symlink_metadata(m.p("d/fifo")).unwrap().file_type().is_fifo());
+    assert_eq!(
+        unsafe { libc::mknod(fifo.as_ptr(), libc::S_IFIFO | 0o644, 0) },
+        0
+    );
+    assert!(fs::symlink_metadata(m.p("d/fifo"))
+        .unwrap()
+        .file_type()
+        .is_fifo());
     let chr = cpath(&m.p("d/null"));
     let dev = libc::makedev(1, 3);
     // SAFETY: valid path.
-    assert_eq!(unsafe { libc::mknod(chr.as_ptr(), libc::S_IFCHR | 0o666, dev) }, 0);
+    assert_eq!(
+        unsafe { libc::mknod(chr.as_ptr(), libc::S_IFCHR | 0o666, dev) },
+        0
+    );
     let md = fs::symlink_metadata(m.p("d/null")).unwrap();
     assert_eq!(md.rdev(), dev);
     assert_eq!(md.mode() & libc::S_IFMT, libc::S_IFCHR);
@@ -393,8 +437,15 @@ fn every_fuse_operation_end_to_end() {
     let long_target = "t/".repeat(150);
     std::os::unix::fs::symlink(&long_target, m.p("d/long")).unwrap();
     assert_eq!(fs::read_link(m.p("d/short")).unwrap(), Path::new("a.bin"));
-    assert_eq!(fs::read_link(m.p("d/long")).unwrap(), Path::new(&long_target));
-    assert_eq!(fs::read(m.p("d/short")).unwrap(), want, "follow the symlink");
+    assert_eq!(
+        fs::read_link(m.p("d/long")).unwrap(),
+        Path::new(&long_target)
+    );
+    assert_eq!(
+        fs::read(m.p("d/short")).unwrap(),
+        want,
+        "follow the symlink"
+    );
 
     // link
     fs::hard_link(m.p("d/a.bin"), m.p("hard")).unwrap();
@@ -409,8 +460,14 @@ fn every_fuse_operation_end_to_end() {
     fs::write(m.p("y"), b"yyyy").unwrap();
     fs::rename(m.p("x"), m.p("d/x2")).unwrap();
     assert_eq!(fs::read(m.p("d/x2")).unwrap(), b"xxx");
-    assert_eq!(renameat2(&m.p("d/x2"), &m.p("y"), libc::RENAME_NOREPLACE), libc::EEXIST);
-    assert_eq!(renameat2(&m.p("d/x2"), &m.p("z"), libc::RENAME_NOREPLACE), 0);
+    assert_eq!(
+        renameat2(&m.p("d/x2"), &m.p("y"), libc::RENAME_NOREPLACE),
+        libc::EEXIST
+    );
+    assert_eq!(
+        renameat2(&m.p("d/x2"), &m.p("z"), libc::RENAME_NOREPLACE),
+        0
+    );
     assert_eq!(renameat2(&m.p("z"), &m.p("y"), libc::RENAME_EXCHANGE), 0);
     assert_eq!(fs::read(m.p("z")).unwrap(), b"yyyy");
     assert_eq!(fs::read(m.p("y")).unwrap(), b"xxx");
@@ -446,7 +503,10 @@ fn every_fuse_operation_end_to_end() {
     assert_eq!(err_of(fs::create_dir(m.p("d"))), libc::EEXIST);
     assert_eq!(err_of(fs::metadata(m.p("z/sub"))), libc::ENOTDIR);
     assert_eq!(err_of(fs::remove_dir(m.p("z"))), libc::ENOTDIR);
-    assert_eq!(err_of(fs::write(m.p(&"n".repeat(256)), b"")), libc::ENAMETOOLONG);
+    assert_eq!(
+        err_of(fs::write(m.p(&"n".repeat(256)), b"")),
+        libc::ENAMETOOLONG
+    );
 
     // xattrs: set, size probe, ERANGE, list, flags, remove
     let p = m.p("z");
@@ -457,8 +517,14 @@ fn every_fuse_operation_end_to_end() {
     assert_eq!(getxattr(&p, "user.k", 3), Err(libc::ERANGE));
     assert_eq!(getxattr(&p, "user.k", 64).unwrap(), b"value-1");
     assert_eq!(listxattr(&p), ["user.k", "user.other"]);
-    assert_eq!(setxattr(&p, "user.k", b"v2", libc::XATTR_CREATE), libc::EEXIST);
-    assert_eq!(setxattr(&p, "user.none", b"v", libc::XATTR_REPLACE), libc::ENODATA);
+    assert_eq!(
+        setxattr(&p, "user.k", b"v2", libc::XATTR_CREATE),
+        libc::EEXIST
+    );
+    assert_eq!(
+        setxattr(&p, "user.none", b"v", libc::XATTR_REPLACE),
+        libc::ENODATA
+    );
     assert_eq!(setxattr(&p, "user.k", b"v2", libc::XATTR_REPLACE), 0);
     assert_eq!(getxattr(&p, "user.k", 64).unwrap(), b"v2");
     assert_eq!(removexattr(&p, "user.k"), 0);
@@ -480,7 +546,11 @@ fn every_fuse_operation_end_to_end() {
     let blocks0 = f.metadata().unwrap().blocks();
     assert!(blocks0 >= 80, "allocated {blocks0} sectors");
     assert_eq!(fallocate(&f, libc::FALLOC_FL_KEEP_SIZE, 40_960, 40_960), 0);
-    assert_eq!(f.metadata().unwrap().len(), 40_960, "KEEP_SIZE keeps the size");
+    assert_eq!(
+        f.metadata().unwrap().len(),
+        40_960,
+        "KEEP_SIZE keeps the size"
+    );
     assert!(f.metadata().unwrap().blocks() >= blocks0 + 80);
     f.write_all_at(&[0xAB; 40_960], 0).unwrap();
     assert_eq!(
@@ -570,7 +640,12 @@ fn nix_statvfs(p: &Path) -> libc::statvfs {
     // SAFETY: zeroed POD filled by statvfs.
     let mut sv: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: valid path and out pointer.
-    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut sv) }, 0, "statvfs errno {}", errno());
+    assert_eq!(
+        unsafe { libc::statvfs(c.as_ptr(), &mut sv) },
+        0,
+        "statvfs errno {}",
+        errno()
+    );
     sv
 }
 
@@ -607,7 +682,10 @@ fn fsync_loop_does_not_block_lookups() {
         for i in 0..50 {
             let t = Instant::now();
             // Fresh names defeat the dentry cache: each one is a FUSE lookup.
-            assert_eq!(err_of(fs::metadata(m.p(&format!("missing{lookups}")))), libc::ENOENT);
+            assert_eq!(
+                err_of(fs::metadata(m.p(&format!("missing{lookups}")))),
+                libc::ENOENT
+            );
             let md = fs::metadata(m.p(&format!("f{i}"))).unwrap();
             assert!(md.is_file());
             worst = worst.max(t.elapsed());
@@ -617,7 +695,10 @@ fn fsync_loop_does_not_block_lookups() {
     stop.store(true, Ordering::SeqCst);
     let n = syncer.join().unwrap();
     assert!(n > 10, "only {n} fsyncs in 3 s");
-    assert!(lookups > 500, "only {lookups} lookups ran alongside the fsync loop");
+    assert!(
+        lookups > 500,
+        "only {lookups} lookups ran alongside the fsync loop"
+    );
     assert!(worst < Duration::from_secs(2), "a lookup took {worst:?}");
     assert_eq!(fs::metadata(m.p("log")).unwrap().len(), n * 512);
     m.unmount();
@@ -644,7 +725,10 @@ fn read_only_mount_refuses_writes_and_leaves_the_image_alone() {
         libc::EROFS
     );
     m.unmount();
-    assert!(fs::read(&img.path).unwrap() == before, "a read-only mount changed the image");
+    assert!(
+        fs::read(&img.path).unwrap() == before,
+        "a read-only mount changed the image"
+    );
     assert_fsck_clean(&img.path);
 }
 
@@ -685,7 +769,10 @@ fn writeback_cache_mount_round_trips() {
         assert!(n > 0);
         off += n;
     }
-    assert!(got == want, "library reads what the writeback-cache mount wrote");
+    assert!(
+        got == want,
+        "library reads what the writeback-cache mount wrote"
+    );
 }
 
 /// Waits until a process that is not our child has exited (or is a zombie).
@@ -695,7 +782,10 @@ fn wait_gone(pid: i32, secs: u64) -> bool {
         match fs::read_to_string(format!("/proc/{pid}/stat")) {
             Err(_) => return true,
             Ok(s) => {
-                let state = s.rsplit(')').next().and_then(|r| r.split_whitespace().next());
+                let state = s
+                    .rsplit(')')
+                    .next()
+                    .and_then(|r| r.split_whitespace().next());
                 if state == Some("Z") || state == Some("X") {
                     return true;
                 }
@@ -748,17 +838,27 @@ fn daemon_returns_once_mounted_and_umount_writes_home() {
         String::from_utf8_lossy(&out.stderr)
     );
     // No polling: the mount must be usable the moment the command returns.
-    assert!(is_mounted(&dir), "not mounted when `commitfs mount` returned");
+    assert!(
+        is_mounted(&dir),
+        "not mounted when `commitfs mount` returned"
+    );
     fs::write(dir.join("hello"), b"from the daemon").unwrap();
     assert_eq!(fs::read(dir.join("hello")).unwrap(), b"from the daemon");
     let pid: i32 = fs::read_to_string(&pidf).unwrap().trim().parse().unwrap();
     assert!(!wait_gone(pid, 0));
     let st = Command::new("umount").arg(&dir).status().unwrap();
     assert!(st.success());
-    assert!(wait_gone(pid, 60), "daemon {pid} still running after umount");
+    assert!(
+        wait_gone(pid, 60),
+        "daemon {pid} still running after umount"
+    );
     drop(guard);
     assert_fsck_clean(&img.path);
-    let info = Command::new(BIN).arg("info").arg(&img.path).output().unwrap();
+    let info = Command::new(BIN)
+        .arg("info")
+        .arg(&img.path)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&info.stdout);
     assert!(text.contains("State:            clean"), "{text}");
 }
@@ -778,8 +878,14 @@ fn unsupported_incompat_feature_is_refused_by_name() {
         }
         let out = c.output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "mount of an inline_data image succeeded");
-        assert!(err.contains("inline_data"), "error does not name the feature: {err}");
+        assert!(
+            !out.status.success(),
+            "mount of an inline_data image succeeded"
+        );
+        assert!(
+            err.contains("inline_data"),
+            "error does not name the feature: {err}"
+        );
         assert!(!is_mounted(&dir));
     }
     // Unknown option and missing mount point fail cleanly too.

@@ -431,7 +431,7 @@ impl<'a> Cutter<'a> {
         if xattr::ibody_has_magic(&i.xattr_area) {
             let got = xattr::parse_ibody(&i.xattr_area, itable_blk)
                 .unwrap_or_else(|e| panic!("{}: real in-inode xattrs of {ino}: {e}", self.tag));
-            assert!(!got.is_empty());
+            let kind = if got.is_empty() { "ibody0" } else { "ibody" };
             let h = Header {
                 flags: self.flags(1),
                 size: SIZE_EXACT,
@@ -439,7 +439,7 @@ impl<'a> Cutter<'a> {
                 probe: 9,
                 ..Default::default()
             };
-            self.push(Family::Xattr, "ibody", h, &i.xattr_area.clone());
+            self.push(Family::Xattr, kind, h, &i.xattr_area.clone());
         }
         if i.file_acl != 0 {
             let bytes = self.block(i.file_acl);

@@ -116,7 +116,13 @@ impl Target for Posix {
         let (c, n) = (self.c(p)?, CString::new(name)?);
         // SAFETY: valid NUL-terminated strings and a value slice.
         let r = unsafe {
-            libc::setxattr(c.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0)
+            libc::setxattr(
+                c.as_ptr(),
+                n.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
         };
         if r != 0 {
             return Err(os_err("setxattr", p));
@@ -127,9 +133,8 @@ impl Target for Posix {
         let (c, n) = (self.c(p)?, CString::new(name)?);
         let mut buf = vec![0u8; 65536];
         // SAFETY: buffer pointer and length describe `buf`.
-        let r = unsafe {
-            libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
-        };
+        let r =
+            unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
         if r < 0 {
             return Err(os_err("getxattr", p));
         }
@@ -301,7 +306,10 @@ impl Target for Lib {
     }
     fn readlink(&mut self, p: &str) -> Result<String> {
         let ino = self.ino(p)?;
-        let t = self.fs.readlink(ino).map_err(|e| lib_err("readlink", p, e))?;
+        let t = self
+            .fs
+            .readlink(ino)
+            .map_err(|e| lib_err("readlink", p, e))?;
         Ok(String::from_utf8_lossy(&t).into_owned())
     }
     fn set_xattr(&mut self, p: &str, name: &str, value: &[u8]) -> Result<()> {
@@ -318,9 +326,11 @@ impl Target for Lib {
     }
     fn list_xattr(&mut self, p: &str) -> Result<Vec<String>> {
         let ino = self.ino(p)?;
-        let v = self.fs.listxattr(ino).map_err(|e| lib_err("listxattr", p, e))?;
-        Ok(v
-            .into_iter()
+        let v = self
+            .fs
+            .listxattr(ino)
+            .map_err(|e| lib_err("listxattr", p, e))?;
+        Ok(v.into_iter()
             .map(|n| String::from_utf8_lossy(&n).into_owned())
             .collect())
     }
@@ -344,11 +354,16 @@ impl Target for Lib {
     }
     fn fsync(&mut self, p: &str) -> Result<()> {
         let ino = self.ino(p)?;
-        self.fs.fsync(ino, false).map_err(|e| lib_err("fsync", p, e))
+        self.fs
+            .fsync(ino, false)
+            .map_err(|e| lib_err("fsync", p, e))
     }
     fn list(&mut self, p: &str) -> Result<Vec<String>> {
         let ino = self.ino(p)?;
-        let v = self.fs.readdir_all(ino).map_err(|e| lib_err("readdir", p, e))?;
+        let v = self
+            .fs
+            .readdir_all(ino)
+            .map_err(|e| lib_err("readdir", p, e))?;
         Ok(v.into_iter()
             .filter(|e| e.name != b"." && e.name != b"..")
             .map(|e| String::from_utf8_lossy(&e.name).into_owned())
@@ -356,7 +371,11 @@ impl Target for Lib {
     }
     fn nlink(&mut self, p: &str) -> Result<u64> {
         let ino = self.ino(p)?;
-        Ok(self.fs.getattr(ino).map_err(|e| lib_err("stat", p, e))?.nlink as u64)
+        Ok(self
+            .fs
+            .getattr(ino)
+            .map_err(|e| lib_err("stat", p, e))?
+            .nlink as u64)
     }
     fn read_after_unlink(&mut self, p: &str) -> Result<Vec<u8>> {
         let ino = self.ino(p)?;
@@ -381,7 +400,11 @@ impl Lib {
         Ok(())
     }
     fn read_ino(&self, ino: Ino, p: &str) -> Result<Vec<u8>> {
-        let size = self.fs.getattr(ino).map_err(|e| lib_err("stat", p, e))?.size;
+        let size = self
+            .fs
+            .getattr(ino)
+            .map_err(|e| lib_err("stat", p, e))?
+            .size;
         let mut v = vec![0u8; size as usize];
         let mut off = 0usize;
         while off < v.len() {
@@ -497,7 +520,11 @@ impl Workload<'_> {
     fn link(&mut self, from: &str, to: &str) -> Result<()> {
         self.ops += 1;
         self.t.link(from, to)?;
-        let n = self.model.get(from).cloned().context("model: link source")?;
+        let n = self
+            .model
+            .get(from)
+            .cloned()
+            .context("model: link source")?;
         self.model.insert(to.into(), n);
         Ok(())
     }
@@ -527,7 +554,14 @@ impl Workload<'_> {
     /// The scripted workload.
     fn run(&mut self) -> Result<()> {
         // A tree of directories and files of awkward sizes.
-        for d in ["/docs", "/docs/drafts", "/src", "/src/lib", "/src/lib/deep", "/tmp"] {
+        for d in [
+            "/docs",
+            "/docs/drafts",
+            "/src",
+            "/src/lib",
+            "/src/lib/deep",
+            "/tmp",
+        ] {
             self.mkdir(d)?;
         }
         let sizes = [0usize, 1, 100, 1023, 1024, 4095, 4096, 4097, 65536, 300_000];
@@ -566,12 +600,18 @@ impl Workload<'_> {
         self.symlink(&long, "/src/long-link")?;
         // Extended attributes.
         self.ops += 1;
-        self.t.set_xattr("/docs/journal.txt", "user.demo", b"hello xattr")?;
+        self.t
+            .set_xattr("/docs/journal.txt", "user.demo", b"hello xattr")?;
         self.ops += 1;
-        self.t.set_xattr("/docs/journal.txt", "user.big", &[7u8; 600])?;
+        self.t
+            .set_xattr("/docs/journal.txt", "user.big", &[7u8; 600])?;
         self.ops += 1;
         let v = self.t.get_xattr("/docs/journal.txt", "user.demo")?;
-        ensure!(v == b"hello xattr", "xattr read back {:?}", String::from_utf8_lossy(&v));
+        ensure!(
+            v == b"hello xattr",
+            "xattr read back {:?}",
+            String::from_utf8_lossy(&v)
+        );
         self.ops += 1;
         let mut names = self.t.list_xattr("/docs/journal.txt")?;
         names.sort();
@@ -647,7 +687,11 @@ impl Workload<'_> {
             let mut got = self.t.list(&d)?;
             got.retain(|n| n != "lost+found");
             got.sort();
-            let prefix = if d == "/" { "/".to_string() } else { format!("{d}/") };
+            let prefix = if d == "/" {
+                "/".to_string()
+            } else {
+                format!("{d}/")
+            };
             let mut want: Vec<String> = entries
                 .iter()
                 .filter_map(|(p, _)| p.strip_prefix(&prefix))
@@ -655,7 +699,10 @@ impl Workload<'_> {
                 .map(str::to_string)
                 .collect();
             want.sort();
-            ensure!(got == want, "directory {d} lists {got:?}, expected {want:?}");
+            ensure!(
+                got == want,
+                "directory {d} lists {got:?}, expected {want:?}"
+            );
         }
         Ok(checked)
     }
@@ -681,7 +728,10 @@ impl Drop for Cleanup {
             }
         }
         if is_mounted(&self.mnt) {
-            let _ = Command::new("fusermount3").arg("-uz").arg(&self.mnt).status();
+            let _ = Command::new("fusermount3")
+                .arg("-uz")
+                .arg(&self.mnt)
+                .status();
         }
         if self.keep {
             return;
@@ -780,7 +830,10 @@ pub fn run(dir: Option<&Path>, keep: bool) -> Result<()> {
             ..Default::default()
         },
     )?;
-    println!("  made a 256 MiB ext4 image with mkfs.ext4: {}", image.display());
+    println!(
+        "  made a 256 MiB ext4 image with mkfs.ext4: {}",
+        image.display()
+    );
 
     let fs = Arc::new(
         Fs::open_path(&image, MountOptions::default())
@@ -810,7 +863,9 @@ pub fn run(dir: Option<&Path>, keep: bool) -> Result<()> {
         }
         Err(why) => {
             mode = "library";
-            println!("  NOTE: FUSE unavailable ({why}); running the workload through the library API");
+            println!(
+                "  NOTE: FUSE unavailable ({why}); running the workload through the library API"
+            );
             let mut t = Lib { fs: fs.clone() };
             let r = run_workload(&mut t)?;
             fs.unmount().map_err(|e| anyhow!("unmount: {e}"))?;

@@ -88,12 +88,23 @@ fn read_at(f: &File, off: u64, len: usize, what: &str) -> Result<Vec<u8>> {
 /// Inspect an image without mounting it.
 pub fn inspect(path: &Path) -> Result<ImageInfo> {
     let f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let raw = read_at(&f, sbf::SUPERBLOCK_OFFSET, sbf::SUPERBLOCK_SIZE, "superblock")?;
+    let raw = read_at(
+        &f,
+        sbf::SUPERBLOCK_OFFSET,
+        sbf::SUPERBLOCK_SIZE,
+        "superblock",
+    )?;
     let sb = Superblock::parse(&raw)
         .with_context(|| format!("{} is not a valid ext4 image", path.display()))?;
     let mut features = sbf::feature_names(FeatureKind::Compat, sb.feature_compat());
-    features.extend(sbf::feature_names(FeatureKind::Incompat, sb.feature_incompat()));
-    features.extend(sbf::feature_names(FeatureKind::RoCompat, sb.feature_ro_compat()));
+    features.extend(sbf::feature_names(
+        FeatureKind::Incompat,
+        sb.feature_incompat(),
+    ));
+    features.extend(sbf::feature_names(
+        FeatureKind::RoCompat,
+        sb.feature_ro_compat(),
+    ));
     let st = sb.state();
     let mut state = if st & sbf::STATE_VALID_FS != 0 {
         "clean".to_string()
@@ -108,8 +119,8 @@ pub fn inspect(path: &Path) -> Result<ImageInfo> {
     } else {
         None
     };
-    let needs_recovery = sb.has_incompat(sbf::INCOMPAT_RECOVER)
-        || journal.as_ref().is_some_and(|j| j.s_start != 0);
+    let needs_recovery =
+        sb.has_incompat(sbf::INCOMPAT_RECOVER) || journal.as_ref().is_some_and(|j| j.s_start != 0);
     Ok(ImageInfo {
         image: path.display().to_string(),
         features,
@@ -200,7 +211,10 @@ fn map_block0(
             .with_context(|| format!("journal inode {ino}: no index entry for block 0"))?;
         let idx = node.index(i).context("index entry out of range")?;
         if idx.child >= sb.blocks_count() {
-            bail!("journal extent tree points at block {} beyond the end", idx.child);
+            bail!(
+                "journal extent tree points at block {} beyond the end",
+                idx.child
+            );
         }
         let depth = node.depth();
         node_buf = read_at(f, idx.child * bs as u64, bs, "journal extent block")?;
@@ -262,7 +276,13 @@ fn journal_info(f: &File, sb: &Superblock) -> Result<JournalInfo> {
 pub fn render(i: &ImageInfo) -> String {
     use std::fmt::Write;
     let mut s = String::new();
-    let none = |v: &str| if v.is_empty() { "<none>".to_string() } else { v.to_string() };
+    let none = |v: &str| {
+        if v.is_empty() {
+            "<none>".to_string()
+        } else {
+            v.to_string()
+        }
+    };
     let bs = i.block_size as u64;
     let _ = writeln!(s, "Image:            {}", i.image);
     let _ = writeln!(s, "Features:         {}", i.features.join(" "));
@@ -313,7 +333,11 @@ pub fn render(i: &ImageInfo) -> String {
                 "  log:            s_sequence {}, s_start {}{}",
                 j.s_sequence,
                 j.s_start,
-                if j.s_start == 0 { " (empty)" } else { " (live transactions)" }
+                if j.s_start == 0 {
+                    " (empty)"
+                } else {
+                    " (live transactions)"
+                }
             );
             let names = if j.feature_names.is_empty() {
                 "(none)".to_string()

@@ -287,7 +287,11 @@ fn daemonize(req: &MountRequest) -> Result<()> {
 
 fn daemon_main(req: &MountRequest, mut report: File) -> i32 {
     // A daemon without a log file only has the terminal until it detaches.
-    let level = if req.log_file.is_some() { "info" } else { "warn" };
+    let level = if req.log_file.is_some() {
+        "info"
+    } else {
+        "warn"
+    };
     if let Err(e) = init_logging(req.log_file.as_deref(), level) {
         let _ = write!(report, "ERR {e:#}");
         return 1;

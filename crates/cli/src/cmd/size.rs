@@ -5,9 +5,7 @@ use anyhow::{bail, Context, Result};
 /// Parse a size with an optional binary suffix (K, M, G, T; `iB`/`B` allowed).
 pub fn parse_size(s: &str) -> Result<u64> {
     let t = s.trim();
-    let digits = t
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(t.len());
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     if digits == 0 {
         bail!("bad size {s:?}: expected a number such as 64M or 1G");
     }

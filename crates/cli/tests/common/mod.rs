@@ -106,10 +106,15 @@ pub fn run(cmd: &mut Command) -> Result<String, String> {
 pub fn fsck_problems(out: &str) -> Vec<String> {
     problem_lines(out)
         .into_iter()
-        .filter(|l| !(l.contains(" files (") && l.contains("non-contiguous), ") && l.ends_with(" blocks")))
+        .filter(|l| {
+            !(l.contains(" files (") && l.contains("non-contiguous), ") && l.ends_with(" blocks"))
+        })
         // Optimisation hints, not damage: the kernel itself never collapses extent
         // trees, so its own images get these too.
-        .filter(|l| !(l.contains("extent tree (at level") && (l.contains("could be shorter") || l.contains("could be narrower"))))
+        .filter(|l| {
+            !(l.contains("extent tree (at level")
+                && (l.contains("could be shorter") || l.contains("could be narrower")))
+        })
         .collect()
 }
 
@@ -256,7 +261,10 @@ impl KernelMount {
 impl Drop for KernelMount {
     fn drop(&mut self) {
         if let Err(e) = self.unmount() {
-            eprintln!("warning: kernel unmount of {} failed: {e}; lazy unmount", self.dir.display());
+            eprintln!(
+                "warning: kernel unmount of {} failed: {e}; lazy unmount",
+                self.dir.display()
+            );
             let _ = run(Command::new("umount").arg("-l").arg(&self.dir));
             self.mounted = false;
             if let Some(mut l) = self.loopdev.take() {
@@ -333,7 +341,10 @@ impl FuseMount {
                 }
             }
             if Instant::now() > deadline {
-                return Err(format!("commitfs mount did not mount within 30 s; log:\n{}", m.log_text()));
+                return Err(format!(
+                    "commitfs mount did not mount within 30 s; log:\n{}",
+                    m.log_text()
+                ));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -377,7 +388,10 @@ impl FuseMount {
                 match c.try_wait() {
                     Ok(Some(st)) if st.success() => break,
                     Ok(Some(st)) => {
-                        return Err(format!("commitfs mount exited with {st}; log:\n{}", self.log_text()))
+                        return Err(format!(
+                            "commitfs mount exited with {st}; log:\n{}",
+                            self.log_text()
+                        ))
                     }
                     Ok(None) if Instant::now() > deadline => {
                         let _ = c.kill();
@@ -429,7 +443,8 @@ impl Watchdog {
     pub fn new(what: String, secs: u64, pid: Option<u32>, dir: Option<PathBuf>) -> Watchdog {
         let (tx, rx) = mpsc::channel::<()>();
         let thread = std::thread::spawn(move || {
-            if let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(Duration::from_secs(secs)) {
+            if let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(Duration::from_secs(secs))
+            {
                 eprintln!("WATCHDOG: {what} still running after {secs} s: aborting the FUSE mount");
                 if let Some(p) = pid {
                     // SAFETY: sending a signal to our own child process.
@@ -514,7 +529,9 @@ pub fn errno_name(e: i32) -> String {
 }
 
 pub fn last_errno() -> i32 {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+    std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
 }
 
 pub fn cpath(p: &Path) -> CString {
@@ -593,7 +610,10 @@ impl ContentHasher {
     fn flush(&mut self) {
         if self.have {
             let h = hash_words(self.idx, &self.buf);
-            self.acc = hash_words(self.acc, &[self.idx.to_le_bytes(), h.to_le_bytes()].concat());
+            self.acc = hash_words(
+                self.acc,
+                &[self.idx.to_le_bytes(), h.to_le_bytes()].concat(),
+            );
             self.have = false;
         }
     }
@@ -756,12 +776,21 @@ pub fn posix_list_xattrs(p: &Path) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, i32> {
     let c = cpath(p);
     let mut names = vec![0u8; 65536];
     // SAFETY: buffers are valid for their lengths.
-    let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr() as *mut libc::c_char, names.len()) };
+    let n = unsafe {
+        libc::llistxattr(
+            c.as_ptr(),
+            names.as_mut_ptr() as *mut libc::c_char,
+            names.len(),
+        )
+    };
     if n < 0 {
         return Err(last_errno());
     }
     let mut out = BTreeMap::new();
-    for name in names[..n as usize].split(|&b| b == 0).filter(|n| !n.is_empty()) {
+    for name in names[..n as usize]
+        .split(|&b| b == 0)
+        .filter(|n| !n.is_empty())
+    {
         let v = posix_get_xattr(p, name)?;
         out.insert(name.to_vec(), v);
     }
@@ -774,7 +803,12 @@ pub fn posix_get_xattr(p: &Path, name: &[u8]) -> Result<Vec<u8>, i32> {
     let mut v = vec![0u8; 65536];
     // SAFETY: buffers are valid for their lengths.
     let n = unsafe {
-        libc::lgetxattr(c.as_ptr(), cn.as_ptr(), v.as_mut_ptr() as *mut libc::c_void, v.len())
+        libc::lgetxattr(
+            c.as_ptr(),
+            cn.as_ptr(),
+            v.as_mut_ptr() as *mut libc::c_void,
+            v.len(),
+        )
     };
     if n < 0 {
         return Err(last_errno());
@@ -810,11 +844,18 @@ pub fn posix_content_hash(p: &Path) -> Result<u64, String> {
         // SAFETY: as above.
         let hole = unsafe { libc::lseek(fd, d, libc::SEEK_HOLE) };
         if hole < 0 {
-            return Err(format!("SEEK_HOLE {}: {}", p.display(), errno_name(last_errno())));
+            return Err(format!(
+                "SEEK_HOLE {}: {}",
+                p.display(),
+                errno_name(last_errno())
+            ));
         }
         let (d, hole) = (d as u64, (hole as u64).min(size));
         if hole <= d {
-            return Err(format!("SEEK_HOLE {} returned {hole} <= data {d}", p.display()));
+            return Err(format!(
+                "SEEK_HOLE {} returned {hole} <= data {d}",
+                p.display()
+            ));
         }
         let mut at = d;
         while at < hole {
@@ -823,7 +864,10 @@ pub fn posix_content_hash(p: &Path) -> Result<u64, String> {
                 .read_at(&mut buf[..want], at)
                 .map_err(|e| format!("read {} at {at}: {e}", p.display()))?;
             if n == 0 {
-                return Err(format!("short read of {} at {at} (size {size})", p.display()));
+                return Err(format!(
+                    "short read of {} at {at} (size {size})",
+                    p.display()
+                ));
             }
             h.feed(at, &buf[..n]);
             at += n as u64;
@@ -931,13 +975,17 @@ pub fn snapshot_posix(root: &Path, opts: SnapOpts) -> Snapshot {
             if let (Ok(dd), Some(parent)) = (statx(&real.join("..")), real.parent()) {
                 if let Ok(pst) = statx(parent) {
                     if dd.stx_ino != pst.stx_ino {
-                        s.problems.push(format!("{shown}: '..' is inode {} not the parent {}", dd.stx_ino, pst.stx_ino));
+                        s.problems.push(format!(
+                            "{shown}: '..' is inode {} not the parent {}",
+                            dd.stx_ino, pst.stx_ino
+                        ));
                     }
                 }
             }
             if let Ok(d) = statx(&real.join(".")) {
                 if d.stx_ino != my_ino {
-                    s.problems.push(format!("{shown}: '.' is not the directory itself"));
+                    s.problems
+                        .push(format!("{shown}: '.' is not the directory itself"));
                 }
             }
         }
@@ -960,7 +1008,8 @@ pub fn snapshot_posix(root: &Path, opts: SnapOpts) -> Snapshot {
             let name = de.file_name();
             let nb = name.as_bytes().to_vec();
             if !seen.insert(nb.clone()) {
-                s.problems.push(format!("{shown}: duplicate entry {}", name_str(&nb)));
+                s.problems
+                    .push(format!("{shown}: duplicate entry {}", name_str(&nb)));
             }
             let child_shown = join_path(&shown, &name_str(&nb));
             let child_real = real.join(&name);
@@ -983,7 +1032,10 @@ pub fn snapshot_posix(root: &Path, opts: SnapOpts) -> Snapshot {
                     Kind::Sock
                 };
                 if Some(dk) != Kind::from_mode(st.stx_mode as u32) {
-                    s.problems.push(format!("{child_shown}: readdir type {dk:?} but inode mode {:o}", st.stx_mode));
+                    s.problems.push(format!(
+                        "{child_shown}: readdir type {dk:?} but inode mode {:o}",
+                        st.stx_mode
+                    ));
                 }
             }
             stack.push((child_real, child_shown));
@@ -1011,14 +1063,22 @@ pub fn lib_content_hash(fs: &Fs, ino: Ino, size: u64) -> Result<u64, String> {
         at += n as u64;
     }
     // Reading past the end must return 0 bytes.
-    let n = fs.read(ino, size, &mut buf[..16]).map_err(|e| format!("read at EOF: {e}"))?;
+    let n = fs
+        .read(ino, size, &mut buf[..16])
+        .map_err(|e| format!("read at EOF: {e}"))?;
     if n != 0 {
         return Err(format!("read at EOF of inode {ino} returned {n} bytes"));
     }
     Ok(h.finish(size))
 }
 
-fn lib_entry(fs: &Fs, ino: Ino, opts: SnapOpts, problems: &mut Vec<String>, shown: &str) -> Option<Entry> {
+fn lib_entry(
+    fs: &Fs,
+    ino: Ino,
+    opts: SnapOpts,
+    problems: &mut Vec<String>,
+    shown: &str,
+) -> Option<Entry> {
     let a = match fs.getattr(ino) {
         Ok(a) => a,
         Err(e) => {
@@ -1115,35 +1175,44 @@ pub fn snapshot_lib(fs: &Fs, opts: SnapOpts) -> Snapshot {
             if de.name == b"." {
                 dot += 1;
                 if de.ino != ino {
-                    s.problems.push(format!("{shown}: '.' is inode {} not {ino}", de.ino));
+                    s.problems
+                        .push(format!("{shown}: '.' is inode {} not {ino}", de.ino));
                 }
                 continue;
             }
             if de.name == b".." {
                 dotdot += 1;
                 if de.ino != parent {
-                    s.problems.push(format!("{shown}: '..' is inode {} not the parent {parent}", de.ino));
+                    s.problems.push(format!(
+                        "{shown}: '..' is inode {} not the parent {parent}",
+                        de.ino
+                    ));
                 }
                 continue;
             }
             if !seen.insert(de.name.clone()) {
-                s.problems.push(format!("{shown}: duplicate entry {}", name_str(&de.name)));
+                s.problems
+                    .push(format!("{shown}: duplicate entry {}", name_str(&de.name)));
             }
             let child_shown = join_path(&shown, &name_str(&de.name));
             match fs.lookup(ino, &de.name) {
-                Ok(a) if a.ino != de.ino => s
-                    .problems
-                    .push(format!("{child_shown}: lookup gives inode {} but readdir {}", a.ino, de.ino)),
-                Ok(a) if a.kind != de.kind => s
-                    .problems
-                    .push(format!("{child_shown}: readdir type {:?} but inode type {:?}", de.kind, a.kind)),
+                Ok(a) if a.ino != de.ino => s.problems.push(format!(
+                    "{child_shown}: lookup gives inode {} but readdir {}",
+                    a.ino, de.ino
+                )),
+                Ok(a) if a.kind != de.kind => s.problems.push(format!(
+                    "{child_shown}: readdir type {:?} but inode type {:?}",
+                    de.kind, a.kind
+                )),
                 Ok(_) => {}
                 Err(e) => s.problems.push(format!("{child_shown}: lookup: {e}")),
             }
             stack.push((de.ino, ino, child_shown));
         }
         if dot != 1 || dotdot != 1 {
-            s.problems.push(format!("{shown}: readdir gave {dot} '.' and {dotdot} '..' entries"));
+            s.problems.push(format!(
+                "{shown}: readdir gave {dot} '.' and {dotdot} '..' entries"
+            ));
         }
     }
     finish_link_groups(&mut s);
@@ -1224,11 +1293,25 @@ pub fn compare(a: &Snapshot, an: &str, b: &Snapshot, bn: &str, o: CompareOpts) -
             f("size", x.size.to_string(), y.size.to_string());
         }
         f("rdev", format!("{:?}", x.rdev), format!("{:?}", y.rdev));
-        f("content", format!("{:?}", x.content.map(|h| format!("{h:016x}"))), format!("{:?}", y.content.map(|h| format!("{h:016x}"))));
+        f(
+            "content",
+            format!("{:?}", x.content.map(|h| format!("{h:016x}"))),
+            format!("{:?}", y.content.map(|h| format!("{h:016x}"))),
+        );
         f(
             "target",
-            format!("{:?}", x.target.as_ref().map(|t| String::from_utf8_lossy(t).into_owned())),
-            format!("{:?}", y.target.as_ref().map(|t| String::from_utf8_lossy(t).into_owned())),
+            format!(
+                "{:?}",
+                x.target
+                    .as_ref()
+                    .map(|t| String::from_utf8_lossy(t).into_owned())
+            ),
+            format!(
+                "{:?}",
+                y.target
+                    .as_ref()
+                    .map(|t| String::from_utf8_lossy(t).into_owned())
+            ),
         );
         f("xattrs", fmt_xattrs(&x.xattrs), fmt_xattrs(&y.xattrs));
         f("hard links", x.link_group.clone(), y.link_group.clone());
@@ -1282,7 +1365,11 @@ pub fn assert_same(a: &Snapshot, an: &str, b: &Snapshot, bn: &str, o: CompareOpt
             d.len(),
             a.entries.len(),
             b.entries.len(),
-            shown.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n  ")
+            shown
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join("\n  ")
         );
     }
 }

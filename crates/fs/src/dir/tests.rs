@@ -143,7 +143,7 @@ fn tick(fs: &Fs, step: usize) {
 }
 
 /// Unmount, then demand a silent `e2fsck -fn`.
-fn finish(mut fs: Fs, img: &TempImage) {
+fn finish(fs: Fs, img: &TempImage) {
     fs.unmount().unwrap();
     drop(fs);
     assert_fsck_clean(&img.path);

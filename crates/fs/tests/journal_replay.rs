@@ -1,0 +1,197 @@
+//! Our JBD2 log is replayed identically by commitfs, by e2fsck and by the kernel:
+//! a copy of the image taken after fsync (a "crash" with the log live) must come
+//! back with everything fsynced, and e2fsck must be clean afterwards.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use commitfs_fs::testutil::{assert_fsck_clean, mkfs, TempImage};
+use commitfs_fs::*;
+
+/// Path -> (kind, size, content) for a whole tree, via the library.
+fn lib_tree(fs: &Fs) -> BTreeMap<String, (String, u64, Vec<u8>)> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![(ROOT_INO, String::new())];
+    while let Some((dir, path)) = stack.pop() {
+        for e in fs.readdir_all(dir).unwrap() {
+            if e.name == b"." || e.name == b".." || e.name == b"lost+found" {
+                continue;
+            }
+            let p = format!("{path}/{}", String::from_utf8_lossy(&e.name));
+            let a = fs.getattr(e.ino).unwrap();
+            let content = match a.kind {
+                FileType::Regular => {
+                    let mut b = vec![0u8; a.size as usize];
+                    fs.read(e.ino, 0, &mut b).unwrap();
+                    b
+                }
+                FileType::Symlink => fs.readlink(e.ino).unwrap(),
+                _ => Vec::new(),
+            };
+            let size = if a.kind == FileType::Directory { 0 } else { a.size };
+            out.insert(p.clone(), (format!("{:?}", a.kind), size, content));
+            if a.kind == FileType::Directory {
+                stack.push((e.ino, p));
+            }
+        }
+    }
+    out
+}
+
+fn host_tree(root: &Path) -> BTreeMap<String, (String, u64, Vec<u8>)> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![(root.to_path_buf(), String::new())];
+    while let Some((dir, path)) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let e = e.unwrap();
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name == "lost+found" {
+                continue;
+            }
+            let p = format!("{path}/{name}");
+            let m = std::fs::symlink_metadata(e.path()).unwrap();
+            let (kind, content) = if m.is_dir() {
+                ("Directory", Vec::new())
+            } else if m.file_type().is_symlink() {
+                (
+                    "Symlink",
+                    std::fs::read_link(e.path())
+                        .unwrap()
+                        .into_os_string()
+                        .into_encoded_bytes(),
+                )
+            } else {
+                ("Regular", std::fs::read(e.path()).unwrap())
+            };
+            let size = if m.is_dir() { 0 } else { m.len() };
+            out.insert(p.clone(), (kind.to_string(), size, content));
+            if m.is_dir() {
+                stack.push((e.path(), p));
+            }
+        }
+    }
+    out
+}
+
+struct KernelMount {
+    dir: PathBuf,
+}
+
+impl KernelMount {
+    fn new(img: &Path) -> KernelMount {
+        let dir = img.with_extension("mnt");
+        std::fs::create_dir_all(&dir).unwrap();
+        let st = Command::new("mount")
+            .args(["-t", "ext4", "-o", "loop"])
+            .arg(img)
+            .arg(&dir)
+            .status()
+            .unwrap();
+        assert!(st.success(), "kernel mount failed");
+        KernelMount { dir }
+    }
+}
+
+impl Drop for KernelMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.dir).status();
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+fn copy_image(src: &Path, tag: &str) -> TempImage {
+    let dst = src.with_extension(format!("{tag}.img"));
+    std::fs::copy(src, &dst).unwrap();
+    TempImage { path: dst }
+}
+
+fn workload(fs: &Fs) {
+    let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap();
+    for i in 0..300u32 {
+        let f = fs
+            .create(d.ino, format!("f{i}").as_bytes(), 0o644, 0, 0)
+            .unwrap();
+        let data = vec![(i % 200) as u8 + 1; (i as usize * 37) % 9000 + 1];
+        fs.write(f.ino, 0, &data).unwrap();
+        if i % 50 == 0 {
+            fs.fsync(f.ino, false).unwrap();
+        }
+    }
+    for i in (0..300).step_by(7) {
+        fs.unlink(d.ino, format!("f{i}").as_bytes()).unwrap();
+    }
+    fs.symlink(ROOT_INO, b"link", &[b'y'; 100], 0, 0).unwrap();
+    fs.rename(d.ino, b"f1", ROOT_INO, b"top", RenameFlags::default())
+        .unwrap();
+    fs.fsync(d.ino, false).unwrap();
+}
+
+/// `Journal start` from dumpe2fs: 0 means the log is empty.
+fn journal_start(img: &Path) -> u64 {
+    let out = Command::new("dumpe2fs").arg("-h").arg(img).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.strip_prefix("Journal start:"))
+        .map(|v| v.trim().parse().unwrap())
+        .expect("dumpe2fs shows the journal start")
+}
+
+fn crash_then_replay(bs: &str, extra: &[&str]) {
+    let mut args = vec!["-b", bs];
+    args.extend_from_slice(extra);
+    let img = mkfs("replay", 64, &args);
+    let fs = Fs::open_path(&img.path, MountOptions::default()).unwrap();
+    workload(&fs);
+    let expected = lib_tree(&fs);
+    // The "crash": copies of the device while the log is live.
+    let by_us = copy_image(&img.path, "us");
+    let by_fsck = copy_image(&img.path, "fsck");
+    let by_kernel = copy_image(&img.path, "kernel");
+    drop(fs);
+    assert_ne!(journal_start(&by_us.path), 0, "the crash copy must have a live log");
+
+    // commitfs replays.
+    {
+        let fs = Fs::open_path(&by_us.path, MountOptions::default()).unwrap();
+        assert_eq!(lib_tree(&fs), expected);
+        fs.unmount().unwrap();
+    }
+    assert_eq!(journal_start(&by_us.path), 0);
+    assert_fsck_clean(&by_us.path);
+
+    // e2fsck replays our log.
+    let out = Command::new("e2fsck")
+        .arg("-fy")
+        .arg(&by_fsck.path)
+        .output()
+        .unwrap();
+    let code = out.status.code().unwrap_or(-1);
+    assert!(
+        code == 0 || code == 1,
+        "e2fsck -fy failed ({code}): {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert_fsck_clean(&by_fsck.path);
+    {
+        let fs = Fs::open_path(&by_fsck.path, MountOptions { read_only: true, ..Default::default() }).unwrap();
+        assert_eq!(lib_tree(&fs), expected);
+    }
+
+    // The kernel replays our log.
+    {
+        let m = KernelMount::new(&by_kernel.path);
+        assert_eq!(host_tree(&m.dir), expected);
+    }
+    assert_fsck_clean(&by_kernel.path);
+}
+
+#[test]
+fn replay_1k() {
+    crash_then_replay("1024", &[]);
+}
+
+#[test]
+fn replay_4k_upstream_defaults() {
+    crash_then_replay("4096", &["-O", "metadata_csum_seed,orphan_file"]);
+}
