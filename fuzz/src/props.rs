@@ -240,7 +240,11 @@ fn exercise_superblock(sb: &Superblock, probe: u32) {
     for v in 0..=6u8 {
         let _ = sb.effective_hash_version(v);
     }
-    for kind in [FeatureKind::Compat, FeatureKind::Incompat, FeatureKind::RoCompat] {
+    for kind in [
+        FeatureKind::Compat,
+        FeatureKind::Incompat,
+        FeatureKind::RoCompat,
+    ] {
         let _ = commitfs_format::superblock::feature_names(kind, probe);
     }
     let _ = commitfs_format::superblock::feature_names(FeatureKind::Compat, sb.feature_compat());
@@ -307,7 +311,10 @@ pub fn group_desc(data: &[u8]) {
         assert_eq!(out, raw, "serialise must keep a descriptor's bytes");
     }
     if verified {
-        assert_eq!(out, raw, "a verified descriptor must serialise to its own bytes");
+        assert_eq!(
+            out, raw,
+            "a verified descriptor must serialise to its own bytes"
+        );
     }
     let back = GroupDesc::parse(&out, group, h.block).expect("re-parse of a descriptor");
     assert_eq!(
@@ -884,7 +891,13 @@ fn dx_block(h: &Header, rest: &[u8]) {
 }
 
 fn exercise_dx_entries(entries: &[dx::DxEntry], probe: u32) {
-    for hash in [0, probe, probe | 1, u32::MAX, entries[entries.len() - 1].hash] {
+    for hash in [
+        0,
+        probe,
+        probe | 1,
+        u32::MAX,
+        entries[entries.len() - 1].hash,
+    ] {
         // Entries are only ordered ignoring the continuation bit, so all lookup
         // promises on any accepted array is an index in range.
         let i = dx::lookup(entries, hash);
@@ -900,9 +913,11 @@ fn exercise_dx_entries(entries: &[dx::DxEntry], probe: u32) {
 // ---------------------------------------------------------------------------------
 
 fn has_duplicates(v: &[Xattr]) -> bool {
-    v.iter()
-        .enumerate()
-        .any(|(i, a)| v[i + 1..].iter().any(|b| a.index == b.index && a.name == b.name))
+    v.iter().enumerate().any(|(i, a)| {
+        v[i + 1..]
+            .iter()
+            .any(|b| a.index == b.index && a.name == b.name)
+    })
 }
 
 /// In-inode area round trip: parse, write back into an area of the same size (no
@@ -938,8 +953,7 @@ fn exercise_xattrs(v: &[Xattr]) {
                 assert_eq!(y.full_name(), Some(full.clone()));
             }
         }
-        if x.index == xattr::index::POSIX_ACL_ACCESS || x.index == xattr::index::POSIX_ACL_DEFAULT
-        {
+        if x.index == xattr::index::POSIX_ACL_ACCESS || x.index == xattr::index::POSIX_ACL_DEFAULT {
             acl_round_trip(&x.value);
         }
     }

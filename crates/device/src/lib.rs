@@ -111,7 +111,10 @@ impl StatsSnapshot {
     }
     /// Total writes across categories.
     pub fn total_writes(&self) -> u64 {
-        IoCategory::ALL.iter().map(|c| self.category(*c).writes).sum()
+        IoCategory::ALL
+            .iter()
+            .map(|c| self.category(*c).writes)
+            .sum()
     }
     pub fn total_write_bytes(&self) -> u64 {
         IoCategory::ALL
@@ -383,7 +386,8 @@ mod tests {
         let d = MemDevice::new(8192);
         d.write_at(4096, &[7u8; 4096], IoCategory::Metadata, false)
             .unwrap();
-        d.write_at(0, &[1u8; 512], IoCategory::Journal, true).unwrap();
+        d.write_at(0, &[1u8; 512], IoCategory::Journal, true)
+            .unwrap();
         d.flush().unwrap();
         let mut b = [0u8; 4096];
         d.read_at(4096, &mut b, IoCategory::Data).unwrap();

@@ -327,7 +327,11 @@ pub fn parse_revoke(b: &[u8], f: &LogFormat, jblk: u64) -> Result<Vec<u64>> {
     let count = be32(b, HEADER_SIZE) as usize;
     let rb = f.revoke_record_bytes();
     if count < REVOKE_HEADER_SIZE || count > f.block_size - f.tail_bytes() {
-        return Err(FormatError::corrupt(s, jblk, format!("r_count {count} out of range")));
+        return Err(FormatError::corrupt(
+            s,
+            jblk,
+            format!("r_count {count} out of range"),
+        ));
     }
     let mut out = Vec::with_capacity((count - REVOKE_HEADER_SIZE) / rb);
     let mut off = REVOKE_HEADER_SIZE;
@@ -370,9 +374,17 @@ mod tests {
                 assert!(n > 10);
                 let tags: Vec<Tag> = (0..n)
                     .map(|i| Tag {
-                        blocknr: if f.is_64bit() { (7u64 << 32) | i as u64 } else { i as u64 + 9 },
+                        blocknr: if f.is_64bit() {
+                            (7u64 << 32) | i as u64
+                        } else {
+                            i as u64 + 9
+                        },
                         flags: if i % 3 == 0 { TAG_ESCAPE } else { 0 },
-                        checksum: if f.has_csum() { (i as u32 * 77) & if f.csum_v3() { u32::MAX } else { 0xFFFF } } else { 0 },
+                        checksum: if f.has_csum() {
+                            (i as u32 * 77) & if f.csum_v3() { u32::MAX } else { 0xFFFF }
+                        } else {
+                            0
+                        },
                     })
                     .collect();
                 let b = build_descriptor(&f, 42, &tags);

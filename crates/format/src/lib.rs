@@ -17,9 +17,9 @@ pub mod dirent;
 pub mod dirhash;
 pub mod dx;
 pub mod extent;
-pub mod xattr;
 pub mod jbd2;
 pub mod jbd2_log;
+pub mod xattr;
 
 pub use csum::{crc32c_raw, CsumCtx};
 pub use error::{FormatError, Result};

@@ -29,9 +29,9 @@ use commitfs_format::group_desc::{self, GroupDesc};
 use commitfs_format::inode::{self, Inode};
 use commitfs_format::superblock::{self as sbf, Superblock};
 use commitfs_format::xattr;
+use props::{Header, FLAG_CSUM, FLAG_FIX_CSUM, FLAG_MODE_SHIFT, HEADER_LEN, SIZE_EXACT};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use props::{Header, FLAG_CSUM, FLAG_FIX_CSUM, FLAG_MODE_SHIFT, HEADER_LEN, SIZE_EXACT};
 
 // -------------------------------------------------------------------------------------
 // Families
@@ -195,8 +195,14 @@ fn make_image(dir: &Path, src: &Path, bs: usize) -> PathBuf {
     );
     assert_eq!(rc, 0, "mkfs.ext4: {out}");
     let big = dir.join("bigvalue");
-    std::fs::write(&big, filler(700, 3).iter().map(|b| b'a' + b % 26).collect::<Vec<_>>())
-        .expect("write value");
+    std::fs::write(
+        &big,
+        filler(700, 3)
+            .iter()
+            .map(|b| b'a' + b % 26)
+            .collect::<Vec<_>>(),
+    )
+    .expect("write value");
     let big_s = big.to_str().expect("utf-8 path");
     for cmd in [
         "ea_set /small.txt user.note hi".to_string(),
@@ -608,7 +614,13 @@ fn real_structures_parse_and_round_trip() {
 fn header_strategy() -> impl Strategy<Value = Vec<u8>> {
     (
         any::<u8>(),
-        prop_oneof![Just(0u8), Just(2u8), Just(1u8), Just(SIZE_EXACT), any::<u8>()],
+        prop_oneof![
+            Just(0u8),
+            Just(2u8),
+            Just(1u8),
+            Just(SIZE_EXACT),
+            any::<u8>()
+        ],
         proptest::collection::vec(any::<u8>(), HEADER_LEN - 2),
     )
         .prop_map(|(flags, size, rest)| {

@@ -91,7 +91,11 @@ impl Inner {
             return Ok(());
         }
         let c = bitmap::checksum(data, bits, &self.csum);
-        let c = if self.sb.desc_size() >= 64 { c } else { c & 0xFFFF };
+        let c = if self.sb.desc_size() >= 64 {
+            c
+        } else {
+            c & 0xFFFF
+        };
         if c != stored {
             return Err(commitfs_format::FormatError::BadChecksum {
                 structure: "bitmap",
@@ -193,7 +197,10 @@ impl Inner {
             gdm.block_bitmap_csum = new_csum;
         }
         self.write_gd(h, g)?;
-        Ok(Some((self.sb.group_first_block(g) + bit as u64, run as u32)))
+        Ok(Some((
+            self.sb.group_first_block(g) + bit as u64,
+            run as u32,
+        )))
     }
 
     /// Free `count` blocks starting at `start` (may cross groups). Freed blocks are
@@ -203,7 +210,9 @@ impl Inner {
         let end = start
             .checked_add(count)
             .filter(|&e| e <= self.sb.blocks_count() && start >= self.sb.first_data_block() as u64)
-            .ok_or_else(|| FsError::corrupt(format!("freeing blocks {start}+{count} out of range")))?;
+            .ok_or_else(|| {
+                FsError::corrupt(format!("freeing blocks {start}+{count} out of range"))
+            })?;
         for b in start..end {
             self.journal.forget(h, b);
         }
@@ -234,9 +243,7 @@ impl Inner {
             }
             self.write_gd(h, g)?;
             if already_free > 0 {
-                tracing::warn!(
-                    "freed {already_free} blocks in group {g} that were already free"
-                );
+                tracing::warn!("freed {already_free} blocks in group {g} that were already free");
             }
             b = gend;
         }
@@ -274,7 +281,9 @@ impl Inner {
         if ok(pg) && (self.gds[pg as usize].free_blocks_count > 0 || !is_dir) {
             return Some(pg);
         }
-        (1..self.groups).map(|i| (pg + i) % self.groups).find(|&g| ok(g))
+        (1..self.groups)
+            .map(|i| (pg + i) % self.groups)
+            .find(|&g| ok(g))
     }
 
     /// Allocate an inode number for a new inode of `parent` (§4.10 step 1).
@@ -339,7 +348,9 @@ impl Inner {
     /// Release inode number `ino`.
     pub fn free_inode(&mut self, h: &Handle, ino: u32, was_dir: bool) -> Result<()> {
         if ino < self.sb.first_ino() || ino > self.sb.inodes_count() {
-            return Err(FsError::corrupt(format!("freeing reserved or invalid inode {ino}")));
+            return Err(FsError::corrupt(format!(
+                "freeing reserved or invalid inode {ino}"
+            )));
         }
         let g = self.inode_group(ino);
         let bit = ((ino - 1) % self.ipg) as usize;

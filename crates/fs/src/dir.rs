@@ -658,7 +658,7 @@ impl Inner {
 
     /// Directory hash of `name` in an indexed directory.
     fn name_hash(&self, idx: &DxIndex, name: &[u8]) -> (u32, u32) {
-        dirhash::dx_hash(name, idx.eff_version, &self.sb.hash_seed())
+        dirhash::dx_hash(name, idx.eff_version + 3, &self.sb.hash_seed())
     }
 
     /// Hash version (on disk) for a new index: the superblock default, or half_md4

@@ -40,7 +40,9 @@ pub enum FsError {
     NotSupported(String),
     #[error("cannot mount read-write: unsupported ext4 feature {0}")]
     UnsupportedFeature(String),
-    #[error("the journal needs recovery: mount it once with the kernel or run `e2fsck -fy`, then retry")]
+    #[error(
+        "the journal needs recovery: mount it once with the kernel or run `e2fsck -fy`, then retry"
+    )]
     NeedsRecovery,
     #[error("file system corrupt: {0}")]
     Corrupt(#[from] FormatError),

@@ -76,14 +76,8 @@ impl Inner {
             depth -= 1;
             let buf = self.read_meta(child)?;
             let data = buf.data();
-            let node = NodeRef::parse_block(
-                &data,
-                child,
-                Some(depth),
-                &self.csum,
-                ino,
-                inode.generation,
-            )?;
+            let node =
+                NodeRef::parse_block(&data, child, Some(depth), &self.csum, ino, inode.generation)?;
             if node.is_leaf() {
                 return self.leaf_hit(ino, &node, lblk, next_key);
             }
@@ -111,7 +105,9 @@ impl Inner {
     ) -> Result<LeafHit> {
         let (cover, next_pos) = match leaf.search(lblk) {
             Some(i) => {
-                let e = leaf.extent(i).ok_or_else(|| FsError::corrupt("extent leaf"))?;
+                let e = leaf
+                    .extent(i)
+                    .ok_or_else(|| FsError::corrupt("extent leaf"))?;
                 if e.map(lblk).is_some() {
                     self.check_extent_range(ino, &e)?;
                     (Some(e), i + 1)
@@ -146,9 +142,9 @@ impl Inner {
     /// First mapped logical block >= `lblk`.
     pub fn ext_next_mapped(&mut self, ino: u32, inode: &Inode, lblk: u32) -> Result<Option<u32>> {
         let mut at = lblk;
-        // Each round either answers or moves to a strictly larger subtree start; the
-        // bound guards against a corrupt tree whose keys do not advance.
-        for _ in 0..64 {
+        // Each round either answers or moves to a strictly larger subtree start
+        // (more than one only past empty leaves); the bound guards against loops.
+        for _ in 0..4096 {
             let hit = self.ext_find_leaf(ino, inode, at)?;
             if hit.cover.is_some() {
                 return Ok(Some(at));
@@ -188,19 +184,25 @@ impl Inner {
             .map(|x| (x.child, root.depth() - 1, x.lblk))
             .collect();
         stack.reverse();
+        let mut seen = HashSet::new();
         while let Some((blk, depth, key)) = stack.pop() {
             let buf = self.read_meta(blk)?;
             let data = buf.data();
-            let node = NodeRef::parse_block(&data, blk, Some(depth), &self.csum, ino, inode.generation)?;
-            if node.entry_lblk(0) != Some(key) {
+            let node =
+                NodeRef::parse_block(&data, blk, Some(depth), &self.csum, ino, inode.generation)?;
+            if !seen.insert(blk) {
                 return Err(FsError::corrupt(format!(
-                    "inode {ino}: extent index key {key} does not match the first entry of block {blk}"
+                    "inode {ino}: extent tree block {blk} referenced twice"
                 )));
             }
+            check_index_key(ino, key, node.entry_lblk(0), blk)?;
             if node.is_leaf() {
                 for e in node.extents() {
                     self.check_extent_range(ino, &e)?;
-                    if out.last().is_some_and(|p: &Mapping| p.lblk as u64 + p.len as u64 > e.lblk as u64) {
+                    if out
+                        .last()
+                        .is_some_and(|p: &Mapping| p.lblk as u64 + p.len as u64 > e.lblk as u64)
+                    {
                         return Err(FsError::corrupt(format!(
                             "inode {ino}: extents out of order in block {blk}"
                         )));
@@ -239,7 +241,9 @@ impl Inner {
             return Err(FsError::FileTooBig);
         }
         if pblk < self.sb.first_data_block() as u64 || pblk + len as u64 > self.sb.blocks_count() {
-            return Err(FsError::Invalid("extent insert of blocks outside the file system"));
+            return Err(FsError::Invalid(
+                "extent insert of blocks outside the file system",
+            ));
         }
         let fast = self.ext_fast_op(h, ino, inode, lblk, end, |v| {
             list_insert(v, lblk, pblk, len, unwritten)
@@ -247,7 +251,18 @@ impl Inner {
         if let Some(r) = fast {
             return r;
         }
-        self.ext_slow_op(h, ino, inode, TreeOp::Insert(Extent { lblk, len, pblk, unwritten }), pblk)?;
+        self.ext_slow_op(
+            h,
+            ino,
+            inode,
+            TreeOp::Insert(Extent {
+                lblk,
+                len,
+                pblk,
+                unwritten,
+            }),
+            pblk,
+        )?;
         Ok(())
     }
 
@@ -267,7 +282,9 @@ impl Inner {
         if start as u64 >= end {
             return Ok(0);
         }
-        let fast = self.ext_fast_op(h, ino, inode, start, end, |v| Ok(list_remove(v, start, end)))?;
+        let fast = self.ext_fast_op(h, ino, inode, start, end, |v| {
+            Ok(list_remove(v, start, end))
+        })?;
         let freed = match fast {
             Some(r) => r?,
             None => {
@@ -352,7 +369,9 @@ impl Inner {
         let depth = path.nodes.len() - 1;
         let leaf = &path.nodes[depth];
         let Entries::Leaf(old) = &leaf.node.entries else {
-            return Err(FsError::corrupt(format!("inode {ino}: extent path does not end in a leaf")));
+            return Err(FsError::corrupt(format!(
+                "inode {ino}: extent path does not end in a leaf"
+            )));
         };
         let mut v = old.clone();
         let r = match op(&mut v) {
@@ -368,7 +387,8 @@ impl Inner {
             }
         } else {
             let cap = fx::block_capacity(self.bs) as usize;
-            if v.is_empty() || v.len() > cap || eff_slack(v.len(), cap) > eff_slack(old.len(), cap) {
+            if v.is_empty() || v.len() > cap || eff_slack(v.len(), cap) > eff_slack(old.len(), cap)
+            {
                 return Ok(None);
             }
         }
@@ -441,11 +461,7 @@ impl Inner {
                 break;
             };
             let child_node = self.read_tree_block(ino, inode.generation, c, depth - 1)?;
-            if child_node.first_lblk() != Some(key) {
-                return Err(FsError::corrupt(format!(
-                    "inode {ino}: extent index key {key} does not match the first entry of block {c}"
-                )));
-            }
+            check_index_key(ino, key, child_node.first_lblk(), c)?;
             node = child_node;
             blk = Some(c);
         }
@@ -453,9 +469,17 @@ impl Inner {
     }
 
     /// Read, verify and decode one tree block.
-    fn read_tree_block(&self, ino: u32, generation: u32, blk: u64, depth: u16) -> Result<ExtentNode> {
+    fn read_tree_block(
+        &self,
+        ino: u32,
+        generation: u32,
+        blk: u64,
+        depth: u16,
+    ) -> Result<ExtentNode> {
         if blk < self.sb.first_data_block() as u64 {
-            return Err(FsError::corrupt(format!("inode {ino}: extent tree block {blk} out of range")));
+            return Err(FsError::corrupt(format!(
+                "inode {ino}: extent tree block {blk} out of range"
+            )));
         }
         let buf = self.read_meta(blk)?;
         let data = buf.data();
@@ -572,7 +596,11 @@ impl Inner {
 
     /// Read every node of the tree (verifying checksums, depths, keys and global
     /// order). Returns the tree and the decoded original of every tree block.
-    fn load_tree(&mut self, ino: u32, inode: &Inode) -> Result<(MemTree, HashMap<u64, ExtentNode>)> {
+    fn load_tree(
+        &mut self,
+        ino: u32,
+        inode: &Inode,
+    ) -> Result<(MemTree, HashMap<u64, ExtentNode>)> {
         let root = NodeRef::parse_root(&inode.block, ino)?.to_node();
         let cap = fx::block_capacity(self.bs) as usize;
         let mut orig = HashMap::new();
@@ -603,12 +631,7 @@ impl Inner {
                     )));
                 }
                 let node = self.read_tree_block(ino, inode.generation, x.child, d)?;
-                if node.first_lblk() != Some(x.lblk) {
-                    return Err(FsError::corrupt(format!(
-                        "inode {ino}: extent index key {} does not match the first entry of block {}",
-                        x.lblk, x.child
-                    )));
-                }
+                check_index_key(ino, x.lblk, node.first_lblk(), x.child)?;
                 match &node.entries {
                     Entries::Leaf(v) => level.push(MNode::leaf(Some(x.child), v.clone())),
                     Entries::Index(ix) => {
@@ -623,7 +646,12 @@ impl Inner {
         }
         // Leaves must be in global order without overlap.
         let mut prev_end = 0u64;
-        for e in levels.last().into_iter().flatten().flat_map(|n| n.exts.iter()) {
+        for e in levels
+            .last()
+            .into_iter()
+            .flatten()
+            .flat_map(|n| n.exts.iter())
+        {
             if (e.lblk as u64) < prev_end {
                 return Err(FsError::corrupt(format!(
                     "inode {ino}: extents out of order at logical block {}",
@@ -640,6 +668,18 @@ impl Inner {
             },
             orig,
         ))
+    }
+}
+
+/// A child's entries must not start before its index key. We write keys equal to
+/// the child's first key (§5.3) and rewrite any other key when the parent is next
+/// written; reading accepts smaller keys (lookups stay correct) and empty leaves.
+fn check_index_key(ino: u32, key: u32, first: Option<u32>, blk: u64) -> Result<()> {
+    match first {
+        Some(f) if f < key => Err(FsError::corrupt(format!(
+            "inode {ino}: extent block {blk} starts at {f}, before its index key {key}"
+        ))),
+        _ => Ok(()),
     }
 }
 
@@ -938,7 +978,9 @@ impl MemTree {
             }
             return Ok(());
         }
-        Err(FsError::corrupt("extent tree normalisation does not converge"))
+        Err(FsError::corrupt(
+            "extent tree normalisation does not converge",
+        ))
     }
 
     /// What e2fsck's pass 1 decides about this tree's shape (§5.3): false if it
@@ -1326,7 +1368,14 @@ mod list_tests {
         assert_eq!(v, vec![e(0, 3, 100, false), e(25, 5, 205, true)]);
         let f = list_remove(&mut v, 26, 27);
         assert_eq!(f, vec![(206, 1)]);
-        assert_eq!(v, vec![e(0, 3, 100, false), e(25, 1, 205, true), e(27, 3, 207, true)]);
+        assert_eq!(
+            v,
+            vec![
+                e(0, 3, 100, false),
+                e(25, 1, 205, true),
+                e(27, 3, 207, true)
+            ]
+        );
         let f = list_remove(&mut v, 0, 1 << 32);
         assert_eq!(f.iter().map(|x| x.1).sum::<u32>(), 7);
         assert!(v.is_empty());
@@ -1338,7 +1387,12 @@ mod list_tests {
         list_convert(&mut v, 6, 8);
         assert_eq!(
             v,
-            vec![e(0, 4, 100, false), e(4, 2, 104, true), e(6, 2, 106, false), e(8, 6, 108, true)]
+            vec![
+                e(0, 4, 100, false),
+                e(4, 2, 104, true),
+                e(6, 2, 106, false),
+                e(8, 6, 108, true)
+            ]
         );
         list_convert(&mut v, 4, 6);
         assert_eq!(v, vec![e(0, 8, 100, false), e(8, 6, 108, true)]);
@@ -1384,7 +1438,11 @@ mod tree_tests {
                 .arg(&m.dir)
                 .output()
                 .unwrap();
-            assert!(out.status.success(), "mount: {}", String::from_utf8_lossy(&out.stderr));
+            assert!(
+                out.status.success(),
+                "mount: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
             m.mounted = true;
             m
         }
@@ -1481,7 +1539,11 @@ mod tree_tests {
             let (p, n) = inner.alloc_blocks(&h, goal, len)?;
             for k in 0..n {
                 // Unwritten blocks get garbage that must never be read back.
-                let data = if unwritten { vec![0xEE; bs] } else { pattern(lblk + k, bs) };
+                let data = if unwritten {
+                    vec![0xEE; bs]
+                } else {
+                    pattern(lblk + k, bs)
+                };
                 inner.write_data(p + k as u64, &data)?;
             }
             if let Err(e) = inner.ext_insert(&h, ino, &mut i, lblk, p, n, unwritten) {
@@ -1517,7 +1579,11 @@ mod tree_tests {
                 .take_while(|(&k, _)| (k as u64) < end)
                 .map(|(&k, _)| k)
                 .collect();
-            assert_eq!(freed, keys.len() as u64, "blocks freed by remove({start}, {end})");
+            assert_eq!(
+                freed,
+                keys.len() as u64,
+                "blocks freed by remove({start}, {end})"
+            );
             for k in keys {
                 self.model.remove(&k);
             }
@@ -1538,7 +1604,9 @@ mod tree_tests {
             }
             let mut i = inner.read_inode(ino).unwrap();
             let h = inner.start(64).unwrap();
-            inner.ext_convert_written(&h, ino, &mut i, lblk, len).unwrap();
+            inner
+                .ext_convert_written(&h, ino, &mut i, lblk, len)
+                .unwrap();
             inner.write_inode(&h, ino, &i).unwrap();
             inner.stop(h).unwrap();
             for (k, _) in targets {
@@ -1568,7 +1636,11 @@ mod tree_tests {
                 assert!(w[0].lblk as u64 + w[0].len as u64 <= w[1].lblk as u64);
             }
             let (tree, _) = inner.load_tree(ino, &i).unwrap();
-            assert!(tree.shape_ok(), "tree shape would make e2fsck complain: {:?}", tree_shape(&tree));
+            assert!(
+                tree.shape_ok(),
+                "tree shape would make e2fsck complain: {:?}",
+                tree_shape(&tree)
+            );
             let tree_blocks: usize = tree.levels.iter().skip(1).map(|l| l.len()).sum();
             assert_eq!(
                 i.blocks_512(bs),
@@ -1600,7 +1672,11 @@ mod tree_tests {
         fn finish(mut self) {
             let ino = self.ino;
             let bs = self.bs;
-            let size = self.model.keys().next_back().map_or(0, |&k| (k as u64 + 1) * bs as u64);
+            let size = self
+                .model
+                .keys()
+                .next_back()
+                .map_or(0, |&k| (k as u64 + 1) * bs as u64);
             let inner = self.inner.as_mut().unwrap();
             let mut i = inner.read_inode(ino).unwrap();
             i.size = size;
@@ -1631,7 +1707,10 @@ mod tree_tests {
                     Some(&(_, false)) => pattern(n as u32, bs),
                     _ => vec![0u8; bs],
                 };
-                assert!(blk == want.as_slice(), "kernel reads different bytes in block {n}");
+                assert!(
+                    blk == want.as_slice(),
+                    "kernel reads different bytes in block {n}"
+                );
             }
         }
     }
@@ -1641,7 +1720,10 @@ mod tree_tests {
     }
 
     fn seed() -> u64 {
-        std::env::var("COMMITFS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0xC0FFEE)
+        std::env::var("COMMITFS_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0xC0FFEE)
     }
 
     /// Random insert of a short run into a hole of `[0, span)`.
@@ -1677,14 +1759,22 @@ mod tree_tests {
             }
         }
         hs.check();
-        assert!(hs.max_depth_seen >= 2, "depth {} reached", hs.max_depth_seen);
+        assert!(
+            hs.max_depth_seen >= 2,
+            "depth {} reached",
+            hs.max_depth_seen
+        );
         // Mixed operations.
         for n in 0..3000 {
             match hs.rng.gen_range(0..10) {
                 0..=4 => random_insert(&mut hs, span, 0.3),
                 5..=7 => {
                     let s = hs.rng.gen_range(0..span);
-                    let len = if hs.rng.gen_bool(0.05) { hs.rng.gen_range(50..600) } else { hs.rng.gen_range(1..6) };
+                    let len = if hs.rng.gen_bool(0.05) {
+                        hs.rng.gen_range(50..600)
+                    } else {
+                        hs.rng.gen_range(1..6)
+                    };
                     hs.remove(s, s as u64 + len);
                 }
                 _ => {
@@ -1732,7 +1822,9 @@ mod tree_tests {
         // > 4 * 84 leaves of 84 extents -> depth 3 on 1 KiB blocks.
         let n = 4 * 84 * 84 + 200;
         for k in 0..n as u32 {
-            let prev = k.checked_sub(1).and_then(|j| hs.model.get(&(j * 2)).copied());
+            let prev = k
+                .checked_sub(1)
+                .and_then(|j| hs.model.get(&(j * 2)).copied());
             let goal = prev.map_or(20000, |(p, _)| p + 2);
             hs.insert(k * 2, 1, false, goal).unwrap();
             if k % 5000 == 0 {
@@ -1824,7 +1916,11 @@ mod tree_tests {
         drop(inner);
         // Flip a byte of an extent entry on disk.
         use std::io::{Read, Seek, SeekFrom, Write};
-        let mut f = std::fs::OpenOptions::new().read(true).write(true).open(&hs.img.path).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&hs.img.path)
+            .unwrap();
         let off = leaf * 1024 + 12 + 12 * 3 + 8;
         let mut b = [0u8; 1];
         f.seek(SeekFrom::Start(off)).unwrap();

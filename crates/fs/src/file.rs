@@ -105,7 +105,10 @@ impl Inner {
             let t = now();
             i.mtime = t;
             i.ctime = t;
-            i.size = i.size.max(off + written as u64).max(if r.is_ok() { end } else { 0 });
+            i.size = i
+                .size
+                .max(off + written as u64)
+                .max(if r.is_ok() { end } else { 0 });
         }
         let wr = self.write_inode(&h, ino, &i);
         self.stop(h)?;
@@ -115,7 +118,14 @@ impl Inner {
 
     /// Write data; returns bytes written. On ENOSPC after some progress, returns
     /// the progress (a short write, as POSIX allows).
-    fn write_in(&mut self, h: &Handle, ino: u32, i: &mut Inode, off: u64, data: &[u8]) -> Result<usize> {
+    fn write_in(
+        &mut self,
+        h: &Handle,
+        ino: u32,
+        i: &mut Inode,
+        off: u64,
+        data: &[u8],
+    ) -> Result<usize> {
         let bs = self.bs as u64;
         let mut pos = 0usize;
         while pos < data.len() {
@@ -231,7 +241,14 @@ impl Inner {
     }
 
     /// Unmap `[start, end)` and uncharge the freed data blocks.
-    fn remove_blocks(&mut self, h: &Handle, ino: u32, i: &mut Inode, start: u32, end: u64) -> Result<()> {
+    fn remove_blocks(
+        &mut self,
+        h: &Handle,
+        ino: u32,
+        i: &mut Inode,
+        start: u32,
+        end: u64,
+    ) -> Result<()> {
         if (start as u64) >= end {
             return Ok(());
         }
@@ -307,7 +324,11 @@ impl Inner {
     ) -> Result<()> {
         let bs = self.bs as u64;
         if flags.punch_hole || flags.zero_range {
-            let zero_end = if flags.punch_hole { end.min(i.size) } else { end };
+            let zero_end = if flags.punch_hole {
+                end.min(i.size)
+            } else {
+                end
+            };
             if off < zero_end {
                 let first_full = off.div_ceil(bs);
                 let last_full = zero_end / bs; // exclusive
@@ -356,7 +377,13 @@ impl Inner {
 
     /// Fill in a new symlink inode: fast (in `i_block`) below 60 bytes, else one
     /// data block holding the target (§4.8).
-    pub fn init_symlink(&mut self, h: &Handle, ino: u32, i: &mut Inode, target: &[u8]) -> Result<()> {
+    pub fn init_symlink(
+        &mut self,
+        h: &Handle,
+        ino: u32,
+        i: &mut Inode,
+        target: &[u8],
+    ) -> Result<()> {
         i.size = target.len() as u64;
         if target.len() < 60 {
             i.block = [0; 60];

@@ -524,7 +524,9 @@ impl Inner {
         let (blk, off) = self.inode_location(ino)?;
         let isz = self.inode_size;
         let csum = self.csum;
-        self.modify_meta(h, blk, |d| inode.serialize(&mut d[off..off + isz], ino, &csum))?;
+        self.modify_meta(h, blk, |d| {
+            inode.serialize(&mut d[off..off + isz], ino, &csum)
+        })?;
         self.inodes.insert(ino, inode.clone());
         Ok(())
     }

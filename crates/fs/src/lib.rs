@@ -280,7 +280,9 @@ impl Fs {
 
     pub fn mkdir(&self, parent: Ino, name: &[u8], perm: u16, uid: u32, gid: u32) -> Result<Attr> {
         let mode = FileType::Directory.mode_bits() | (perm & 0o7777);
-        self.inner.lock().create_node(parent, name, mode, 0, uid, gid, None)
+        self.inner
+            .lock()
+            .create_node(parent, name, mode, 0, uid, gid, None)
     }
 
     pub fn symlink(

@@ -158,7 +158,9 @@ impl Inner {
         }
         let is_dir = mode & fi::S_IFMT == fi::S_IFDIR;
         let h = self.start(32)?;
-        let r = self.create_node_in(&h, parent, &pdir, name, mode, rdev, uid, gid, symlink, is_dir);
+        let r = self.create_node_in(
+            &h, parent, &pdir, name, mode, rdev, uid, gid, symlink, is_dir,
+        );
         self.stop(h)?;
         r
     }
@@ -179,7 +181,11 @@ impl Inner {
     ) -> Result<Attr> {
         let ino = self.alloc_inode(h, parent, is_dir)?;
         let t = now();
-        let extra = self.sb.want_extra_isize().max(32).min(self.inode_size as u16 - 128);
+        let extra = self
+            .sb
+            .want_extra_isize()
+            .max(32)
+            .min(self.inode_size as u16 - 128);
         let mut inode = Inode {
             mode,
             uid,
@@ -209,7 +215,9 @@ impl Inner {
                     inode.block = empty_extent_root();
                 }
                 FileType::CharDevice | FileType::BlockDevice => inode.set_rdev(rdev),
-                FileType::Symlink => self.init_symlink(h, ino, &mut inode, symlink.unwrap_or(b""))?,
+                FileType::Symlink => {
+                    self.init_symlink(h, ino, &mut inode, symlink.unwrap_or(b""))?
+                }
                 FileType::Fifo | FileType::Socket => {}
             }
             if is_dir {
@@ -240,7 +248,10 @@ impl Inner {
             return Ok(i.block[..i.size as usize].to_vec());
         }
         if i.size as usize >= self.bs || i.size == 0 {
-            return Err(FsError::corrupt(format!("symlink {ino}: bad size {}", i.size)));
+            return Err(FsError::corrupt(format!(
+                "symlink {ino}: bad size {}",
+                i.size
+            )));
         }
         let mut buf = vec![0u8; i.size as usize];
         self.read_inode_data(ino, &i, 0, &mut buf)?;
@@ -385,7 +396,9 @@ impl Inner {
                 return Err(FsError::Invalid("rename into own subdirectory"));
             }
             let h = self.start(32)?;
-            let r = self.exchange_in(&h, parent, name, src, &src_i, new_parent, new_name, dst, &dst_i);
+            let r = self.exchange_in(
+                &h, parent, name, src, &src_i, new_parent, new_name, dst, &dst_i,
+            );
             self.stop(h)?;
             return r;
         }
@@ -479,7 +492,13 @@ impl Inner {
         dst_i: &Inode,
     ) -> Result<()> {
         self.dir_replace_entry(h, parent, name, dst, fi::file_type_of_mode(dst_i.mode))?;
-        self.dir_replace_entry(h, new_parent, new_name, src, fi::file_type_of_mode(src_i.mode))?;
+        self.dir_replace_entry(
+            h,
+            new_parent,
+            new_name,
+            src,
+            fi::file_type_of_mode(src_i.mode),
+        )?;
         if parent != new_parent {
             if src_i.is_dir() {
                 self.dir_set_dotdot(h, src, new_parent)?;
@@ -580,7 +599,9 @@ impl Inner {
     fn release_inode_storage(&mut self, h: &Handle, ino: u32, i: &mut Inode) -> Result<()> {
         if i.has_flag(fi::FL_EXTENTS) {
             let freed = self.ext_remove(h, ino, i, 0, 1u64 << 32)?;
-            let b = i.blocks_512(self.bs).saturating_sub(freed * (self.bs as u64 / 512));
+            let b = i
+                .blocks_512(self.bs)
+                .saturating_sub(freed * (self.bs as u64 / 512));
             i.set_blocks_512(b, self.bs);
         }
         self.xattr_free_inode(h, ino, i)

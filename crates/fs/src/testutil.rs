@@ -105,5 +105,10 @@ pub fn fsck(path: &Path) -> FsckResult {
 /// Assert that `e2fsck -fn` finds nothing to report.
 pub fn assert_fsck_clean(path: &Path) {
     let r = fsck(path);
-    assert!(r.is_clean(), "e2fsck -fn reported problems (exit {}):\n{}", r.code, r.output);
+    assert!(
+        r.is_clean(),
+        "e2fsck -fn reported problems (exit {}):\n{}",
+        r.code,
+        r.output
+    );
 }

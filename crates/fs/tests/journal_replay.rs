@@ -29,7 +29,11 @@ fn lib_tree(fs: &Fs) -> BTreeMap<String, (String, u64, Vec<u8>)> {
                 FileType::Symlink => fs.readlink(e.ino).unwrap(),
                 _ => Vec::new(),
             };
-            let size = if a.kind == FileType::Directory { 0 } else { a.size };
+            let size = if a.kind == FileType::Directory {
+                0
+            } else {
+                a.size
+            };
             out.insert(p.clone(), (format!("{:?}", a.kind), size, content));
             if a.kind == FileType::Directory {
                 stack.push((e.ino, p));
@@ -129,7 +133,11 @@ fn workload(fs: &Fs) {
 
 /// `Journal start` from dumpe2fs: 0 means the log is empty.
 fn journal_start(img: &Path) -> u64 {
-    let out = Command::new("dumpe2fs").arg("-h").arg(img).output().unwrap();
+    let out = Command::new("dumpe2fs")
+        .arg("-h")
+        .arg(img)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     text.lines()
         .find_map(|l| l.strip_prefix("Journal start:"))
@@ -149,7 +157,11 @@ fn crash_then_replay(bs: &str, extra: &[&str]) {
     let by_fsck = copy_image(&img.path, "fsck");
     let by_kernel = copy_image(&img.path, "kernel");
     drop(fs);
-    assert_ne!(journal_start(&by_us.path), 0, "the crash copy must have a live log");
+    assert_ne!(
+        journal_start(&by_us.path),
+        0,
+        "the crash copy must have a live log"
+    );
 
     // commitfs replays.
     {
@@ -174,7 +186,14 @@ fn crash_then_replay(bs: &str, extra: &[&str]) {
     );
     assert_fsck_clean(&by_fsck.path);
     {
-        let fs = Fs::open_path(&by_fsck.path, MountOptions { read_only: true, ..Default::default() }).unwrap();
+        let fs = Fs::open_path(
+            &by_fsck.path,
+            MountOptions {
+                read_only: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         assert_eq!(lib_tree(&fs), expected);
     }
 
@@ -194,4 +213,58 @@ fn replay_1k() {
 #[test]
 fn replay_4k_upstream_defaults() {
     crash_then_replay("4096", &["-O", "metadata_csum_seed,orphan_file"]);
+}
+
+/// The other direction: a dirty journal written by the kernel (an image copied
+/// while mounted, after sync) is replayed by commitfs with the kernel's result.
+fn kernel_crash_then_replay(bs: &str) {
+    let img = mkfs("kreplay", 64, &["-b", bs, "-O", "^fast_commit"]);
+    let crash = copy_image(&img.path, "crash");
+    {
+        let m = KernelMount::new(&img.path);
+        let d = m.dir.join("d");
+        std::fs::create_dir(&d).unwrap();
+        for i in 0..200u32 {
+            std::fs::write(
+                d.join(format!("k{i}")),
+                vec![(i % 250) as u8; (i as usize * 53) % 7000],
+            )
+            .unwrap();
+        }
+        for i in (0..200).step_by(9) {
+            std::fs::remove_file(d.join(format!("k{i}"))).unwrap();
+        }
+        std::os::unix::fs::symlink("t".repeat(90), m.dir.join("sl")).unwrap();
+        let st = Command::new("sync").arg("-f").arg(&m.dir).status().unwrap();
+        assert!(st.success());
+        std::fs::copy(&img.path, &crash.path).unwrap();
+    }
+    assert_ne!(
+        journal_start(&crash.path),
+        0,
+        "kernel copy must have a live log"
+    );
+    let by_kernel = copy_image(&crash.path, "bykernel");
+    let expected = {
+        let m = KernelMount::new(&by_kernel.path);
+        host_tree(&m.dir)
+    };
+    assert!(expected.len() > 150);
+    {
+        let fs = Fs::open_path(&crash.path, MountOptions::default()).unwrap();
+        assert_eq!(lib_tree(&fs), expected);
+        fs.unmount().unwrap();
+    }
+    assert_fsck_clean(&crash.path);
+    assert_fsck_clean(&by_kernel.path);
+}
+
+#[test]
+fn kernel_log_replayed_by_commitfs_1k() {
+    kernel_crash_then_replay("1024");
+}
+
+#[test]
+fn kernel_log_replayed_by_commitfs_4k() {
+    kernel_crash_then_replay("4096");
 }

@@ -25,11 +25,15 @@ fn run(block_size: &str, extra: &[&str]) {
         fs.symlink(d.ino, b"short", b"file", 0, 0).unwrap();
         let long = vec![b'x'; 200];
         fs.symlink(d.ino, b"long", &long, 0, 0).unwrap();
-        assert_eq!(fs.readlink(fs.lookup(d.ino, b"long").unwrap().ino).unwrap(), long);
+        assert_eq!(
+            fs.readlink(fs.lookup(d.ino, b"long").unwrap().ino).unwrap(),
+            long
+        );
         fs.link(f.ino, ROOT_INO, b"hardlink").unwrap();
         assert_eq!(fs.getattr(f.ino).unwrap().nlink, 2);
         for i in 0..500 {
-            fs.create(d.ino, format!("n{i}").as_bytes(), 0o600, 0, 0).unwrap();
+            fs.create(d.ino, format!("n{i}").as_bytes(), 0o600, 0, 0)
+                .unwrap();
         }
         for i in (0..500).step_by(3) {
             fs.unlink(d.ino, format!("n{i}").as_bytes()).unwrap();
@@ -71,5 +75,8 @@ fn smoke_1k() {
 
 #[test]
 fn smoke_4k_fast_commit_upstream_defaults() {
-    run("4096", &["-O", "fast_commit,metadata_csum_seed,orphan_file"]);
+    run(
+        "4096",
+        &["-O", "fast_commit,metadata_csum_seed,orphan_file"],
+    );
 }

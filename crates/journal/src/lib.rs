@@ -386,7 +386,11 @@ impl Journal {
             }
             let tid = r.tid;
             r.tid = r.tid.wrapping_add(1);
-            (tid, std::mem::take(&mut r.buffers), std::mem::take(&mut r.revokes))
+            (
+                tid,
+                std::mem::take(&mut r.buffers),
+                std::mem::take(&mut r.revokes),
+            )
         };
         if let Some(l) = &self.log {
             return self.commit_log(l, tid, buffers, revokes);
@@ -448,8 +452,10 @@ impl Journal {
         if written.checkpointed {
             self.checkpoints.fetch_add(1, Ordering::Relaxed);
         }
-        self.log_blocks.fetch_add(written.log_blocks, Ordering::Relaxed);
-        self.revoke_count.fetch_add(revokes.len() as u64, Ordering::Relaxed);
+        self.log_blocks
+            .fetch_add(written.log_blocks, Ordering::Relaxed);
+        self.revoke_count
+            .fetch_add(revokes.len() as u64, Ordering::Relaxed);
         self.commits.fetch_add(1, Ordering::Relaxed);
         self.buffers_written.fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
@@ -621,7 +627,10 @@ mod log_tests {
             }
             snapshots.push((dev.contents(), model.clone()));
         }
-        assert!(j.stats().checkpoints > 0, "a 64-block log must have wrapped");
+        assert!(
+            j.stats().checkpoints > 0,
+            "a 64-block log must have wrapped"
+        );
         // Recover every post-commit snapshot: exactly the committed state.
         for (img, m) in &snapshots {
             let d2 = MemDevice::from_vec(img.clone());
@@ -635,7 +644,10 @@ mod log_tests {
         let last = &snapshots.last().unwrap().0;
         let d3 = MemDevice::from_vec(last.clone());
         recover(&d3, &map, BS, false).unwrap();
-        assert_eq!(&d3.contents()[90 * BS..90 * BS + 4], &jbd2::JBD2_MAGIC.to_be_bytes());
+        assert_eq!(
+            &d3.contents()[90 * BS..90 * BS + 4],
+            &jbd2::JBD2_MAGIC.to_be_bytes()
+        );
     }
 
     #[test]

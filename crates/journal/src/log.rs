@@ -118,7 +118,12 @@ fn now() -> (u64, u32) {
 }
 
 impl LogState {
-    pub fn open(dev: &dyn BlockDevice, bs: usize, map: JournalMap, opts: LogOptions) -> Result<LogState> {
+    pub fn open(
+        dev: &dyn BlockDevice,
+        bs: usize,
+        map: JournalMap,
+        opts: LogOptions,
+    ) -> Result<LogState> {
         let (jsb, mut raw) = read_superblock(dev, &map, bs)?;
         if jsb.start != 0 {
             return Err(JournalError::BadJournal(
@@ -132,7 +137,8 @@ impl LogState {
             )));
         }
         // Features the kernel sets at a read-write mount (§8.4).
-        let mut incompat = jsb.feature_incompat & !jbd2::INCOMPAT_CSUM_V2 & !jbd2::INCOMPAT_ASYNC_COMMIT;
+        let mut incompat =
+            jsb.feature_incompat & !jbd2::INCOMPAT_CSUM_V2 & !jbd2::INCOMPAT_ASYNC_COMMIT;
         let mut compat = jsb.feature_compat;
         if opts.bit64 {
             incompat |= jbd2::INCOMPAT_64BIT;
@@ -156,8 +162,15 @@ impl LogState {
         let first = jsb.first;
         // Reserve the fast-commit area even before the bit is set, so enabling fast
         // commits never finds log blocks in it.
-        let fc = if opts.fast_commit { jsb.fc_blocks(true) } else { 0 };
-        let last = jsb.maxlen.saturating_sub(fc).min(log_end(&jsb, opts.fast_commit));
+        let fc = if opts.fast_commit {
+            jsb.fc_blocks(true)
+        } else {
+            0
+        };
+        let last = jsb
+            .maxlen
+            .saturating_sub(fc)
+            .min(log_end(&jsb, opts.fast_commit));
         if last <= first + 8 {
             return Err(JournalError::BadJournal(format!(
                 "journal of {} blocks is too small",
@@ -224,7 +237,13 @@ impl LogState {
         }
     }
 
-    fn write_sb(&mut self, dev: &dyn BlockDevice, start: u32, sequence: u32, fua: bool) -> Result<()> {
+    fn write_sb(
+        &mut self,
+        dev: &dyn BlockDevice,
+        start: u32,
+        sequence: u32,
+        fua: bool,
+    ) -> Result<()> {
         put_be32(&mut self.raw_sb, jbd2::S_START, start);
         put_be32(&mut self.raw_sb, jbd2::S_SEQUENCE, sequence);
         if self.fmt.has_csum() {

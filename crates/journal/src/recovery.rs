@@ -9,7 +9,9 @@ use std::collections::HashMap;
 
 use commitfs_device::{BlockDevice, IoCategory};
 use commitfs_format::bytes::put_be32;
-use commitfs_format::jbd2::{self, JournalSuperblock, BLOCKTYPE_COMMIT, BLOCKTYPE_DESCRIPTOR, BLOCKTYPE_REVOKE};
+use commitfs_format::jbd2::{
+    self, JournalSuperblock, BLOCKTYPE_COMMIT, BLOCKTYPE_DESCRIPTOR, BLOCKTYPE_REVOKE,
+};
 use commitfs_format::jbd2_log::{self, LogFormat, TAG_ESCAPE};
 
 use crate::{JournalError, JournalMap, Result};
@@ -48,10 +50,9 @@ pub(crate) struct LogReader<'a> {
 
 impl LogReader<'_> {
     pub fn read(&self, jblk: u32, buf: &mut [u8]) -> Result<()> {
-        let p = self
-            .map
-            .phys(jblk)
-            .ok_or(JournalError::BadJournal(format!("journal block {jblk} is not mapped")))?;
+        let p = self.map.phys(jblk).ok_or(JournalError::BadJournal(format!(
+            "journal block {jblk} is not mapped"
+        )))?;
         self.dev
             .read_at(p * self.bs as u64, buf, IoCategory::Journal)?;
         Ok(())
@@ -75,7 +76,11 @@ pub(crate) fn log_format(jsb: &JournalSuperblock, bs: usize) -> LogFormat {
 }
 
 /// Read and validate the journal superblock (journal block 0).
-pub fn read_superblock(dev: &dyn BlockDevice, map: &JournalMap, bs: usize) -> Result<(JournalSuperblock, Vec<u8>)> {
+pub fn read_superblock(
+    dev: &dyn BlockDevice,
+    map: &JournalMap,
+    bs: usize,
+) -> Result<(JournalSuperblock, Vec<u8>)> {
     let p = map
         .phys(0)
         .ok_or_else(|| JournalError::BadJournal("journal block 0 is not mapped".into()))?;
@@ -117,7 +122,12 @@ pub(crate) fn log_end(jsb: &JournalSuperblock, fs_fast_commit: bool) -> u32 {
 
 /// Replay the journal if it holds committed transactions, then mark it empty.
 /// `fs_fast_commit`: the ext4 superblock has the fast_commit feature.
-pub fn recover(dev: &dyn BlockDevice, map: &JournalMap, bs: usize, fs_fast_commit: bool) -> Result<RecoveryReport> {
+pub fn recover(
+    dev: &dyn BlockDevice,
+    map: &JournalMap,
+    bs: usize,
+    fs_fast_commit: bool,
+) -> Result<RecoveryReport> {
     let (jsb, mut raw) = read_superblock(dev, map, bs)?;
     let mut report = RecoveryReport::default();
     if jsb.start == 0 {
@@ -212,7 +222,9 @@ pub fn recover(dev: &dyn BlockDevice, map: &JournalMap, bs: usize, fs_fast_commi
     let mut tid = jsb.sequence;
     while tid != end_tid {
         rd.read(pos, &mut buf)?;
-        let Some((btype, _)) = jbd2_log::parse_header(&buf) else { break };
+        let Some((btype, _)) = jbd2_log::parse_header(&buf) else {
+            break;
+        };
         let here = pos;
         pos = rd.next(pos);
         match btype {
@@ -243,7 +255,9 @@ pub fn recover(dev: &dyn BlockDevice, map: &JournalMap, bs: usize, fs_fast_commi
     let total_blocks = dev.size() / bs as u64;
     while tid != end_tid {
         rd.read(pos, &mut buf)?;
-        let Some((btype, _)) = jbd2_log::parse_header(&buf) else { break };
+        let Some((btype, _)) = jbd2_log::parse_header(&buf) else {
+            break;
+        };
         let here = pos;
         pos = rd.next(pos);
         match btype {

@@ -134,7 +134,12 @@ impl Inner {
         Ok(())
     }
 
-    pub(super) fn dx_set_dotdot(&mut self, h: &Handle, st: &mut DirState, parent: u32) -> Result<()> {
+    pub(super) fn dx_set_dotdot(
+        &mut self,
+        h: &Handle,
+        st: &mut DirState,
+        parent: u32,
+    ) -> Result<()> {
         let (csum, seed) = (self.csum.enabled, st.seed);
         let pblk = st.pblocks[0];
         self.modify_meta(h, pblk, |d| -> Result<()> {
@@ -154,7 +159,13 @@ impl Inner {
     }
 
     /// Read the live records of leaf `lblk` (checksum verified) with their hashes.
-    fn leaf_records(&self, st: &DirState, idx: &DxIndex, lblk: u32, skip_dots: bool) -> Result<Vec<Rec>> {
+    fn leaf_records(
+        &self,
+        st: &DirState,
+        idx: &DxIndex,
+        lblk: u32,
+        skip_dots: bool,
+    ) -> Result<Vec<Rec>> {
         let pblk = st.pblocks[lblk as usize];
         let buf = self.read_meta(pblk)?;
         let d = buf.data();
@@ -183,7 +194,10 @@ impl Inner {
     /// hash).
     fn split_records(recs: &mut [Rec]) -> (usize, u32) {
         recs.sort_unstable_by(|a, b| (a.0, a.1, &a.4).cmp(&(b.0, b.1, &b.4)));
-        let sizes: Vec<usize> = recs.iter().map(|r| dirent::min_rec_len(r.4.len())).collect();
+        let sizes: Vec<usize> = recs
+            .iter()
+            .map(|r| dirent::min_rec_len(r.4.len()))
+            .collect();
         let s = split_point(&sizes);
         let hash2 = recs[s].0;
         let cont = if recs[s - 1].0 == hash2 {
@@ -216,8 +230,14 @@ impl Inner {
         // Everything that can fail for lack of space happens before block 0 changes.
         let first = self.dir_grow(h, dir, st, 2)?;
         let (l1, l2) = (first, first + 1);
-        let lo: Vec<(u32, u8, &[u8])> = recs[..s].iter().map(|r| (r.2, r.3, r.4.as_slice())).collect();
-        let hi: Vec<(u32, u8, &[u8])> = recs[s..].iter().map(|r| (r.2, r.3, r.4.as_slice())).collect();
+        let lo: Vec<(u32, u8, &[u8])> = recs[..s]
+            .iter()
+            .map(|r| (r.2, r.3, r.4.as_slice()))
+            .collect();
+        let hi: Vec<(u32, u8, &[u8])> = recs[s..]
+            .iter()
+            .map(|r| (r.2, r.3, r.4.as_slice()))
+            .collect();
         self.leaf_write_new(h, st, l1, &lo)?;
         self.leaf_write_new(h, st, l2, &hi)?;
         idx.root = vec![
@@ -290,7 +310,14 @@ impl Inner {
                     "directory {dir}: leaf {leaf} has less room than recorded"
                 )));
             }
-            st.add_name(name, Slot { ino, ft, lblk: leaf });
+            st.add_name(
+                name,
+                Slot {
+                    ino,
+                    ft,
+                    lblk: leaf,
+                },
+            );
             return Ok(());
         }
         // Split the leaf. First make sure the index can take one more entry.
@@ -301,8 +328,14 @@ impl Inner {
         let first = self.dir_grow(h, dir, st, 1 + extra)?;
         let new_leaf = first;
         let mut spare: Vec<u32> = (first + 1..first + 1 + extra).rev().collect();
-        let lo: Vec<(u32, u8, &[u8])> = recs[..s].iter().map(|r| (r.2, r.3, r.4.as_slice())).collect();
-        let hi: Vec<(u32, u8, &[u8])> = recs[s..].iter().map(|r| (r.2, r.3, r.4.as_slice())).collect();
+        let lo: Vec<(u32, u8, &[u8])> = recs[..s]
+            .iter()
+            .map(|r| (r.2, r.3, r.4.as_slice()))
+            .collect();
+        let hi: Vec<(u32, u8, &[u8])> = recs[s..]
+            .iter()
+            .map(|r| (r.2, r.3, r.4.as_slice()))
+            .collect();
         let pblk = st.pblocks[leaf as usize];
         let geo = self.leaf_geo();
         let (csum, seed) = (self.csum.enabled, st.seed);
@@ -315,7 +348,14 @@ impl Inner {
         })??;
         st.free[leaf as usize] = free as u16;
         self.leaf_write_new(h, st, new_leaf, &hi)?;
-        st.add_name(name, Slot { ino, ft, lblk: leaf });
+        st.add_name(
+            name,
+            Slot {
+                ino,
+                ft,
+                lblk: leaf,
+            },
+        );
         for (i, r) in recs.iter().enumerate() {
             if let Some(slot) = st.names.get_mut(r.4.as_slice()) {
                 slot.lblk = if i < s { leaf } else { new_leaf };
@@ -323,7 +363,9 @@ impl Inner {
         }
         self.dx_insert_index(h, st, &path, path.len() - 1, hash2, new_leaf, &mut spare)?;
         if !spare.is_empty() {
-            return Err(FsError::corrupt("htree split used fewer blocks than planned"));
+            return Err(FsError::corrupt(
+                "htree split used fewer blocks than planned",
+            ));
         }
         Ok(())
     }

@@ -109,7 +109,11 @@ fn check_dir(fs: &Fs, dir: u32, m: &Model) {
     let mut seen = HashMap::new();
     for e in &entries[2..] {
         assert!(e.next_offset >= 3 && e.next_offset <= i64::MAX as u64);
-        assert!(seen.insert(e.name.clone(), e.ino).is_none(), "duplicate {:?}", e.name);
+        assert!(
+            seen.insert(e.name.clone(), e.ino).is_none(),
+            "duplicate {:?}",
+            e.name
+        );
     }
     assert_eq!(seen.len(), m.len());
     for (name, ino) in &m.v {
@@ -125,7 +129,9 @@ fn assert_fsck_clean(path: &Path) {
     let r = testutil::fsck(path);
     let problems: Vec<String> = testutil::problem_lines(&r.output)
         .into_iter()
-        .filter(|l| !(l.contains(" files (") && l.contains("non-contiguous") && l.ends_with(" blocks")))
+        .filter(|l| {
+            !(l.contains(" files (") && l.contains("non-contiguous") && l.ends_with(" blocks"))
+        })
         .collect();
     assert!(
         r.code == 0 && problems.is_empty(),
@@ -166,7 +172,10 @@ impl KernelMount {
             .expect("run mount");
         if !out.status.success() {
             let _ = std::fs::remove_dir(&dir);
-            panic!("kernel mount failed: {}", String::from_utf8_lossy(&out.stderr));
+            panic!(
+                "kernel mount failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         KernelMount { dir }
     }
@@ -241,7 +250,11 @@ fn many_names(bs: u32) {
     let (indexed, dx) = dir_index_state(&fs, d);
     assert!(indexed);
     if bs == 1024 {
-        assert_eq!(dx.unwrap().0, 1, "20k names on 1 KiB blocks need an interior level");
+        assert_eq!(
+            dx.unwrap().0,
+            1,
+            "20k names on 1 KiB blocks need an interior level"
+        );
     }
     // Remove about half, add new ones, check again.
     for i in 0..11_000 {
@@ -329,7 +342,11 @@ fn random_ops(bs: u32, seed: u64, ops: usize) {
                 // rename, possibly across directories, possibly over an existing file
                 if let Some((name, ino)) = m.pick(&mut rng) {
                     let to_other = rng.gen_bool(0.3);
-                    let (tdir, tm) = if to_other { (other, &mut *mo) } else { (dir, &mut *m) };
+                    let (tdir, tm) = if to_other {
+                        (other, &mut *mo)
+                    } else {
+                        (dir, &mut *m)
+                    };
                     let target = if rng.gen_bool(0.3) {
                         tm.pick(&mut rng).map(|x| x.0)
                     } else {
@@ -451,7 +468,11 @@ fn readdir_offsets_stable_under_modification() {
         assert!(seen.contains_key(&b".".to_vec()) && seen.contains_key(&b"..".to_vec()));
     }
     let (_, dx) = dir_index_state(&fs, d);
-    assert_eq!(dx.unwrap().0, 1, "the test should have grown an interior level");
+    assert_eq!(
+        dx.unwrap().0,
+        1,
+        "the test should have grown an interior level"
+    );
     check_dir(&fs, d, &m);
     finish(fs, &img);
     kernel_check(&img, &[("d", &m)]);
@@ -464,7 +485,8 @@ fn readdir_resume_at_each_offset() {
     let fs = open(&img);
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
     for i in 0..300 {
-        fs.create(d, format!("n{i}").as_bytes(), 0o644, 0, 0).unwrap();
+        fs.create(d, format!("n{i}").as_bytes(), 0o644, 0, 0)
+            .unwrap();
     }
     let all = fs.readdir_all(d).unwrap();
     assert_eq!(all.len(), 302);
@@ -540,7 +562,11 @@ fn full_htree_returns_nospace() {
     let fs = open(&img);
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
     let targets: Vec<u32> = (0..4)
-        .map(|i| fs.create(ROOT_INO, format!("t{i}").as_bytes(), 0o644, 0, 0).unwrap().ino)
+        .map(|i| {
+            fs.create(ROOT_INO, format!("t{i}").as_bytes(), 0o644, 0, 0)
+                .unwrap()
+                .ino
+        })
         .collect();
     let mut m = Model::default();
     let mut full = false;
@@ -582,7 +608,11 @@ fn largedir_adds_second_interior_level() {
     let fs = open(&img);
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
     let targets: Vec<u32> = (0..2)
-        .map(|i| fs.create(ROOT_INO, format!("t{i}").as_bytes(), 0o644, 0, 0).unwrap().ino)
+        .map(|i| {
+            fs.create(ROOT_INO, format!("t{i}").as_bytes(), 0o644, 0, 0)
+                .unwrap()
+                .ino
+        })
         .collect();
     let mut m = Model::default();
     let mut i = 0u32;
@@ -658,8 +688,17 @@ fn extends_directories_built_by_e2fsprogs() {
     for i in 0..5000 {
         std::fs::write(src.join("big").join(format!("pre-{i}-\u{e9}")), b"").unwrap();
     }
-    let img = image("dir-pre", 1024, 64, &["-N", "20000", "-d", src.to_str().unwrap()]);
-    let out = Command::new("e2fsck").arg("-fyD").arg(&img.path).output().unwrap();
+    let img = image(
+        "dir-pre",
+        1024,
+        64,
+        &["-N", "20000", "-d", src.to_str().unwrap()],
+    );
+    let out = Command::new("e2fsck")
+        .arg("-fyD")
+        .arg(&img.path)
+        .output()
+        .unwrap();
     assert!(out.status.code().unwrap_or(9) <= 1);
     assert_fsck_clean(&img.path);
     let fs = open(&img);
@@ -694,7 +733,8 @@ fn corrupt_blocks_give_typed_errors() {
     let fs = open(&img);
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
     for i in 0..200 {
-        fs.create(d, format!("name-{i}").as_bytes(), 0o644, 0, 0).unwrap();
+        fs.create(d, format!("name-{i}").as_bytes(), 0o644, 0, 0)
+            .unwrap();
     }
     let pblocks = {
         let mut g = fs.inner.lock();
@@ -706,11 +746,23 @@ fn corrupt_blocks_give_typed_errors() {
     let bs = 1024u64;
     let original = std::fs::read(&img.path).unwrap();
     // (block, byte offset, xor): root checksum area, a leaf record, a leaf rec_len.
-    for (lblk, off, x) in [(0usize, 0x28usize, 0x01u8), (1, 20, 0x40), (2, 4, 0x03), (1, 1020, 0xFF)] {
+    for (lblk, off, x) in [
+        (0usize, 0x28usize, 0x01u8),
+        (1, 20, 0x40),
+        (2, 4, 0x03),
+        (1, 1020, 0xFF),
+    ] {
         let mut data = original.clone();
         data[(pblocks[lblk] * bs) as usize + off] ^= x;
         std::fs::write(&img.path, &data).unwrap();
-        let fs = Fs::open_path(&img.path, MountOptions { read_only: true, ..Default::default() }).unwrap();
+        let fs = Fs::open_path(
+            &img.path,
+            MountOptions {
+                read_only: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         let e = fs.lookup(d, b"name-1").unwrap_err();
         assert!(e.is_corruption(), "block {lblk} offset {off}: {e}");
         let e = fs.readdir_all(d).unwrap_err();
@@ -728,7 +780,8 @@ fn index_blocks_verify_after_growth() {
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
     for i in 0..6000 {
         tick(&fs, i);
-        fs.create(d, format!("verify-{i}").as_bytes(), 0o644, 0, 0).unwrap();
+        fs.create(d, format!("verify-{i}").as_bytes(), 0o644, 0, 0)
+            .unwrap();
     }
     let mut g = fs.inner.lock();
     g.dir_lookup(d, b".").unwrap();
