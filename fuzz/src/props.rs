@@ -30,6 +30,8 @@ use commitfs_format::dx::{self, DxGeometry};
 use commitfs_format::extent::{self, Entries, Extent, ExtentIdx, ExtentNode, NodeRef};
 use commitfs_format::group_desc::{self, GroupDesc};
 use commitfs_format::inode::{self, Inode, Timestamp};
+use commitfs_format::jbd2::{self, JournalSuperblock};
+use commitfs_format::jbd2_log::{self, LogFormat, Tag};
 use commitfs_format::superblock::{FeatureKind, Superblock, SUPERBLOCK_SIZE};
 use commitfs_format::xattr::{self, WriteError, Xattr};
 
@@ -1026,4 +1028,148 @@ pub fn xattr(data: &[u8]) {
         Err(WriteError::Duplicate) => assert!(has_duplicates(&xb.entries)),
         Err(e) => panic!("an accepted xattr block cannot be written back: {e:?}"),
     }
+}
+
+// ---------------------------------------------------------------------------------
+// JBD2 journal superblock and log blocks
+// ---------------------------------------------------------------------------------
+
+/// JBD2 structures (big-endian). Mode 0: journal superblock (checksum fixed first
+/// with [`FLAG_FIX_CSUM`]). Modes 1/2/3: descriptor / commit / revoke block of a log
+/// whose incompat word is `aux` and checksum seed `fs_seed`, transaction `generation`.
+/// Accepted log blocks rebuild with the builders and parse back to the same contents.
+pub fn jbd2(data: &[u8]) {
+    let (h, rest) = Header::split(data);
+    let _ = jbd2_log::parse_header(rest);
+    let _ = jbd2_log::needs_escape(rest);
+    match h.mode() & 3 {
+        0 => journal_superblock(&h, rest),
+        mode => {
+            let (mut b, trusted) = h.cut(rest, &BLOCK_SIZES);
+            let bs = if trusted {
+                b.len()
+            } else {
+                BLOCK_SIZES[h.param as usize % BLOCK_SIZES.len()]
+            };
+            let f = LogFormat {
+                block_size: bs,
+                incompat: h.aux,
+                seed: h.fs_seed,
+            };
+            let _ = (f.tag_bytes(), f.tags_per_descriptor(), f.revokes_per_block());
+            let _ = jbd2_log::data_checksum(&f, h.generation, rest);
+            if h.fix_csum() && trusted && f.has_csum() {
+                fix_log_csum(&mut b, &f, mode);
+            }
+            match mode {
+                1 => log_descriptor(&h, &f, &b, trusted),
+                2 => log_commit(&h, &f, &b),
+                _ => log_revoke(&h, &f, &b),
+            }
+        }
+    }
+}
+
+fn journal_superblock(h: &Header, rest: &[u8]) {
+    let _ = JournalSuperblock::parse(rest, h.block);
+    let mut raw = [0u8; jbd2::SUPERBLOCK_SIZE];
+    let n = rest.len().min(raw.len());
+    raw[..n].copy_from_slice(&rest[..n]);
+    if h.fix_csum() {
+        let c = jbd2::compute_checksum(&raw);
+        raw[jbd2::S_CHECKSUM..jbd2::S_CHECKSUM + 4].copy_from_slice(&c.to_be_bytes());
+    }
+    if let Ok(jsb) = JournalSuperblock::parse(&raw, h.block) {
+        assert!(jsb.first > 0 && jsb.first < jsb.maxlen);
+        assert!(jsb.start == 0 || (jsb.first..jsb.maxlen).contains(&jsb.start));
+        let _ = (jsb.has_csum_v2or3(), jsb.has_live_log());
+        let _ = (jsb.fc_blocks(false), jsb.fc_blocks(true));
+        let _ = (jsb.compat_names(), jsb.incompat_names(), jsb.ro_compat_names());
+    }
+}
+
+/// Store a fresh tail / commit checksum the way the builders do.
+fn fix_log_csum(b: &mut [u8], f: &LogFormat, mode: u8) {
+    let n = b.len();
+    if mode == 2 {
+        if n >= 0x14 {
+            b[0x10..0x14].fill(0);
+            let c = commitfs_format::crc32c_raw(f.seed, b);
+            b[0x10..0x14].copy_from_slice(&c.to_be_bytes());
+        }
+    } else if n >= 4 {
+        b[n - 4..].fill(0);
+        let c = commitfs_format::crc32c_raw(f.seed, b);
+        b[n - 4..].copy_from_slice(&c.to_be_bytes());
+    }
+}
+
+/// What a tag keeps through build/parse: 32-bit block numbers without 64bit, the
+/// checksum width of the format, ESCAPE/DELETED flags.
+fn norm_tag(f: &LogFormat, t: &Tag) -> Tag {
+    Tag {
+        blocknr: if f.is_64bit() {
+            t.blocknr
+        } else {
+            t.blocknr & 0xFFFF_FFFF
+        },
+        flags: t.flags & (jbd2_log::TAG_ESCAPE | jbd2_log::TAG_DELETED),
+        checksum: if f.csum_v3() {
+            t.checksum
+        } else if f.csum_v2() {
+            t.checksum & 0xFFFF
+        } else {
+            0
+        },
+    }
+}
+
+fn log_descriptor(h: &Header, f: &LogFormat, b: &[u8], trusted: bool) {
+    let r = jbd2_log::parse_descriptor(b, f, h.block);
+    if trusted {
+        let _ = jbd2_log::verify_tail(b, f);
+    }
+    let Ok(tags) = r else { return };
+    let max = f.tags_per_descriptor();
+    if tags.is_empty() || max == 0 {
+        return;
+    }
+    let tags: Vec<Tag> = tags.iter().take(max).map(|t| norm_tag(f, t)).collect();
+    let built = jbd2_log::build_descriptor(f, h.generation, &tags);
+    assert_eq!(built.len(), f.block_size);
+    assert!(jbd2_log::verify_tail(&built, f), "fresh descriptor tail verifies");
+    assert_eq!(
+        jbd2_log::parse_header(&built),
+        Some((jbd2::BLOCKTYPE_DESCRIPTOR, h.generation))
+    );
+    let back = jbd2_log::parse_descriptor(&built, f, h.block).expect("re-parse of a descriptor");
+    let back: Vec<Tag> = back.iter().map(|t| norm_tag(f, t)).collect();
+    assert_eq!(back, tags, "descriptor round trip");
+}
+
+fn log_commit(h: &Header, f: &LogFormat, b: &[u8]) {
+    let Some(c) = jbd2_log::parse_commit(b, f) else {
+        return;
+    };
+    let built = jbd2_log::build_commit(f, h.generation, c.sec, c.nsec);
+    let back = jbd2_log::parse_commit(&built, f).expect("re-parse of a commit block");
+    assert!(back.checksum_ok, "fresh commit checksum verifies");
+    assert_eq!((back.sec, back.nsec), (c.sec, c.nsec), "commit round trip");
+}
+
+fn log_revoke(h: &Header, f: &LogFormat, b: &[u8]) {
+    let Ok(v) = jbd2_log::parse_revoke(b, f, h.block) else {
+        return;
+    };
+    let _ = jbd2_log::verify_tail(b, f);
+    let per = f.revokes_per_block();
+    if v.is_empty() || per == 0 {
+        return;
+    }
+    let v: Vec<u64> = v.into_iter().take(per).collect();
+    let blocks = jbd2_log::build_revokes(f, h.generation, &v);
+    assert_eq!(blocks.len(), 1, "{} records fit one revoke block", v.len());
+    assert!(jbd2_log::verify_tail(&blocks[0], f), "fresh revoke tail verifies");
+    let back = jbd2_log::parse_revoke(&blocks[0], f, h.block).expect("re-parse of a revoke");
+    assert_eq!(back, v, "revoke round trip");
 }

@@ -898,3 +898,51 @@ fn unsupported_incompat_feature_is_refused_by_name() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("bogus"));
 }
+
+#[test]
+fn sigterm_unmounts_and_writes_home() {
+    let img = mkfs("fuse-term", 64, &[]);
+    let mut m = Mount::new(&img.path, &[]);
+    fs::write(m.p("kept"), b"written before SIGTERM").unwrap();
+    // A file still open when the signal arrives: the mount is detached lazily and
+    // the daemon finishes once the file is closed.
+    let busy = File::open(m.p("kept")).unwrap();
+    let mut child = m.child.take().unwrap();
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while is_mounted(&m.dir) {
+        assert!(Instant::now() < deadline, "still mounted after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut s = String::new();
+    (&busy).read_to_string(&mut s).unwrap();
+    assert_eq!(
+        s, "written before SIGTERM",
+        "open file readable after detach"
+    );
+    drop(busy);
+    let st = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "daemon still running:\n{}",
+            m.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(st.success(), "daemon exited with {st}:\n{}", m.log_text());
+    assert_fsck_clean(&img.path);
+    let lib = commitfs::Fs::open_path(
+        &img.path,
+        commitfs::MountOptions {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let ino = lib.resolve("/kept").unwrap();
+    assert_eq!(lib.getattr(ino).unwrap().size, 22);
+}

@@ -13,6 +13,9 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 
+pub mod recording;
+pub use recording::{CrashLog, CrashSpec, LogOp, Materializer, RecordingDevice};
+
 /// Errors of the device layer.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {

@@ -92,6 +92,9 @@ pub enum WriteError {
     Duplicate,
     #[error("xattr name suffix longer than 255 bytes")]
     NameTooLong,
+    /// Index 0 with an empty name would read back as the end of the entry list.
+    #[error("xattr entry with neither name nor index")]
+    EmptyName,
 }
 
 /// Prefix string of a name index, `None` for indexes this crate does not name.
@@ -316,6 +319,13 @@ fn parse_entries(
         if next + LIST_END_LEN > end {
             return Err(corrupt(format!("xattr name at offset {pos} out of bounds")));
         }
+        // Index 0 with an empty name only differs from the end-of-list word through
+        // `e_value_offs`; no writer makes it and ours could not write it back.
+        if name_len == 0 && buf[pos + E_NAME_INDEX] == 0 {
+            return Err(corrupt(format!(
+                "xattr entry at offset {pos} has neither name nor index"
+            )));
+        }
         if buf[pos + E_NAME..pos + E_NAME + name_len].contains(&0) {
             return Err(corrupt(format!("xattr name at offset {pos} contains NUL")));
         }
@@ -399,6 +409,9 @@ pub fn ibody_has_magic(area: &[u8]) -> bool {
 fn check_unique_and_names(entries: &[Xattr]) -> std::result::Result<(), WriteError> {
     if entries.iter().any(|e| e.name.len() > MAX_SUFFIX_LEN) {
         return Err(WriteError::NameTooLong);
+    }
+    if entries.iter().any(|e| e.index == 0 && e.name.is_empty()) {
+        return Err(WriteError::EmptyName);
     }
     for (i, a) in entries.iter().enumerate() {
         if entries[i + 1..]
@@ -641,7 +654,7 @@ pub mod acl {
     /// Convert a VFS-format ACL to ext4's disk format; `None` if it is malformed
     /// (bad version, size or tag, or a permission outside rwx).
     pub fn to_disk(vfs: &[u8]) -> Option<Vec<u8>> {
-        if vfs.len() < 4 || (vfs.len() - 4) % 8 != 0 || le32(vfs, 0) != VFS_VERSION {
+        if vfs.len() < 4 || !(vfs.len() - 4).is_multiple_of(8) || le32(vfs, 0) != VFS_VERSION {
             return None;
         }
         let mut out = Vec::with_capacity(vfs.len());
@@ -955,6 +968,35 @@ mod tests {
         assert_eq!(parse_block(&b, 77, &csum).unwrap().refcount, 5);
 
         assert!(parse_block(&good[..20], 77, &NO_CSUM).is_err());
+    }
+
+    #[test]
+    fn nameless_index_zero_entry_is_rejected() {
+        let e = Xattr {
+            index: 0,
+            name: vec![],
+            value: vec![],
+        };
+        let mut b = vec![0u8; 1024];
+        assert_eq!(
+            write_block(std::slice::from_ref(&e), 1, 3, &NO_CSUM, &mut b),
+            Err(WriteError::EmptyName)
+        );
+        assert_eq!(
+            write_ibody(std::slice::from_ref(&e), &mut b),
+            Err(WriteError::EmptyName)
+        );
+        // On disk it is only told apart from the list end by e_value_offs.
+        let mut b = sample_block();
+        let first = BLOCK_HEADER_LEN;
+        b[first + E_NAME_LEN] = 0;
+        b[first + E_NAME_INDEX] = 0;
+        put_le16(&mut b, first + E_VALUE_OFFS, 16);
+        put_le32(&mut b, first + E_VALUE_SIZE, 0);
+        assert!(matches!(
+            parse_block(&b, 77, &NO_CSUM),
+            Err(FormatError::Corrupt { .. })
+        ));
     }
 
     #[test]

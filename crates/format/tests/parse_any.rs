@@ -46,15 +46,17 @@ enum Family {
     Extent,
     Dir,
     Xattr,
+    Jbd2,
 }
 
-const FAMILIES: [Family; 6] = [
+const FAMILIES: [Family; 7] = [
     Family::Superblock,
     Family::GroupDesc,
     Family::Inode,
     Family::Extent,
     Family::Dir,
     Family::Xattr,
+    Family::Jbd2,
 ];
 
 impl Family {
@@ -66,6 +68,7 @@ impl Family {
             Family::Extent => "extent",
             Family::Dir => "dir",
             Family::Xattr => "xattr",
+            Family::Jbd2 => "jbd2",
         }
     }
     fn run(self, data: &[u8]) {
@@ -76,6 +79,7 @@ impl Family {
             Family::Extent => props::extent(data),
             Family::Dir => props::dir(data),
             Family::Xattr => props::xattr(data),
+            Family::Jbd2 => props::jbd2(data),
         }
     }
 }
@@ -347,7 +351,7 @@ impl<'a> Cutter<'a> {
         // Inodes, from the root down.
         let mut seen = HashSet::new();
         self.walk(inode::ROOT_INO, &mut seen);
-        self.walk(sbf::Superblock::journal_inum(&self.sb).max(1), &mut seen);
+        self.walk(self.sb.journal_inum(), &mut seen);
     }
 
     fn read_inode(&self, ino: u32) -> (Inode, Vec<u8>, u64) {
@@ -405,6 +409,61 @@ impl<'a> Cutter<'a> {
         }
         out.sort_by_key(|e| e.lblk);
         out
+    }
+
+    /// The journal superblock, and log blocks made by the builders for this journal's
+    /// format (a fresh mkfs journal holds no log blocks).
+    fn journal_seeds(&mut self, jsb_blk: u64) {
+        use commitfs_format::jbd2::{self, JournalSuperblock};
+        use commitfs_format::jbd2_log::{self, LogFormat, Tag};
+        let bytes = self.block(jsb_blk);
+        let jsb = JournalSuperblock::parse(bytes, jsb_blk).expect("real journal superblock");
+        let h = Header {
+            flags: 0,
+            size: SIZE_EXACT,
+            block: jsb_blk,
+            ..Default::default()
+        };
+        self.push(Family::Jbd2, "jsb", h, &bytes[..jbd2::SUPERBLOCK_SIZE]);
+        let seed = commitfs_format::crc32c_raw(!0, &jsb.uuid);
+        for incompat in [
+            jsb.feature_incompat,
+            jbd2::INCOMPAT_64BIT | jbd2::INCOMPAT_CSUM_V3,
+            jbd2::INCOMPAT_CSUM_V2,
+            0,
+        ] {
+            let f = LogFormat {
+                block_size: self.bs,
+                incompat,
+                seed,
+            };
+            let tags: Vec<Tag> = (0..5)
+                .map(|i| Tag {
+                    blocknr: 100 + i * 7,
+                    flags: if i == 2 { jbd2_log::TAG_ESCAPE } else { 0 },
+                    checksum: 0x1234_5678 * i as u32,
+                })
+                .collect();
+            let tid = 77;
+            let blocks = [
+                (1u8, jbd2_log::build_descriptor(&f, tid, &tags)),
+                (2, jbd2_log::build_commit(&f, tid, 1_700_000_000, 5)),
+                (3, jbd2_log::build_revokes(&f, tid, &[9, 1 << 20, 33]).remove(0)),
+            ];
+            for (mode, b) in blocks {
+                let h = Header {
+                    flags: mode << FLAG_MODE_SHIFT,
+                    size: self.size_sel(),
+                    fs_seed: seed,
+                    generation: tid,
+                    block: 3,
+                    aux: incompat,
+                    ..Default::default()
+                };
+                let kind = ["", "jdesc", "jcommit", "jrevoke"][mode as usize];
+                self.push(Family::Jbd2, kind, h, &b);
+            }
+        }
     }
 
     fn walk(&mut self, ino: u32, seen: &mut HashSet<u32>) {
@@ -467,6 +526,11 @@ impl<'a> Cutter<'a> {
             return;
         }
         let exts = self.extents(ino, &i);
+        if ino == self.sb.journal_inum() {
+            let first = exts.first().expect("journal has blocks");
+            assert_eq!(first.lblk, 0);
+            self.journal_seeds(first.pblk);
+        }
         if !i.is_dir() {
             return;
         }
@@ -591,21 +655,25 @@ fn real_structures_parse_and_round_trip() {
         .collect();
     for want in [
         "sb", "gd", "bbitmap", "ibitmap", "idir", "ifile", "ilink", "root", "depth0", "depth1",
-        "leaf", "dxroot", "dxnode", "ibody", "block",
+        "leaf", "dxroot", "dxnode", "ibody", "block", "jsb", "jdesc", "jcommit", "jrevoke",
     ] {
         assert!(kinds.contains(want), "no seed of kind {want}: {kinds:?}");
     }
     // Depth 2 exists with 1 KiB blocks only.
     assert!(seeds.iter().any(|s| s.name.starts_with("1k-depth1")));
-    for s in seeds {
-        s.family.run(&s.input);
-    }
+    // Written before they are checked, so that a failing property still leaves a
+    // corpus for the fuzzers.
     if let Some(dir) = std::env::var_os("COMMITFS_FUZZ_SEED_DIR") {
         let dir = PathBuf::from(dir);
         for s in seeds {
             let d = dir.join(s.family.target());
             std::fs::create_dir_all(&d).expect("create corpus dir");
             std::fs::write(d.join(&s.name), &s.input).expect("write seed");
+        }
+    }
+    for s in seeds {
+        if let Err(e) = check(s.family, &s.input) {
+            panic!("real structure {}: {e}", s.name);
         }
     }
 }
@@ -788,5 +856,97 @@ fn single_bit_flips_with_fixed_checksums() {
                 }
             }
         }
+    }
+}
+
+// -------------------------------------------------------------------------------------
+// Regressions: minimal inputs for problems the fuzzers found
+// -------------------------------------------------------------------------------------
+
+/// An xattr entry whose first word is non-zero only through `e_value_offs` (name
+/// index 0, name length 0, empty value) is accepted by the parser, but the writer then
+/// emits a header that reads as the end-of-list marker, so the entry and every entry
+/// after it vanish on the next read.
+#[test]
+fn regression_xattr_entry_with_empty_name_and_index_zero_round_trips() {
+    let mut block = vec![0u8; 1024];
+    block[0..4].copy_from_slice(&xattr::XATTR_MAGIC.to_le_bytes());
+    block[4..8].copy_from_slice(&1u32.to_le_bytes()); // h_refcount
+    block[8..12].copy_from_slice(&1u32.to_le_bytes()); // h_blocks
+    // Entry at 32: e_name_len 0, e_name_index 0, e_value_offs 16, inum 0, size 0.
+    block[32 + 2..32 + 4].copy_from_slice(&16u16.to_le_bytes());
+    // A second, ordinary entry "user.a" = "v" after it.
+    let e2 = 32 + 16;
+    block[e2] = 1;
+    block[e2 + 1] = xattr::index::USER;
+    block[e2 + 2..e2 + 4].copy_from_slice(&1000u16.to_le_bytes());
+    block[e2 + 8..e2 + 12].copy_from_slice(&1u32.to_le_bytes());
+    block[e2 + 16] = b'a';
+    block[1000] = b'v';
+    let csum = CsumCtx {
+        enabled: false,
+        fs_seed: 0,
+    };
+    let parsed = xattr::parse_block(&block, 7, &csum);
+    let Ok(xb) = parsed else {
+        return; // Rejecting such an entry is a fine fix too.
+    };
+    let mut out = vec![0u8; 1024];
+    match xattr::write_block(&xb.entries, xb.refcount, 7, &csum, &mut out) {
+        Ok(()) => {
+            let back = xattr::parse_block(&out, 7, &csum).expect("re-parse");
+            assert_eq!(
+                back.entries.len(),
+                xb.entries.len(),
+                "entries lost in a write/parse round trip: {:?} became {:?}",
+                xb.entries,
+                back.entries
+            );
+        }
+        Err(_) => {} // Refusing to write it is acceptable as well.
+    }
+    // The in-inode area has the same shape.
+    let mut area = vec![0u8; 96];
+    area[0..4].copy_from_slice(&xattr::XATTR_MAGIC.to_le_bytes());
+    area[4 + 2..4 + 4].copy_from_slice(&16u16.to_le_bytes());
+    let h = Header {
+        flags: 1 << FLAG_MODE_SHIFT,
+        size: SIZE_EXACT,
+        param: area.len() as u16,
+        ..Default::default()
+    };
+    props::xattr(&h.input(&area));
+}
+
+/// A superblock whose `s_blocks_count` (with the 64bit high half) makes the group
+/// count overflow u32 must be rejected: `group_count()` truncates, so the
+/// inodes-per-group cross-check passes with the wrapped count, and the fs layer's
+/// `blocks_count * block_size` overflows on mount.
+#[test]
+fn regression_superblock_group_count_overflow_is_rejected() {
+    let seeds = seeds();
+    let s = seeds
+        .iter()
+        .find(|s| s.family == Family::Superblock && s.name.starts_with("4k"))
+        .expect("4k superblock seed");
+    let mut raw = s.input[HEADER_LEN..].to_vec();
+    let sb = Superblock::parse(&raw).expect("seed parses");
+    assert!(sb.is_64bit());
+    let bpg = sb.blocks_per_group() as u64;
+    // Add 2^32 groups' worth of blocks: the wrapped group count is unchanged.
+    let extra = bpg << 32;
+    let hi = u32::from_le_bytes(raw[0x150..0x154].try_into().expect("4 bytes")) as u64;
+    let new_hi = hi + (extra >> 32) * 32;
+    raw[0x150..0x154].copy_from_slice(&(new_hi as u32).to_le_bytes());
+    let fixed = Superblock::from_raw_unchecked(&raw[..1024].try_into().expect("1024 bytes"))
+        .to_bytes();
+    match Superblock::parse(&fixed) {
+        Err(_) => {}
+        Ok(sb) => panic!(
+            "accepted s_blocks_count {} with {} blocks per group: group_count() = {} (wrapped)",
+            sb.blocks_count(),
+            bpg,
+            sb.group_count()
+        ),
     }
 }

@@ -118,6 +118,7 @@ impl Inner {
             self.sb.first_data_block() as u64,
             self.sb.blocks_count() - 1,
         );
+        self.prune_pending_free();
         let g0 = self.block_group(goal);
         for i in 0..self.groups {
             let g = (g0 + i) % self.groups;
@@ -152,6 +153,7 @@ impl Inner {
         let gd = self.gds[g as usize];
         let nbits = self.sb.blocks_in_group(g) as usize;
         let buf = self.read_meta(gd.block_bitmap)?;
+        let gbase = self.sb.group_first_block(g);
         let (bit, run) = {
             let d = buf.data();
             self.check_bitmap_csum(
@@ -160,22 +162,21 @@ impl Inner {
                 self.sb.clusters_per_group(),
                 gd.block_bitmap,
             )?;
-            let Some(bit) = bitmap::find_zero(&d, start.min(nbits), nbits) else {
+            let Some(first) = self.next_free_run(&d, gbase, start.min(nbits), nbits, count) else {
                 return Ok(None);
             };
             // Prefer a run that satisfies the whole request if one starts soon after.
-            let mut best = (bit, bitmap::zero_run(&d, bit, nbits, count as usize));
-            let mut probe = bit + best.1;
+            let mut best = first;
+            let mut probe = first.0 + first.1;
             let mut tries = 0;
             while best.1 < count as usize && tries < 8 {
-                let Some(b) = bitmap::find_zero(&d, probe, nbits) else {
+                let Some(r) = self.next_free_run(&d, gbase, probe, nbits, count) else {
                     break;
                 };
-                let r = bitmap::zero_run(&d, b, nbits, count as usize);
-                if r > best.1 {
-                    best = (b, r);
+                if r.1 > best.1 {
+                    best = r;
                 }
-                probe = b + r;
+                probe = r.0 + r.1;
                 tries += 1;
             }
             best
@@ -203,6 +204,45 @@ impl Inner {
         )))
     }
 
+    /// First run of free bits at or after `from` in a group's bitmap that avoids
+    /// blocks freed by transactions not yet committed (they may not be reused
+    /// before their freeing is durable).
+    fn next_free_run(
+        &self,
+        d: &[u8],
+        gbase: u64,
+        mut from: usize,
+        nbits: usize,
+        count: u32,
+    ) -> Option<(usize, usize)> {
+        loop {
+            let bit = bitmap::find_zero(d, from, nbits)?;
+            let mut run = bitmap::zero_run(d, bit, nbits, count as usize);
+            let (s, e) = (gbase + bit as u64, gbase + (bit + run) as u64);
+            // A pending range covering the start: skip past it.
+            if let Some((_, &(pe, _))) = self.pending_free.range(..=s).next_back() {
+                if pe > s {
+                    from = (pe - gbase) as usize;
+                    continue;
+                }
+            }
+            // A pending range starting inside the run: stop the run before it.
+            if let Some((&ps, _)) = self.pending_free.range(s + 1..e).next() {
+                run = (ps - s) as usize;
+            }
+            return Some((bit, run));
+        }
+    }
+
+    /// Forget pending frees whose transactions are now durable.
+    pub fn prune_pending_free(&mut self) {
+        if self.pending_free.is_empty() {
+            return;
+        }
+        let j = self.journal.clone();
+        self.pending_free.retain(|_, (_, tid)| !j.is_committed(*tid));
+    }
+
     /// Free `count` blocks starting at `start` (may cross groups). Freed blocks are
     /// dropped from the metadata cache so a stale buffer can never be written over
     /// a block that is reused for data.
@@ -216,6 +256,7 @@ impl Inner {
         for b in start..end {
             self.journal.forget(h, b);
         }
+        self.pending_free.insert(start, (end, h.tid()));
         let mut b = start;
         while b < end {
             let g = self.block_group(b);

@@ -127,6 +127,9 @@ impl DirState {
     }
 }
 
+/// readdir callback: `(ino, file_type, name, next_offset) -> continue?`.
+pub(crate) type ReaddirFn<'a> = dyn FnMut(u32, u8, &[u8], u64) -> bool + 'a;
+
 /// Directory states by inode, owned by this module (field `Inner::dirs`).
 #[derive(Default)]
 pub struct DirCache {
@@ -609,12 +612,7 @@ impl Inner {
 
     /// Entries from `offset` on (module docs: "readdir offsets"). `f(ino, type, name,
     /// next_offset)` returns false to stop.
-    pub fn dir_readdir(
-        &mut self,
-        dir: u32,
-        offset: u64,
-        f: &mut dyn FnMut(u32, u8, &[u8], u64) -> bool,
-    ) -> Result<()> {
+    pub fn dir_readdir(&mut self, dir: u32, offset: u64, f: &mut ReaddirFn<'_>) -> Result<()> {
         self.with_dir(dir, |_, st| {
             if offset == 0 && !f(st.dot, FT_DIR, b".", 1) {
                 return Ok(());
@@ -658,7 +656,7 @@ impl Inner {
 
     /// Directory hash of `name` in an indexed directory.
     fn name_hash(&self, idx: &DxIndex, name: &[u8]) -> (u32, u32) {
-        dirhash::dx_hash(name, idx.eff_version + 3, &self.sb.hash_seed())
+        dirhash::dx_hash(name, idx.eff_version, &self.sb.hash_seed())
     }
 
     /// Hash version (on disk) for a new index: the superblock default, or half_md4

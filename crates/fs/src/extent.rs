@@ -1892,6 +1892,8 @@ mod tree_tests {
         }
         hs.inner().free_blocks(&h, data, 1).unwrap();
         hs.inner().stop(h).unwrap();
+        // Freed blocks become reusable once their transaction has committed.
+        hs.inner().sync().unwrap();
         hs.check();
         // With space back the same insert works and grows the tree.
         hs.insert(1, 1, false, 0).unwrap();

@@ -72,6 +72,9 @@ pub(crate) struct Inner {
     pub unlinked_open: HashSet<u32>,
     /// Directory state owned by `dir.rs` (in-memory indexes).
     pub dirs: crate::dir::DirCache,
+    /// Blocks freed by transactions that are not committed yet: start -> (end, tid).
+    /// The allocator skips them (see `alloc.rs`).
+    pub pending_free: std::collections::BTreeMap<u64, (u64, u32)>,
     /// Per-group hint: first inode bit that may be free.
     pub inode_hint: Vec<u32>,
     /// Last group a directory was placed in (spreads top-level directories).
@@ -152,6 +155,7 @@ impl Inner {
             open_counts: HashMap::new(),
             unlinked_open: HashSet::new(),
             dirs: Default::default(),
+            pending_free: Default::default(),
             inode_hint: vec![0; groups as usize],
             last_dir_group: 0,
             next_generation: now().nsec ^ 0x9E37_79B9,

@@ -104,6 +104,24 @@ impl Fs {
         })
     }
 
+    /// Run `f`; on ENOSPC while blocks freed by uncommitted transactions exist,
+    /// commit (making them reusable) and retry once, like ext4's retry-alloc.
+    fn retry_nospace<T>(&self, mut f: impl FnMut(&mut Inner) -> Result<T>) -> Result<T> {
+        let first = f(&mut self.inner.lock());
+        if !matches!(first, Err(FsError::NoSpace)) {
+            return first;
+        }
+        let j = {
+            let g = self.inner.lock();
+            if g.pending_free.is_empty() {
+                return first;
+            }
+            g.journal.clone()
+        };
+        j.commit()?;
+        f(&mut self.inner.lock())
+    }
+
     /// Commit early when the running transaction has grown large.
     fn maybe_commit(&self) -> Result<()> {
         let j = {
@@ -249,10 +267,7 @@ impl Fs {
     /// Create a regular file with permission bits `perm`.
     pub fn create(&self, parent: Ino, name: &[u8], perm: u16, uid: u32, gid: u32) -> Result<Attr> {
         let mode = FileType::Regular.mode_bits() | (perm & 0o7777);
-        let a = self
-            .inner
-            .lock()
-            .create_node(parent, name, mode, 0, uid, gid, None)?;
+        let a = self.retry_nospace(|g| g.create_node(parent, name, mode, 0, uid, gid, None))?;
         self.maybe_commit()?;
         Ok(a)
     }
@@ -271,10 +286,7 @@ impl Fs {
             Some(FileType::Directory) | Some(FileType::Symlink) | None => {
                 Err(FsError::Invalid("mknod: bad file type"))
             }
-            _ => self
-                .inner
-                .lock()
-                .create_node(parent, name, mode, rdev, uid, gid, None),
+            _ => self.retry_nospace(|g| g.create_node(parent, name, mode, rdev, uid, gid, None)),
         }
     }
 
@@ -294,9 +306,7 @@ impl Fs {
         gid: u32,
     ) -> Result<Attr> {
         let mode = FileType::Symlink.mode_bits() | 0o777;
-        self.inner
-            .lock()
-            .create_node(parent, name, mode, 0, uid, gid, Some(target))
+        self.retry_nospace(|g| g.create_node(parent, name, mode, 0, uid, gid, Some(target)))
     }
 
     pub fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {
@@ -304,7 +314,7 @@ impl Fs {
     }
 
     pub fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> Result<Attr> {
-        self.inner.lock().link(ino, new_parent, new_name)
+        self.retry_nospace(|g| g.link(ino, new_parent, new_name))
     }
 
     pub fn unlink(&self, parent: Ino, name: &[u8]) -> Result<()> {
@@ -324,9 +334,7 @@ impl Fs {
         new_name: &[u8],
         flags: RenameFlags,
     ) -> Result<()> {
-        self.inner
-            .lock()
-            .rename(parent, name, new_parent, new_name, flags)
+        self.retry_nospace(|g| g.rename(parent, name, new_parent, new_name, flags))
     }
 
     /// Note an open file handle (an unlinked file stays until its last close).
@@ -347,13 +355,13 @@ impl Fs {
     }
 
     pub fn write(&self, ino: Ino, offset: u64, data: &[u8]) -> Result<usize> {
-        let n = self.inner.lock().write(ino, offset, data)?;
+        let n = self.retry_nospace(|g| g.write(ino, offset, data))?;
         self.maybe_commit()?;
         Ok(n)
     }
 
     pub fn fallocate(&self, ino: Ino, offset: u64, len: u64, flags: FallocFlags) -> Result<()> {
-        self.inner.lock().fallocate(ino, offset, len, flags)?;
+        self.retry_nospace(|g| g.fallocate(ino, offset, len, flags))?;
         self.maybe_commit()
     }
 
@@ -366,11 +374,12 @@ impl Fs {
     }
 
     pub fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
-        let mut g = self.inner.lock();
-        let h = g.start(8)?;
-        let r = g.xattr_set(&h, ino, name, value, flags);
-        g.stop(h)?;
-        r
+        self.retry_nospace(|g| {
+            let h = g.start(8)?;
+            let r = g.xattr_set(&h, ino, name, value, flags);
+            g.stop(h)?;
+            r
+        })
     }
 
     pub fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()> {

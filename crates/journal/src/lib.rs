@@ -184,6 +184,8 @@ pub struct Journal {
     log_blocks: AtomicU64,
     checkpoints: AtomicU64,
     revoke_count: AtomicU64,
+    /// Highest tid whose commit is durable (0: none yet).
+    committed_tid: std::sync::atomic::AtomicU32,
 }
 
 impl Journal {
@@ -216,6 +218,7 @@ impl Journal {
             log_blocks: AtomicU64::new(0),
             checkpoints: AtomicU64::new(0),
             revoke_count: AtomicU64::new(0),
+            committed_tid: std::sync::atomic::AtomicU32::new(0),
         }
     }
 
@@ -384,6 +387,12 @@ impl Journal {
             while r.handles > 0 {
                 self.tx.idle.wait(&mut r);
             }
+            if r.buffers.is_empty() && r.revokes.is_empty() {
+                // Nothing to log; an fsync still needs its data durable.
+                drop(r);
+                self.dev.flush()?;
+                return Ok(0);
+            }
             let tid = r.tid;
             r.tid = r.tid.wrapping_add(1);
             (
@@ -412,6 +421,7 @@ impl Journal {
             }
         }
         self.dev.flush()?;
+        self.committed_tid.store(tid, Ordering::Release);
         self.commits.fetch_add(1, Ordering::Relaxed);
         self.buffers_written.fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
@@ -424,13 +434,6 @@ impl Journal {
         buffers: BTreeMap<u64, Arc<Buffer>>,
         revokes: BTreeSet<u64>,
     ) -> Result<usize> {
-        if buffers.is_empty() && revokes.is_empty() {
-            // Nothing to log; an fsync still needs its data durable.
-            self.dev.flush()?;
-            // The tid was not used; give it back so tids stay dense.
-            self.tx.running.lock().tid = tid;
-            return Ok(0);
-        }
         // Freeze: the log gets a copy; handles may keep changing the live version.
         let frozen: Vec<(Arc<Buffer>, Arc<[u8]>)> = buffers
             .into_values()
@@ -484,6 +487,14 @@ impl Journal {
             l.lock().close(&*self.dev, next)?;
         }
         Ok(())
+    }
+
+    /// Whether transaction `tid` is durable. Blocks freed by a transaction must not
+    /// be reused for data before then: a crash would leave the old owner pointing
+    /// at the new owner's data.
+    pub fn is_committed(&self, tid: u32) -> bool {
+        let c = self.committed_tid.load(Ordering::Acquire);
+        c != 0 && (c.wrapping_sub(tid) as i32) >= 0
     }
 
     /// Number of dirty buffers waiting for the next commit.
