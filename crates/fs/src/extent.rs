@@ -9,6 +9,26 @@
 //!
 //! Every method takes the inode *copy* (`inode`) and, for modifications, changes
 //! only that copy's `block` (the root) and `i_blocks`; the caller writes the inode.
+//!
+//! Design. Lookups walk root to leaf, verifying each node (checksum, depth,
+//! order). Modifications take one of two paths:
+//! * fast path: the change touches one leaf, keeps it non-empty and within
+//!   capacity, and does not add e2fsck slack (§5.3) — the leaf and, if its first
+//!   key moved, the ancestors' keys are rewritten. This covers appends, merges,
+//!   trims and inserts into leaves with room.
+//! * slow path: the whole tree is loaded ([`MemTree`]), changed, then re-shaped:
+//!   empty nodes dropped, overflowing nodes split (§5.4) or their entries shifted to
+//!   the nearest siblings with room, sparse levels folded, the root grown or
+//!   collapsed, so that e2fsck never finds the tree "could be narrower/shorter"
+//!   (checked by emulating its rule, with a full balanced repack as a safety net).
+//!   New blocks are allocated before anything is written, so ENOSPC leaves the tree
+//!   untouched; only changed nodes are written; freed tree blocks are uncharged.
+//!   Keeping every level within one block of slack means a random insert into a
+//!   packed tree may rewrite a run of sibling leaves (cost O(leaves) at worst).
+//!
+//! Journal credits: a fast-path change dirties at most depth + 1 tree blocks; a
+//! slow-path change may dirty every block of the tree (plus bitmaps/descriptors
+//! for the blocks it allocates or frees).
 
 use std::collections::{HashMap, HashSet};
 

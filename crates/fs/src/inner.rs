@@ -183,6 +183,9 @@ impl Inner {
             // disk before the first transaction reaches the log, or the kernel would
             // wipe the log instead of replaying it.
             inner.write_super_direct()?;
+            if inner.sb.last_orphan() != 0 {
+                inner.process_orphans()?;
+            }
         }
         Ok(inner)
     }

@@ -11,6 +11,7 @@ mod extent;
 mod file;
 mod inner;
 mod ops;
+mod orphan;
 mod types;
 mod xattr;
 

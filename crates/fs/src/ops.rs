@@ -264,6 +264,9 @@ impl Inner {
         if i.is_dir() {
             return Err(FsError::Permission("hard link to a directory"));
         }
+        if i.links_count == 0 {
+            return Err(FsError::NotFound);
+        }
         if i.links_count >= EXT4_LINK_MAX {
             return Err(FsError::TooManyLinks);
         }
@@ -277,7 +280,6 @@ impl Inner {
             i.links_count += 1;
             i.ctime = now();
             self.write_inode(&h, ino, &i)?;
-            self.unlinked_open.remove(&ino);
             self.touch_dir(&h, new_parent, 0)?;
             self.attr_of(ino, &i)
         })();
@@ -308,7 +310,9 @@ impl Inner {
         i.ctime = now();
         if i.links_count == 0 {
             if self.open_counts.get(&ino).copied().unwrap_or(0) > 0 {
+                // Still open: keep it, on the orphan list so a crash frees it.
                 self.write_inode(h, ino, &i)?;
+                self.orphan_add(h, ino)?;
                 self.unlinked_open.insert(ino);
                 return Ok(());
             }
@@ -583,16 +587,42 @@ impl Inner {
         Ok(())
     }
 
-    /// Free an inode with no links (used at last close and unmount).
+    /// Free an open-unlinked inode at its last close (or at unmount): off the
+    /// orphan list and freed in one transaction.
     pub fn evict_inode(&mut self, ino: u32) -> Result<()> {
         let i = self.read_inode(ino)?;
         if i.links_count != 0 {
             return Ok(());
         }
         let h = self.start(64)?;
-        let r = self.evict_with(&h, ino, i);
+        let r = self
+            .orphan_del(&h, ino)
+            .and_then(|_| self.read_inode(ino))
+            .and_then(|i| self.evict_with(&h, ino, i));
         self.stop(h)?;
         r
+    }
+
+    /// Free an inode found on the orphan list at mount (already unlinked from it).
+    pub fn evict_orphan(&mut self, h: &Handle, ino: u32) -> Result<()> {
+        let i = self.read_inode(ino)?;
+        self.evict_with(h, ino, i)
+    }
+
+    /// Free blocks past `i_size` (an interrupted truncate found at mount).
+    pub fn truncate_blocks_past_size(&mut self, h: &Handle, ino: u32) -> Result<()> {
+        let mut i = self.read_inode(ino)?;
+        if !i.has_flag(fi::FL_EXTENTS) {
+            return Ok(());
+        }
+        let first = i.size.div_ceil(self.bs as u64);
+        if first >= 1u64 << 32 {
+            return Ok(());
+        }
+        let freed = self.ext_remove(h, ino, &mut i, first as u32, 1u64 << 32)?;
+        let b = i.blocks_512(self.bs).saturating_sub(freed * (self.bs as u64 / 512));
+        i.set_blocks_512(b, self.bs);
+        self.write_inode(h, ino, &i)
     }
 
     /// Release everything an inode owns (data, tree and xattr blocks).
