@@ -29,6 +29,14 @@ pub use types::*;
 
 use inner::Inner;
 
+/// Counters reported by `commitfs stats`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stats {
+    pub device: StatsSnapshot,
+    pub journal: commitfs_journal::JournalStats,
+    pub journal_mode: &'static str,
+}
+
 /// A mounted commitfs file system.
 pub struct Fs {
     inner: Mutex<Inner>,
@@ -170,6 +178,16 @@ impl Fs {
     pub fn io_stats(&self) -> StatsSnapshot {
         self.dev.stats().snapshot()
     }
+    /// Live counters: device I/O by category and journal activity.
+    pub fn stats(&self) -> Stats {
+        let j = self.inner.lock().journal.clone();
+        Stats {
+            device: self.dev.stats().snapshot(),
+            journal: j.stats(),
+            journal_mode: if j.has_log() { "jbd2-ordered" } else { "write-home" },
+        }
+    }
+
     /// A copy of the in-memory superblock.
     pub fn superblock(&self) -> Superblock {
         self.inner.lock().sb.clone()
