@@ -547,11 +547,13 @@ impl Inner {
         goal: u64,
     ) -> Result<Vec<(u64, u32)>> {
         let (mut tree, orig) = self.load_tree(ino, inode)?;
+        eprintln!("STAT slow");
         let freed = tree.apply(op)?;
         tree.normalize()?;
         if !tree.shape_ok() {
             tracing::debug!("inode {ino}: extent tree repacked for e2fsck compactness");
             tree.full_repack();
+            eprintln!("STAT repack");
         }
         // Allocate blocks for new nodes; on failure give them back, nothing written.
         let mut fresh: Vec<u64> = Vec::new();
@@ -1445,7 +1447,7 @@ mod tree_tests {
     }
 
     impl KernelMount {
-        fn new(img: &std::path::Path) -> Self {
+        fn new(img: &std::path::Path, read_only: bool) -> Self {
             let dir = img.with_extension("mnt");
             std::fs::create_dir_all(&dir).unwrap();
             let mut m = KernelMount {
@@ -1453,7 +1455,7 @@ mod tree_tests {
                 mounted: false,
             };
             let out = Command::new("mount")
-                .args(["-o", "loop,ro"])
+                .args(["-o", if read_only { "loop,ro" } else { "loop" }])
                 .arg(img)
                 .arg(&m.dir)
                 .output()
@@ -1500,28 +1502,81 @@ mod tree_tests {
 
     impl Harness {
         fn new(tag: &str, size_mib: u64, seed: u64) -> Self {
-            let img = testutil::mkfs(tag, size_mib, &["-b", "1024"]);
+            Self::with_block_size(tag, size_mib, seed, 1024)
+        }
+
+        /// Fresh image with an empty regular file `/file` (inode 12) from debugfs.
+        fn with_block_size(tag: &str, size_mib: u64, seed: u64, bs: usize) -> Self {
+            let img = testutil::mkfs(tag, size_mib, &["-b", &bs.to_string()]);
             let out = Command::new("debugfs")
                 .args(["-w", "-R", "write /dev/null file"])
                 .arg(&img.path)
                 .output()
                 .unwrap();
             assert!(out.status.success());
-            let dev: DeviceRef = Arc::new(FileDevice::open(&img.path, false).unwrap());
-            let mut inner = Inner::mount(dev, MountOptions::default()).unwrap();
-            let ino = 12;
-            // A random generation so that the checksum seed is exercised.
+            let mut hs = Self::open(img, seed);
+            // A random generation so that the checksum seed is exercised (the file
+            // has no tree blocks yet, so nothing else depends on it).
+            let ino = hs.ino;
+            let inner = hs.inner();
             let mut i = inner.read_inode(ino).unwrap();
             assert!(i.is_reg() && i.has_flag(commitfs_format::inode::FL_EXTENTS));
             i.generation = 0x5EED_0000 ^ seed as u32;
             let h = inner.start(4).unwrap();
             inner.write_inode(&h, ino, &i).unwrap();
             inner.stop(h).unwrap();
+            hs
+        }
+
+        /// `/file` written by the kernel: every other block of `nblocks` (one extent
+        /// each, so a deep tree on 1 KiB blocks), then an fallocated range.
+        fn from_kernel(tag: &str, size_mib: u64, seed: u64, nblocks: u32) -> Self {
+            let img = testutil::mkfs(tag, size_mib, &["-b", "1024"]);
+            {
+                let m = KernelMount::new(&img.path, false);
+                let path = m.dir.join("file");
+                let mut f = std::fs::File::create(&path).unwrap();
+                use std::io::{Seek, SeekFrom, Write};
+                for k in (0..nblocks).step_by(2) {
+                    f.seek(SeekFrom::Start(k as u64 * 1024)).unwrap();
+                    f.write_all(&pattern(k, 1024)).unwrap();
+                }
+                f.sync_all().unwrap();
+                drop(f);
+                let out = Command::new("fallocate")
+                    .args([
+                        "-o",
+                        &(nblocks as u64 * 1024 + 4096).to_string(),
+                        "-l",
+                        "40960",
+                    ])
+                    .arg(&path)
+                    .output()
+                    .unwrap();
+                assert!(out.status.success());
+            }
+            let mut hs = Self::open(img, seed);
+            let ino = hs.ino;
+            let inner = hs.inner();
+            let i = inner.read_inode(ino).unwrap();
+            let list = inner.ext_list(ino, &i).unwrap();
+            for m in list {
+                for k in 0..m.len {
+                    hs.model
+                        .insert(m.lblk + k, (m.pblk + k as u64, m.unwritten));
+                }
+            }
+            hs
+        }
+
+        fn open(img: TempImage, seed: u64) -> Self {
+            let dev: DeviceRef = Arc::new(FileDevice::open(&img.path, false).unwrap());
+            let inner = Inner::mount(dev, MountOptions::default()).unwrap();
             let bs = inner.bs;
             Harness {
                 img,
                 inner: Some(inner),
-                ino,
+                ino: 12,
                 model: BTreeMap::new(),
                 rng: StdRng::seed_from_u64(seed),
                 bs,
@@ -1728,7 +1783,7 @@ mod tree_tests {
                 r.code,
                 r.output
             );
-            let m = KernelMount::new(&self.img.path);
+            let m = KernelMount::new(&self.img.path, true);
             let data = std::fs::read(m.dir.join("file")).unwrap();
             assert_eq!(data.len() as u64, size);
             for (n, blk) in data.chunks(bs).enumerate() {
@@ -1775,28 +1830,12 @@ mod tree_tests {
         }
     }
 
-    #[test]
-    fn random_ops_depth2_match_model_fsck_and_kernel() {
-        let seed = seed();
-        let mut hs = Harness::new("ext-rand", 64, seed);
-        let span = 9000;
-        // Grow to thousands of extents (depth 2 on 1 KiB blocks).
-        for n in 0..3000 {
-            random_insert(&mut hs, span, 0.1);
-            if n % 50 == 0 {
-                hs.check();
-            }
-        }
-        hs.check();
-        assert!(
-            hs.max_depth_seen >= 2,
-            "depth {} reached",
-            hs.max_depth_seen
-        );
-        // Mixed operations.
-        for n in 0..3000 {
+    /// `n` random inserts, removes (short, sometimes long) and conversions in
+    /// `[0, span)`, checking against the model every `every` steps.
+    fn random_mix(hs: &mut Harness, span: u32, n: usize, every: usize) {
+        for k in 0..n {
             match hs.rng.gen_range(0..10) {
-                0..=4 => random_insert(&mut hs, span, 0.3),
+                0..=4 => random_insert(hs, span, 0.3),
                 5..=7 => {
                     let s = hs.rng.gen_range(0..span);
                     let len = if hs.rng.gen_bool(0.05) {
@@ -1812,11 +1851,72 @@ mod tree_tests {
                     hs.convert(s, len);
                 }
             }
-            if n % 25 == 0 {
+            if k % every == 0 {
                 hs.check();
             }
         }
         hs.check();
+    }
+
+    #[test]
+    fn random_ops_depth2_match_model_fsck_and_kernel() {
+        for round in 0..2u64 {
+            let mut hs = Harness::new("ext-rand", 64, seed() + round);
+            let span = 9000;
+            // Grow to thousands of extents (depth 2 on 1 KiB blocks).
+            for n in 0..3000 {
+                random_insert(&mut hs, span, 0.1);
+                if n % 50 == 0 {
+                    hs.check();
+                }
+            }
+            hs.check();
+            assert!(
+                hs.max_depth_seen >= 2,
+                "depth {} reached",
+                hs.max_depth_seen
+            );
+            random_mix(&mut hs, span, 3000, 25);
+            hs.remount();
+            random_mix(&mut hs, span, 500, 25);
+            hs.finish();
+        }
+    }
+
+    #[test]
+    fn random_ops_4k_blocks() {
+        let mut hs = Harness::with_block_size("ext-rand4k", 64, seed() ^ 5, 4096);
+        let span = 6000;
+        for n in 0..2500 {
+            random_insert(&mut hs, span, 0.1);
+            if n % 50 == 0 {
+                hs.check();
+            }
+        }
+        hs.check();
+        assert!(
+            hs.max_depth_seen >= 2,
+            "depth {} reached",
+            hs.max_depth_seen
+        );
+        random_mix(&mut hs, span, 2000, 25);
+        hs.finish();
+    }
+
+    #[test]
+    fn kernel_made_tree_is_modified_cleanly() {
+        let mut hs = Harness::from_kernel("ext-kern", 64, seed() ^ 6, 3000);
+        hs.check();
+        assert!(
+            hs.max_depth_seen >= 2,
+            "kernel tree depth {}",
+            hs.max_depth_seen
+        );
+        assert!(
+            hs.model.values().any(|&(_, u)| u),
+            "no unwritten extent from fallocate"
+        );
+        random_mix(&mut hs, 3200, 1500, 25);
         hs.finish();
     }
 

@@ -84,6 +84,23 @@ pub(crate) struct Inner {
     pub opts: MountOptions,
 }
 
+/// Seconds of the coarse realtime clock, which is what `time()` (and so e2fsck)
+/// reads; the precise clock can run a tick ahead, and a superblock time one second
+/// "in the future" makes e2fsck complain.
+pub(crate) fn coarse_secs() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we pass.
+    let r = unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) };
+    if r == 0 {
+        ts.tv_sec as u64
+    } else {
+        now().sec as u64
+    }
+}
+
 pub(crate) fn now() -> Timestamp {
     let d = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -164,7 +181,6 @@ impl Inner {
         inner.load_group_descs()?;
         inner.open_journal()?;
         if !inner.read_only {
-            let t = now();
             let mut sb = inner.sb.clone();
             // Until the journal issue makes commits atomic, a crash can leave the
             // image inconsistent: clear VALID_FS so e2fsck checks it (as the kernel
@@ -177,7 +193,7 @@ impl Inner {
                 sb.set_feature_incompat(sb.feature_incompat() | sbf::INCOMPAT_RECOVER);
             }
             sb.set_mnt_count(sb.mnt_count().wrapping_add(1));
-            sb.set_mtime(t.sec as u64);
+            sb.set_mtime(coarse_secs());
             inner.sb = sb;
             // Written home directly, not through the log: needs_recovery must be on
             // disk before the first transaction reaches the log, or the kernel would
@@ -422,7 +438,7 @@ impl Inner {
         let fi: u64 = self.gds.iter().map(|g| g.free_inodes_count as u64).sum();
         self.sb.set_free_blocks_count(fb);
         self.sb.set_free_inodes_count(fi as u32);
-        self.sb.set_wtime(now().sec as u64);
+        self.sb.set_wtime(coarse_secs());
     }
 
     /// Write everything home and flush (no crash atomicity yet, see journal docs).

@@ -64,6 +64,9 @@ impl Committer {
                 let (m, cv) = &*s2;
                 let mut stopped = m.lock().unwrap_or_else(|e| e.into_inner());
                 loop {
+                    if *stopped {
+                        return;
+                    }
                     let (g, _) = cv
                         .wait_timeout(stopped, interval)
                         .unwrap_or_else(|e| e.into_inner());

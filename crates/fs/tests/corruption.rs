@@ -220,6 +220,9 @@ fn file_info(img: &Path, path: &str) -> FileInfo {
         }
     }
     let loc_blk = field(&imap, "located at block");
+    // `blocks` also lists the extent tree blocks (before the data they map); without
+    // them the list is the data in logical order.
+    let tree: HashSet<u64> = tree_blocks.iter().copied().collect();
     FileInfo {
         ino: num(field(&stat, "Inode:")) as u32,
         generation: num(field(&stat, "Generation:")) as u32,
@@ -228,6 +231,7 @@ fn file_info(img: &Path, path: &str) -> FileInfo {
             .split_whitespace()
             .filter(|w| w.chars().all(|c| c.is_ascii_digit()))
             .map(num)
+            .filter(|b| !tree.contains(b))
             .collect(),
         imap: (num(loc_blk), num(field(&imap, "offset")) as usize),
         tree_blocks,
@@ -445,7 +449,7 @@ fn targets(img: &Image) -> Vec<Target> {
         what: format!("htree root of /bigdir at {} (levels {levels})", b.blocks[0]),
         start: root_off,
         len: bs,
-        covered: 0x28 + 8 * count,
+        covered: dx::ROOT_COUNT_OFFSET + 8 * count,
         fix: Fix::Dx {
             seed: seed_of(&b),
             co: dx::ROOT_COUNT_OFFSET,
@@ -466,7 +470,7 @@ fn targets(img: &Image) -> Vec<Target> {
                 what: format!("htree node {n} of /bigdir at {pblk}"),
                 start: off,
                 len: bs,
-                covered: 0x10 + 8 * ncount as usize,
+                covered: dx::NODE_COUNT_OFFSET + 8 * ncount as usize,
                 fix: Fix::Dx {
                     seed: seed_of(&b),
                     co: dx::NODE_COUNT_OFFSET,
@@ -865,6 +869,7 @@ fn corruption_campaign(bs: usize) {
     let mut tallies: HashMap<Kind, Tally> = HashMap::new();
     let mut failures = Vec::new();
     let mut case_no = 0;
+    let mut slowest: Vec<(Duration, String)> = Vec::new();
     for t in &targets {
         for (mode, reps) in MODES {
             for _ in 0..reps {
@@ -874,9 +879,15 @@ fn corruption_campaign(bs: usize) {
                     continue;
                 }
                 // Writes in every other case keep the campaign short.
-                let do_writes = case_no % 2 == 0 || mode == Mode::FieldsFixedCsum;
+                // Bitmaps are only read by allocations.
+                let do_writes = case_no % 2 == 0
+                    || mode == Mode::FieldsFixedCsum
+                    || matches!(t.kind, Kind::BlockBitmap | Kind::InodeBitmap);
                 let what = format!("{bs}: {} {mode:?} (case {case_no})", t.what);
-                match guarded(Duration::from_secs(60), move || exercise(bytes, do_writes)) {
+                let t0 = std::time::Instant::now();
+                let res = guarded(Duration::from_secs(60), move || exercise(bytes, do_writes));
+                slowest.push((t0.elapsed(), what.clone()));
+                match res {
                     Err(e) => failures.push(format!("{what}: {e}")),
                     Ok(out) => {
                         let tally = tallies.entry(t.kind).or_default();
@@ -933,6 +944,10 @@ fn corruption_campaign(bs: usize) {
                 t.undetected.first()
             ));
         }
+    }
+    slowest.sort();
+    for (d, w) in slowest.iter().rev().take(5) {
+        eprintln!("  slow: {d:?} {w}");
     }
     if let Ok(m) = PANIC_MSGS.lock() {
         for p in m.iter().take(5) {
@@ -1066,5 +1081,35 @@ fn huge_block_count_superblock_is_refused() {
         Err(e) => panic!("mount of a superblock with a huge block count: {e}"),
         Ok(Ok(())) => panic!("mounted a superblock claiming 2^52 blocks"),
         Ok(Err(_)) => {}
+    }
+}
+
+#[test]
+fn zz_debug_probe() {
+    let img = build_image(1024);
+    let t = targets(&img);
+    for x in &t {
+        eprintln!("{:?} {} start {} covered {}", x.kind, x.what, x.start, x.covered);
+    }
+    let b = img.files.get("/bigdir").unwrap();
+    eprintln!("bigdir blocks {:?}", &b.blocks[..5]);
+    let out = debugfs(&img.path, "htree /bigdir");
+    eprintln!("{}", &out[..out.len().min(600)]);
+    for _ in 0..3 {
+        let t0 = std::time::Instant::now();
+        let bytes = img.bytes.clone();
+        let t1 = t0.elapsed();
+        let dev: DeviceRef = Arc::new(MemDevice::from_vec(bytes));
+        let fs = Fs::open(dev, MountOptions::default()).unwrap();
+        let t2 = t0.elapsed();
+        let mut out = Outcome::default();
+        walk(&fs, &mut out);
+        let t3 = t0.elapsed();
+        writes(&fs, &mut out);
+        let t4 = t0.elapsed();
+        fs.unmount().unwrap();
+        drop(fs);
+        let t5 = t0.elapsed();
+        eprintln!("copy {t1:?} open {t2:?} walk {t3:?} writes {t4:?} unmount {t5:?}");
     }
 }
