@@ -227,6 +227,15 @@ impl Inner {
             )));
         }
         let nblocks = (inode.size / bs) as usize;
+        // i_blocks counts every mapped block, so a larger size is corrupt; checking
+        // it first keeps a damaged size from sizing the allocations below.
+        let charged = inode.blocks_512(self.bs) / (bs / 512);
+        if nblocks as u64 > charged || nblocks as u64 > self.sb.blocks_count() {
+            return Err(FsError::corrupt(format!(
+                "directory {dir}: size {} exceeds its {charged} allocated blocks",
+                inode.size
+            )));
+        }
         let mut pblocks = vec![0u64; nblocks];
         for m in self.ext_list(dir, &inode)? {
             if m.unwritten {

@@ -308,7 +308,7 @@ impl Inner {
         let freed = match fast {
             Some(r) => r?,
             None => {
-                let goal = self.inode_goal(ino);
+                let goal = self.tree_goal(ino, inode, start)?;
                 self.ext_slow_op(h, ino, inode, TreeOp::Remove(start, end), goal)?
             }
         };
@@ -337,9 +337,23 @@ impl Inner {
         if let Some(r) = fast {
             return r;
         }
-        let goal = self.inode_goal(ino);
+        let goal = self.tree_goal(ino, inode, lblk)?;
         self.ext_slow_op(h, ino, inode, TreeOp::Convert(lblk, end), goal)?;
         Ok(())
+    }
+
+    /// Allocation goal for tree blocks of an operation at `lblk`: the data block
+    /// mapped there (or the nearest one before it), else the inode's group.
+    fn tree_goal(&mut self, ino: u32, inode: &Inode, lblk: u32) -> Result<u64> {
+        if let Some(m) = self.ext_map(ino, inode, lblk)? {
+            return Ok(m.pblk);
+        }
+        if let Some(n) = self.ext_next_mapped(ino, inode, lblk)? {
+            if let Some(m) = self.ext_map(ino, inode, n)? {
+                return Ok(m.pblk);
+            }
+        }
+        Ok(self.inode_goal(ino))
     }
 
     /// Free data runs (coalescing physically adjacent ones); returns the block count.
@@ -547,28 +561,26 @@ impl Inner {
         goal: u64,
     ) -> Result<Vec<(u64, u32)>> {
         let (mut tree, orig) = self.load_tree(ino, inode)?;
-        eprintln!("STAT slow");
         let freed = tree.apply(op)?;
         tree.normalize()?;
         if !tree.shape_ok() {
             tracing::debug!("inode {ino}: extent tree repacked for e2fsck compactness");
             tree.full_repack();
-            eprintln!("STAT repack");
         }
         // Allocate blocks for new nodes; on failure give them back, nothing written.
         let mut fresh: Vec<u64> = Vec::new();
-        let mut hint = goal;
         for l in 1..tree.levels.len() {
             for i in 0..tree.levels[l].len() {
-                if let Some(b) = tree.levels[l][i].blk {
-                    hint = b;
+                if tree.levels[l][i].blk.is_some() {
                     continue;
                 }
+                // Near the data (like the kernel's ext4_ext_find_goal), after any
+                // tree block already taken for this operation.
+                let hint = fresh.last().map_or(goal, |&b| b + 1);
                 match self.alloc_blocks(h, hint, 1) {
                     Ok((b, _)) => {
                         tree.levels[l][i].blk = Some(b);
                         fresh.push(b);
-                        hint = b;
                     }
                     Err(e) => {
                         for b in fresh {

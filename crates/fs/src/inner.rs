@@ -112,6 +112,12 @@ impl Inner {
     /// Open a file system: read and check the superblock and descriptors, decide
     /// read-only vs read-write from the feature flags.
     pub fn mount(dev: DeviceRef, opts: MountOptions) -> Result<Inner> {
+        Self::mount_with(dev, opts, false)
+    }
+
+    /// With `inspect_only`, load the superblock and descriptors only: no journal
+    /// replay, no writes (`commitfs info` on an image that needs recovery).
+    pub fn mount_with(dev: DeviceRef, opts: MountOptions, inspect_only: bool) -> Result<Inner> {
         let mut raw = [0u8; sbf::SUPERBLOCK_SIZE];
         dev.read_at(sbf::SUPERBLOCK_OFFSET, &mut raw, IoCategory::Metadata)?;
         let sb = Superblock::parse(&raw)?;
@@ -179,6 +185,9 @@ impl Inner {
             opts,
         };
         inner.load_group_descs()?;
+        if inspect_only {
+            return Ok(inner);
+        }
         inner.open_journal()?;
         if !inner.read_only {
             let mut sb = inner.sb.clone();
@@ -204,6 +213,20 @@ impl Inner {
             }
         }
         Ok(inner)
+    }
+
+    /// Superblock and log contents of the journal, without replaying it.
+    pub fn inspect_journal(
+        &mut self,
+    ) -> Result<Option<(commitfs_format::jbd2::JournalSuperblock, commitfs_journal::RecoveryReport, u32)>>
+    {
+        if !self.sb.has_compat(sbf::COMPAT_HAS_JOURNAL) || self.sb.journal_inum() == 0 {
+            return Ok(None);
+        }
+        let map = self.journal_map()?;
+        let fc = self.sb.has_compat(sbf::COMPAT_FAST_COMMIT);
+        let (jsb, report) = commitfs_journal::scan(&*self.dev, &map, self.bs, fc)?;
+        Ok(Some((jsb, report, map.len())))
     }
 
     /// Device blocks of the journal inode (§8.1).

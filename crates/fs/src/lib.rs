@@ -181,6 +181,21 @@ impl Fs {
     pub fn io_stats(&self) -> StatsSnapshot {
         self.dev.stats().snapshot()
     }
+    /// Describe the journal of an image without mounting it or replaying anything:
+    /// (journal superblock, what a recovery would replay, journal length in blocks).
+    /// `None` when the image has no journal.
+    pub fn inspect_journal(
+        dev: DeviceRef,
+    ) -> Result<Option<(commitfs_format::jbd2::JournalSuperblock, commitfs_journal::RecoveryReport, u32)>>
+    {
+        let opts = MountOptions {
+            read_only: true,
+            ..Default::default()
+        };
+        let mut inner = Inner::mount_with(dev, opts, true)?;
+        inner.inspect_journal()
+    }
+
     /// Live counters: device I/O by category and journal activity.
     pub fn stats(&self) -> Stats {
         let j = self.inner.lock().journal.clone();

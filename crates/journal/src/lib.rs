@@ -34,7 +34,7 @@ use commitfs_format::FormatError;
 use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub use log::{JournalMap, LogOptions};
-pub use recovery::{read_superblock, recover, RecoveryReport};
+pub use recovery::{read_superblock, recover, scan, RecoveryReport};
 
 /// Errors of the journal layer.
 #[derive(Debug, thiserror::Error)]

@@ -120,31 +120,11 @@ pub(crate) fn log_end(jsb: &JournalSuperblock, fs_fast_commit: bool) -> u32 {
     jsb.maxlen.saturating_sub(fc).max(jsb.first + 1)
 }
 
-/// Replay the journal if it holds committed transactions, then mark it empty.
-/// `fs_fast_commit`: the ext4 superblock has the fast_commit feature.
-pub fn recover(
-    dev: &dyn BlockDevice,
-    map: &JournalMap,
-    bs: usize,
-    fs_fast_commit: bool,
-) -> Result<RecoveryReport> {
-    let (jsb, mut raw) = read_superblock(dev, map, bs)?;
-    let mut report = RecoveryReport::default();
-    if jsb.start == 0 {
-        return Ok(report);
-    }
-    report.needed = true;
-    let f = log_format(&jsb, bs);
-    let rd = LogReader {
-        dev,
-        map,
-        bs,
-        first: jsb.first,
-        last: log_end(&jsb, fs_fast_commit),
-    };
-    report.start_tid = jsb.sequence;
-
-    // PASS_SCAN: find the first tid that is not validly committed.
+/// PASS_SCAN (§8.12): walk the live log from `s_start` and return the first tid
+/// that is not validly committed; records in `report` why the scan stopped early.
+fn scan_log(rd: &LogReader<'_>, f: &LogFormat, jsb: &JournalSuperblock, report: &mut RecoveryReport) -> Result<u32> {
+    let bs = rd.bs;
+    let f = *f;
     let mut buf = vec![0u8; bs];
     let mut pos = jsb.start;
     let mut tid = jsb.sequence;
@@ -212,7 +192,58 @@ pub fn recover(
             _ => break,
         }
     }
-    let end_tid = tid;
+    Ok(tid)
+}
+
+/// What is in a journal, without replaying anything (for `commitfs info`).
+pub fn scan(dev: &dyn BlockDevice, map: &JournalMap, bs: usize, fs_fast_commit: bool) -> Result<(JournalSuperblock, RecoveryReport)> {
+    let (jsb, _) = read_superblock(dev, map, bs)?;
+    let mut report = RecoveryReport::default();
+    if jsb.start == 0 {
+        return Ok((jsb, report));
+    }
+    report.needed = true;
+    report.start_tid = jsb.sequence;
+    let f = log_format(&jsb, bs);
+    let rd = LogReader {
+        dev,
+        map,
+        bs,
+        first: jsb.first,
+        last: log_end(&jsb, fs_fast_commit),
+    };
+    let end = scan_log(&rd, &f, &jsb, &mut report)?;
+    report.end_tid = end;
+    report.transactions = end.wrapping_sub(jsb.sequence);
+    Ok((jsb, report))
+}
+
+/// Replay the journal if it holds committed transactions, then mark it empty.
+/// `fs_fast_commit`: the ext4 superblock has the fast_commit feature.
+pub fn recover(
+    dev: &dyn BlockDevice,
+    map: &JournalMap,
+    bs: usize,
+    fs_fast_commit: bool,
+) -> Result<RecoveryReport> {
+    let (jsb, mut raw) = read_superblock(dev, map, bs)?;
+    let mut report = RecoveryReport::default();
+    if jsb.start == 0 {
+        return Ok(report);
+    }
+    report.needed = true;
+    let f = log_format(&jsb, bs);
+    let rd = LogReader {
+        dev,
+        map,
+        bs,
+        first: jsb.first,
+        last: log_end(&jsb, fs_fast_commit),
+    };
+    report.start_tid = jsb.sequence;
+
+    let end_tid = scan_log(&rd, &f, &jsb, &mut report)?;
+    let mut buf = vec![0u8; bs];
     report.end_tid = end_tid;
     report.transactions = end_tid.wrapping_sub(jsb.sequence);
 

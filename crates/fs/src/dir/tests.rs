@@ -552,6 +552,8 @@ fn enospc_leaves_directory_consistent() {
         let img = image("dir-enospc", bs, 8, &["-N", "4096"]);
         let fs = open(&img);
         let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
+        // Entries are hard links to one file, so only the directory needs space.
+        let t = fs.create(ROOT_INO, b"target", 0o644, 0, 0).unwrap().ino;
         // Fill the data area with one file.
         let f = fs.create(ROOT_INO, b"fill", 0o644, 0, 0).unwrap().ino;
         let chunk = vec![0xA5u8; 64 * 1024];
@@ -568,8 +570,8 @@ fn enospc_leaves_directory_consistent() {
         for i in 0..3000 {
             tick(&fs, i);
             let name = format!("entry-with-a-longer-name-{i:05}").into_bytes();
-            match fs.create(d, &name, 0o644, 0, 0) {
-                Ok(a) => m.insert(name, a.ino),
+            match fs.link(t, d, &name) {
+                Ok(_) => m.insert(name, t),
                 Err(FsError::NoSpace) => {
                     nospace += 1;
                     assert!(matches!(fs.lookup(d, &name), Err(FsError::NotFound)));
@@ -577,7 +579,7 @@ fn enospc_leaves_directory_consistent() {
                         break;
                     }
                 }
-                Err(e) => panic!("create: {e}"),
+                Err(e) => panic!("link: {e}"),
             }
         }
         assert!(nospace > 0, "the directory should have run out of space");
