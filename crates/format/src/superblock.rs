@@ -319,6 +319,16 @@ impl Superblock {
                 return bad(format!("s_desc_size {ds} invalid"));
             }
         }
+        let groups_wide = self
+            .blocks_count()
+            .saturating_sub(self.first_data_block() as u64)
+            .div_ceil(bpg);
+        if groups_wide > u32::MAX as u64 {
+            return bad(format!(
+                "{} blocks make more than 2^32 groups",
+                self.blocks_count()
+            ));
+        }
         let groups = self.group_count() as u64;
         if groups == 0 || groups * ipg != self.inodes_count() as u64 {
             return bad(format!(

@@ -370,7 +370,7 @@ impl Inner {
                 gdm.used_dirs_count += 1;
             }
             // Never leave a live inode in the "never used" tail (§3.2 rule 5).
-            let used_watermark = ipg32 - gdm.itable_unused;
+            let used_watermark = ipg32.saturating_sub(gdm.itable_unused);
             if bit as u32 + 1 > used_watermark {
                 gdm.itable_unused = ipg32 - (bit as u32 + 1);
             }

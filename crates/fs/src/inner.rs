@@ -338,11 +338,15 @@ impl Inner {
                 )
                 .into());
             }
-            if gd.free_inodes_count > self.ipg || gd.free_blocks_count > self.bpg {
+            if gd.free_inodes_count > self.ipg
+                || gd.free_blocks_count > self.bpg
+                || gd.itable_unused > self.ipg
+                || gd.used_dirs_count > self.ipg
+            {
                 return Err(FormatError::corrupt(
                     "group descriptor",
                     blk,
-                    format!("group {g}: free counts exceed the group size"),
+                    format!("group {g}: free/used counts exceed the group size"),
                 )
                 .into());
             }

@@ -227,12 +227,10 @@ impl Inner {
             self.dir_add_entry(h, parent, name, ino, fi::file_type_of_mode(mode))
         })();
         if let Err(e) = built {
-            // Roll back: release what the new inode got, then the inode itself.
-            let _ = self.release_inode_storage(h, ino, &mut inode);
-            let _ = self.free_inode(h, ino, is_dir);
-            if is_dir {
-                self.dir_forget(ino);
-            }
+            // Roll back: release what the new inode got and leave its record
+            // deleted (links 0, dtime set), then free the number.
+            inode.links_count = 0;
+            let _ = self.evict_with(h, ino, inode);
             return Err(e);
         }
         self.touch_dir(h, parent, if is_dir { 1 } else { 0 })?;

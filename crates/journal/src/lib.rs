@@ -459,6 +459,7 @@ impl Journal {
             .fetch_add(written.log_blocks, Ordering::Relaxed);
         self.revoke_count
             .fetch_add(revokes.len() as u64, Ordering::Relaxed);
+        self.committed_tid.store(tid, Ordering::Release);
         self.commits.fetch_add(1, Ordering::Relaxed);
         self.buffers_written.fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
