@@ -1056,7 +1056,11 @@ pub fn jbd2(data: &[u8]) {
                 incompat: h.aux,
                 seed: h.fs_seed,
             };
-            let _ = (f.tag_bytes(), f.tags_per_descriptor(), f.revokes_per_block());
+            let _ = (
+                f.tag_bytes(),
+                f.tags_per_descriptor(),
+                f.revokes_per_block(),
+            );
             let _ = jbd2_log::data_checksum(&f, h.generation, rest);
             if h.fix_csum() && trusted && f.has_csum() {
                 fix_log_csum(&mut b, &f, mode);
@@ -1084,7 +1088,11 @@ fn journal_superblock(h: &Header, rest: &[u8]) {
         assert!(jsb.start == 0 || (jsb.first..jsb.maxlen).contains(&jsb.start));
         let _ = (jsb.has_csum_v2or3(), jsb.has_live_log());
         let _ = (jsb.fc_blocks(false), jsb.fc_blocks(true));
-        let _ = (jsb.compat_names(), jsb.incompat_names(), jsb.ro_compat_names());
+        let _ = (
+            jsb.compat_names(),
+            jsb.incompat_names(),
+            jsb.ro_compat_names(),
+        );
     }
 }
 
@@ -1137,7 +1145,10 @@ fn log_descriptor(h: &Header, f: &LogFormat, b: &[u8], trusted: bool) {
     let tags: Vec<Tag> = tags.iter().take(max).map(|t| norm_tag(f, t)).collect();
     let built = jbd2_log::build_descriptor(f, h.generation, &tags);
     assert_eq!(built.len(), f.block_size);
-    assert!(jbd2_log::verify_tail(&built, f), "fresh descriptor tail verifies");
+    assert!(
+        jbd2_log::verify_tail(&built, f),
+        "fresh descriptor tail verifies"
+    );
     assert_eq!(
         jbd2_log::parse_header(&built),
         Some((jbd2::BLOCKTYPE_DESCRIPTOR, h.generation))
@@ -1169,7 +1180,10 @@ fn log_revoke(h: &Header, f: &LogFormat, b: &[u8]) {
     let v: Vec<u64> = v.into_iter().take(per).collect();
     let blocks = jbd2_log::build_revokes(f, h.generation, &v);
     assert_eq!(blocks.len(), 1, "{} records fit one revoke block", v.len());
-    assert!(jbd2_log::verify_tail(&blocks[0], f), "fresh revoke tail verifies");
+    assert!(
+        jbd2_log::verify_tail(&blocks[0], f),
+        "fresh revoke tail verifies"
+    );
     let back = jbd2_log::parse_revoke(&blocks[0], f, h.block).expect("re-parse of a revoke");
     assert_eq!(back, v, "revoke round trip");
 }

@@ -7,6 +7,8 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use commitfs::cmd::{demo, info, mkfs, mount, size};
 
+mod crashtest_cmd;
+
 #[derive(Parser)]
 #[command(
     name = "commitfs",
@@ -63,6 +65,8 @@ enum Cmd {
         #[arg(long, short = 'L')]
         label: Option<String>,
     },
+    /// Crash-state harness: record a workload, check every crash state's recovery.
+    Crashtest(crashtest_cmd::CrashtestArgs),
     /// Make an image, mount it, run a workload, verify, unmount, e2fsck, report.
     Demo {
         /// Work in this directory instead of a temporary one.
@@ -127,6 +131,10 @@ fn run(cli: Cli) -> Result<()> {
                     label,
                 },
             )
+        }
+        Cmd::Crashtest(a) => {
+            init_cli_logging();
+            crashtest_cmd::run(a)
         }
         Cmd::Demo { dir, keep } => {
             init_cli_logging();

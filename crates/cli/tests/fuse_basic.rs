@@ -387,6 +387,31 @@ fn every_fuse_operation_end_to_end() {
     let md = fs::metadata(&p).unwrap();
     assert_eq!((md.atime(), md.atime_nsec()), (1_000_000_000, 123_456_789));
     assert_eq!((md.mtime(), md.mtime_nsec()), (1_500_000_000, 42));
+    // Before 1970 with a fraction: (sec -1003886756, nsec 935574431) must come back
+    // as the same pair (fuser 0.18 decodes such request times oddly; see convert.rs).
+    let old = [
+        libc::timespec {
+            tv_sec: -1_003_886_756,
+            tv_nsec: 935_574_431,
+        },
+        libc::timespec {
+            tv_sec: -1,
+            tv_nsec: 1,
+        },
+    ];
+    // SAFETY: as above.
+    assert_eq!(
+        unsafe { libc::utimensat(libc::AT_FDCWD, cp.as_ptr(), old.as_ptr(), 0) },
+        0
+    );
+    let md = fs::metadata(&p).unwrap();
+    assert_eq!((md.atime(), md.atime_nsec()), (-1_003_886_756, 935_574_431));
+    assert_eq!((md.mtime(), md.mtime_nsec()), (-1, 1));
+    // SAFETY: as above.
+    assert_eq!(
+        unsafe { libc::utimensat(libc::AT_FDCWD, cp.as_ptr(), ts.as_ptr(), 0) },
+        0
+    );
     let before = now_secs();
     let now = [
         libc::timespec {
@@ -945,4 +970,52 @@ fn sigterm_unmounts_and_writes_home() {
     .unwrap();
     let ino = lib.resolve("/kept").unwrap();
     assert_eq!(lib.getattr(ino).unwrap().size, 22);
+}
+
+#[test]
+fn forget_releases_unlinked_inodes_and_cached_ones_stay_usable() {
+    let img = mkfs("fuse-forget", 64, &[]);
+    let mut m = Mount::new(&img.path, &[]);
+    let free0 = nix_statvfs(&m.dir).f_ffree;
+    for i in 0..20 {
+        fs::write(m.p(&format!("f{i}")), pattern(5000, i as u8)).unwrap();
+    }
+    assert_eq!(nix_statvfs(&m.dir).f_ffree, free0 - 20);
+    // Make the kernel forget every unused inode, then use them again.
+    fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+    for i in 0..20 {
+        assert_eq!(
+            fs::read(m.p(&format!("f{i}"))).unwrap(),
+            pattern(5000, i as u8)
+        );
+    }
+    // An unlinked inode lives while the kernel still references it, and is freed
+    // once it is forgotten.
+    let held = File::open(m.p("f0")).unwrap();
+    for i in 0..20 {
+        fs::remove_file(m.p(&format!("f{i}"))).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while nix_statvfs(&m.dir).f_ffree != free0 - 1 {
+        assert!(
+            Instant::now() < deadline,
+            "unlinked inodes not freed: {} free, expected {}",
+            nix_statvfs(&m.dir).f_ffree,
+            free0 - 1
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut v = Vec::new();
+    (&held).read_to_end(&mut v).unwrap();
+    assert_eq!(v, pattern(5000, 0));
+    drop(held);
+    while nix_statvfs(&m.dir).f_ffree != free0 {
+        assert!(
+            Instant::now() < deadline,
+            "open-unlinked inode not freed at close"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    m.unmount();
+    assert_fsck_clean(&img.path);
 }

@@ -256,6 +256,21 @@ impl CrashLog {
         img
     }
 
+    /// The image of requests `0..k` for which `keep(index, op)` holds, applied in
+    /// log order, ignoring the durability rules: for building deliberately broken
+    /// states (a harness must prove that it notices them).
+    pub fn image_filtered(&self, k: usize, mut keep: impl FnMut(usize, &LogOp) -> bool) -> Vec<u8> {
+        let mut img = (*self.base).clone();
+        for (i, op) in self.ops[..k.min(self.ops.len())].iter().enumerate() {
+            if let LogOp::Write { offset, data, .. } = op {
+                if keep(i, op) {
+                    apply_write(&mut img, *offset, data);
+                }
+            }
+        }
+        img
+    }
+
     /// Apply the volatile tail of `spec` to an image that holds exactly the durable
     /// prefix (see [`Materializer`]).
     fn apply_tail(&self, img: &mut [u8], spec: &CrashSpec) {
@@ -445,6 +460,10 @@ mod tests {
         assert_eq!(blk(&img, 3), &[0; BS][..]);
         assert_eq!(blk(&img, 4), &[4; BS][..]);
         assert_eq!(cl.full_image(6), d.contents());
+        // A filtered image may break the rules on purpose: drop a flushed write.
+        let img = cl.image_filtered(6, |i, _| i != 0);
+        assert_eq!(blk(&img, 1), &[0; BS][..]);
+        assert_eq!(blk(&img, 2), &[2; BS][..]);
     }
 
     #[test]

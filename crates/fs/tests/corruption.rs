@@ -33,7 +33,9 @@ use commitfs_format::csum::CsumCtx;
 use commitfs_format::superblock::Superblock;
 use commitfs_format::{dirent, dx, extent, group_desc, inode, xattr};
 use commitfs_fs::testutil::{fsck, problem_lines};
-use commitfs_fs::{FileType, Fs, FsError, MountOptions, RenameFlags, SetAttr, XattrFlags, ROOT_INO};
+use commitfs_fs::{
+    FileType, Fs, FsError, MountOptions, RenameFlags, SetAttr, XattrFlags, ROOT_INO,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -41,7 +43,6 @@ use rand::{Rng, SeedableRng};
 // Panic accounting (panics on any thread, e.g. a background commit thread)
 // -------------------------------------------------------------------------------------
 
-static PANICS: AtomicUsize = AtomicUsize::new(0);
 static PANIC_MSGS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 fn install_panic_counter() {
@@ -49,7 +50,6 @@ fn install_panic_counter() {
     ONCE.call_once(|| {
         let prev = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            PANICS.fetch_add(1, Ordering::SeqCst);
             let thread = std::thread::current()
                 .name()
                 .unwrap_or("<unnamed>")
@@ -170,8 +170,7 @@ struct GroupInfo {
 }
 
 struct Image {
-    _dir: TempDir,
-    path: PathBuf,
+    dir: TempDir,
     bytes: Vec<u8>,
     bs: usize,
     desc_size: usize,
@@ -239,7 +238,14 @@ fn file_info(img: &Path, path: &str) -> FileInfo {
 }
 
 const FILES: [&str; 9] = [
-    "/", "/small.txt", "/medium.bin", "/dir", "/sparse", "/bigdir", "/slowlink", "/fastlink",
+    "/",
+    "/small.txt",
+    "/medium.bin",
+    "/dir",
+    "/sparse",
+    "/bigdir",
+    "/slowlink",
+    "/fastlink",
     "/dir/sub/deeper",
 ];
 
@@ -254,7 +260,18 @@ fn build_image(bs: usize) -> Image {
     let bs_s = bs.to_string();
     let (rc, out) = run(
         "mkfs.ext4",
-        &["-q", "-F", "-b", &bs_s, "-N", "4096", "-d", src.to_str().expect("utf-8"), p, size],
+        &[
+            "-q",
+            "-F",
+            "-b",
+            &bs_s,
+            "-N",
+            "4096",
+            "-d",
+            src.to_str().expect("utf-8"),
+            p,
+            size,
+        ],
     );
     assert_eq!(rc, 0, "mkfs.ext4: {out}");
     let big = dir.0.join("value");
@@ -316,8 +333,7 @@ fn build_image(bs: usize) -> Image {
             fs_seed: sb.csum_seed(),
         },
         bytes,
-        path,
-        _dir: dir,
+        dir,
     }
 }
 
@@ -408,7 +424,15 @@ fn targets(img: &Image) -> Vec<Target> {
         fix: Fix::None,
     });
     let isz = 256;
-    for p in ["/", "/small.txt", "/dir", "/sparse", "/bigdir", "/slowlink", "/medium.bin"] {
+    for p in [
+        "/",
+        "/small.txt",
+        "/dir",
+        "/sparse",
+        "/bigdir",
+        "/slowlink",
+        "/medium.bin",
+    ] {
         let fi = f(p);
         t.push(Target {
             kind: Kind::InodeTable,
@@ -485,7 +509,13 @@ fn targets(img: &Image) -> Vec<Target> {
         .filter(|(l, _)| !index_lblks.contains(&(*l as u32)))
         .map(|(_, &p)| p)
         .collect();
-    for &p in [leaves[0], leaves[leaves.len() / 2], leaves[leaves.len() - 1]].iter() {
+    for &p in [
+        leaves[0],
+        leaves[leaves.len() / 2],
+        leaves[leaves.len() - 1],
+    ]
+    .iter()
+    {
         t.push(Target {
             kind: Kind::HtreeLeaf,
             what: format!("htree leaf of /bigdir at {p}"),
@@ -578,14 +608,17 @@ enum Mode {
     /// Fields set to edge values, checksum recomputed: exercises the checks behind
     /// the checksum.
     FieldsFixedCsum,
+    /// Random bytes in the checksummed part, checksum recomputed.
+    BytesFixedCsum,
 }
 
-const MODES: [(Mode, usize); 5] = [
+const MODES: [(Mode, usize); 6] = [
     (Mode::FlipBit, 4),
     (Mode::RandomBytes, 3),
     (Mode::Zero, 1),
     (Mode::Random, 1),
-    (Mode::FieldsFixedCsum, 4),
+    (Mode::FieldsFixedCsum, 6),
+    (Mode::BytesFixedCsum, 3),
 ];
 
 /// Corrupt a copy; returns false if the mutation left the bytes unchanged.
@@ -614,6 +647,13 @@ fn corrupt(img: &Image, bytes: &mut [u8], t: &Target, mode: Mode, rng: &mut StdR
                 let b = v.to_le_bytes();
                 let end = (at + w).min(t.len);
                 bytes[t.start + at..t.start + end].copy_from_slice(&b[..end - at]);
+            }
+            fix_csum(img, bytes, t);
+        }
+        Mode::BytesFixedCsum => {
+            for _ in 0..rng.gen_range(1..=4) {
+                let at = t.start + rng.gen_range(0..covered);
+                bytes[at] = rng.gen();
             }
             fix_csum(img, bytes, t);
         }
@@ -712,7 +752,10 @@ fn writes(fs: &Fs, out: &mut Outcome) {
     out.note("create", &r);
     if let Ok(a) = r {
         out.note("write", &fs.write(a.ino, 0, &filler(70_000, 9)));
-        out.note("setxattr", &fs.setxattr(a.ino, b"user.x", b"1", XattrFlags::default()));
+        out.note(
+            "setxattr",
+            &fs.setxattr(a.ino, b"user.x", b"1", XattrFlags::default()),
+        );
     }
     out.note("mkdir", &fs.mkdir(ROOT_INO, b"new-dir", 0o755, 0, 0));
     if let Ok(b) = fs.resolve("/bigdir") {
@@ -723,7 +766,10 @@ fn writes(fs: &Fs, out: &mut Outcome) {
         );
     }
     if let Ok(s) = fs.resolve("/small.txt") {
-        out.note("setxattr", &fs.setxattr(s, b"user.more", &[7u8; 300], XattrFlags::default()));
+        out.note(
+            "setxattr",
+            &fs.setxattr(s, b"user.more", &[7u8; 300], XattrFlags::default()),
+        );
         out.note("append", &fs.write(s, 16, b"more data"));
     }
     if let Ok(m) = fs.resolve("/medium.bin") {
@@ -745,9 +791,18 @@ fn writes(fs: &Fs, out: &mut Outcome) {
     out.note("unlink", &fs.unlink(ROOT_INO, b"empty"));
     out.note(
         "rename",
-        &fs.rename(ROOT_INO, b"fastlink", ROOT_INO, b"renamed", RenameFlags::default()),
+        &fs.rename(
+            ROOT_INO,
+            b"fastlink",
+            ROOT_INO,
+            b"renamed",
+            RenameFlags::default(),
+        ),
     );
-    out.note("symlink", &fs.symlink(ROOT_INO, b"newlink", b"target", 0, 0));
+    out.note(
+        "symlink",
+        &fs.symlink(ROOT_INO, b"newlink", b"target", 0, 0),
+    );
     out.note("sync", &fs.sync());
 }
 
@@ -758,7 +813,11 @@ fn exercise(bytes: Vec<u8>, do_writes: bool) -> Outcome {
     let fs = match Fs::open(dev, MountOptions::default()) {
         Ok(fs) => fs,
         Err(e) => {
-            let tag = if e.is_corruption() { "corrupt" } else { "other" };
+            let tag = if e.is_corruption() {
+                "corrupt"
+            } else {
+                "other"
+            };
             out.mount_error = Some(format!("{tag}: {e}"));
             return out;
         }
@@ -773,14 +832,15 @@ fn exercise(bytes: Vec<u8>, do_writes: bool) -> Outcome {
 }
 
 /// Run `f` on its own thread with a time limit; `Err` describes a panic or a hang.
+/// Panics on the file system's own threads are collected by the panic hook and
+/// checked with [`background_panics`].
 fn guarded<T: Send + 'static>(
     limit: Duration,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, String> {
-    let before = PANICS.load(Ordering::SeqCst);
     let (tx, rx) = std::sync::mpsc::channel();
     let h = std::thread::Builder::new()
-        .name("corruption-case".into())
+        .name(CASE_THREAD.into())
         .spawn(move || {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
             let _ = tx.send(r);
@@ -789,18 +849,34 @@ fn guarded<T: Send + 'static>(
     match rx.recv_timeout(limit) {
         Ok(Ok(v)) => {
             let _ = h.join();
-            // Give background threads of the dropped Fs a moment to report panics.
-            std::thread::sleep(Duration::from_millis(5));
-            let after = PANICS.load(Ordering::SeqCst);
-            if after != before {
-                Err(format!("{} panic(s) on other threads", after - before))
-            } else {
-                Ok(v)
-            }
+            Ok(v)
         }
-        Ok(Err(_)) => Err("panicked".into()),
+        Ok(Err(e)) => {
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Err(format!("panicked: {msg}"))
+        }
         Err(_) => Err(format!("did not finish within {limit:?}")),
     }
+}
+
+const CASE_THREAD: &str = "corruption-case";
+
+/// Panics seen on the file system's own threads (named `commitfs-*`, e.g. the
+/// commit thread), which no `catch_unwind` of ours sees.
+fn background_panics() -> Vec<String> {
+    PANIC_MSGS
+        .lock()
+        .map(|m| {
+            m.iter()
+                .filter(|p| p.starts_with("[commitfs"))
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn image_hash(bytes: &[u8]) -> u64 {
@@ -853,8 +929,12 @@ fn corruption_campaign(bs: usize) {
         out.corrupt,
         out.other
     );
-    assert!(out.ops > 2000, "{bs}: the walk did too little ({} ops)", out.ops);
-    let checked = img._dir.0.join("after-writes.img");
+    assert!(
+        out.ops > 2000,
+        "{bs}: the walk did too little ({} ops)",
+        out.ops
+    );
+    let checked = img.dir.0.join("after-writes.img");
     std::fs::write(&checked, &after).expect("write image");
     let r = fsck(&checked);
     assert!(
@@ -881,7 +961,7 @@ fn corruption_campaign(bs: usize) {
                 // Writes in every other case keep the campaign short.
                 // Bitmaps are only read by allocations.
                 let do_writes = case_no % 2 == 0
-                    || mode == Mode::FieldsFixedCsum
+                    || matches!(mode, Mode::FieldsFixedCsum | Mode::BytesFixedCsum)
                     || matches!(t.kind, Kind::BlockBitmap | Kind::InodeBitmap);
                 let what = format!("{bs}: {} {mode:?} (case {case_no})", t.what);
                 let t0 = std::time::Instant::now();
@@ -949,18 +1029,23 @@ fn corruption_campaign(bs: usize) {
     for (d, w) in slowest.iter().rev().take(5) {
         eprintln!("  slow: {d:?} {w}");
     }
-    if let Ok(m) = PANIC_MSGS.lock() {
-        for p in m.iter().take(5) {
-            eprintln!("  panic: {p}");
-        }
-    }
     assert!(
         failures.is_empty(),
         "{bs}: {} case(s) panicked or hung:\n{}",
         failures.len(),
         failures.join("\n")
     );
-    assert!(low.is_empty(), "{bs}: detection rate too low:\n{}", low.join("\n"));
+    let bg = background_panics();
+    assert!(
+        bg.is_empty(),
+        "panics on background threads:\n{}",
+        bg.join("\n")
+    );
+    assert!(
+        low.is_empty(),
+        "{bs}: detection rate too low:\n{}",
+        low.join("\n")
+    );
 }
 
 /// Minimum share of checksum-covered corruptions that must be reported as such.
@@ -992,14 +1077,18 @@ fn read_only_mount_of_corrupted_image_never_writes() {
             if !seen.insert(t.kind) {
                 continue;
             }
-            for mode in [Mode::RandomBytes, Mode::FieldsFixedCsum] {
+            for mode in [
+                Mode::RandomBytes,
+                Mode::FieldsFixedCsum,
+                Mode::BytesFixedCsum,
+            ] {
                 let mut bytes = img.bytes.clone();
                 corrupt(&img, &mut bytes, t, mode, &mut rng);
                 cases.push((format!("{} {mode:?}", t.what), bytes));
             }
         }
         for (what, bytes) in cases {
-            let path = img._dir.0.join("ro.img");
+            let path = img.dir.0.join("ro.img");
             std::fs::write(&path, &bytes).expect("write copy");
             let before = image_hash(&bytes);
             let p2 = path.clone();
@@ -1033,7 +1122,10 @@ fn read_only_mount_of_corrupted_image_never_writes() {
                 before,
                 "{bs}: read-only mount changed the image ({what})"
             );
-            assert!(after == bytes, "{bs}: read-only mount changed the image ({what})");
+            assert!(
+                after == bytes,
+                "{bs}: read-only mount changed the image ({what})"
+            );
             if let Some((stats, attempted_ok, w)) = info {
                 assert_eq!(
                     stats.total_writes(),
@@ -1075,7 +1167,9 @@ fn huge_block_count_superblock_is_refused() {
     bytes[1024..2048].copy_from_slice(&fixed);
     let r = guarded(Duration::from_secs(30), move || {
         let dev: DeviceRef = Arc::new(MemDevice::from_vec(bytes));
-        Fs::open(dev, MountOptions::default()).map(|_| ()).map_err(|e| e.to_string())
+        Fs::open(dev, MountOptions::default())
+            .map(|_| ())
+            .map_err(|e| e.to_string())
     });
     match r {
         Err(e) => panic!("mount of a superblock with a huge block count: {e}"),
@@ -1084,32 +1178,28 @@ fn huge_block_count_superblock_is_refused() {
     }
 }
 
+/// A group descriptor (checksum valid) whose `bg_itable_unused` exceeds the inodes
+/// per group: creating a file must fail cleanly (or work), not overflow.
 #[test]
-fn zz_debug_probe() {
-    let img = build_image(1024);
-    let t = targets(&img);
-    for x in &t {
-        eprintln!("{:?} {} start {} covered {}", x.kind, x.what, x.start, x.covered);
-    }
-    let b = img.files.get("/bigdir").unwrap();
-    eprintln!("bigdir blocks {:?}", &b.blocks[..5]);
-    let out = debugfs(&img.path, "htree /bigdir");
-    eprintln!("{}", &out[..out.len().min(600)]);
-    for _ in 0..3 {
-        let t0 = std::time::Instant::now();
-        let bytes = img.bytes.clone();
-        let t1 = t0.elapsed();
+fn descriptor_with_itable_unused_over_inodes_per_group() {
+    install_panic_counter();
+    let img = build_image(4096);
+    let t = targets(&img)
+        .into_iter()
+        .find(|t| t.kind == Kind::GroupDesc)
+        .expect("descriptor target");
+    let mut bytes = img.bytes.clone();
+    // bg_itable_unused_lo (0x1C) and _hi (0x32).
+    bytes[t.start + 0x1C..t.start + 0x1E].copy_from_slice(&0xFFFFu16.to_le_bytes());
+    fix_csum(&img, &mut bytes, &t);
+    let r = guarded(Duration::from_secs(30), move || {
         let dev: DeviceRef = Arc::new(MemDevice::from_vec(bytes));
-        let fs = Fs::open(dev, MountOptions::default()).unwrap();
-        let t2 = t0.elapsed();
-        let mut out = Outcome::default();
-        walk(&fs, &mut out);
-        let t3 = t0.elapsed();
-        writes(&fs, &mut out);
-        let t4 = t0.elapsed();
-        fs.unmount().unwrap();
-        drop(fs);
-        let t5 = t0.elapsed();
-        eprintln!("copy {t1:?} open {t2:?} walk {t3:?} writes {t4:?} unmount {t5:?}");
+        let fs = Fs::open(dev, MountOptions::default()).map_err(|e| e.to_string())?;
+        fs.create(ROOT_INO, b"f", 0o644, 0, 0)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    });
+    if let Err(e) = r {
+        panic!("create with bg_itable_unused 0xFFFF: {e}");
     }
 }

@@ -88,18 +88,17 @@ pub fn system_time(t: Timestamp) -> SystemTime {
     }
 }
 
-pub fn timestamp(t: SystemTime) -> Timestamp {
+/// A time from a request (setattr). fuser 0.18 decodes the kernel's
+/// `(sec, nsec)` before 1970 as `EPOCH - (|sec| + nsec)` instead of
+/// `EPOCH - |sec| + nsec`; this inverts exactly that decoding, so the pair the
+/// kernel sent comes back unchanged (`every_fuse_operation_end_to_end` checks
+/// times before 1970 through a real mount).
+pub fn request_timestamp(t: SystemTime) -> Timestamp {
     match t.duration_since(UNIX_EPOCH) {
         Ok(d) => Timestamp::new(d.as_secs() as i64, d.subsec_nanos()),
         Err(e) => {
             let d = e.duration();
-            let mut sec = -(d.as_secs() as i64);
-            let mut nsec = d.subsec_nanos();
-            if nsec > 0 {
-                sec -= 1;
-                nsec = 1_000_000_000 - nsec;
-            }
-            Timestamp::new(sec, nsec)
+            Timestamp::new(-(d.as_secs().min(i64::MAX as u64) as i64), d.subsec_nanos())
         }
     }
 }
@@ -169,6 +168,15 @@ mod tests {
         }
     }
 
+    /// fuser 0.18's decoding of a request time (`system_time_from_time`).
+    fn fuser_decode(sec: i64, nsec: u32) -> SystemTime {
+        if sec >= 0 {
+            UNIX_EPOCH + Duration::new(sec as u64, nsec)
+        } else {
+            UNIX_EPOCH - Duration::new((-sec) as u64, nsec)
+        }
+    }
+
     #[test]
     fn times_round_trip_including_before_1970() {
         for (s, n) in [
@@ -178,7 +186,15 @@ mod tests {
             (-100, 0),
         ] {
             let t = Timestamp::new(s, n);
-            assert_eq!(timestamp(system_time(t)), t);
+            assert_eq!(request_timestamp(fuser_decode(s, n)), t);
+            // Replies: the instant `sec + nsec/1e9`.
+            let back = system_time(t);
+            let expect = if s >= 0 {
+                UNIX_EPOCH + Duration::new(s as u64, n)
+            } else {
+                UNIX_EPOCH - Duration::from_secs(s.unsigned_abs()) + Duration::from_nanos(n as u64)
+            };
+            assert_eq!(back, expect);
         }
     }
 }

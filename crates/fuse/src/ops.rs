@@ -17,7 +17,7 @@ use fuser::{
     WriteFlags,
 };
 
-use crate::convert::{ext4_ino, file_attr, fuse_ino, fuse_kind, timestamp, to_errno};
+use crate::convert::{ext4_ino, file_attr, fuse_ino, fuse_kind, request_timestamp, to_errno};
 use crate::pool::Pool;
 use crate::{FuseConfig, UnmountStatus};
 
@@ -48,6 +48,10 @@ impl std::fmt::Debug for CommitFuse {
     }
 }
 
+/// Every change goes through this mount, so the kernel's page cache of a file
+/// stays valid across opens (size/mtime changes still invalidate it).
+const FILE_OPEN_FLAGS: FopenFlags = FopenFlags::FOPEN_KEEP_CACHE;
+
 // fallocate(2) modes (linux/falloc.h).
 const FALLOC_FL_KEEP_SIZE: i32 = 0x01;
 const FALLOC_FL_PUNCH_HOLE: i32 = 0x02;
@@ -70,8 +74,12 @@ fn gen(a: &Attr) -> Generation {
     Generation(a.generation as u64)
 }
 
+/// Answer an entry request. Every entry the kernel receives is a reference it
+/// keeps until FORGET; it is held in the library like an open handle, so an inode
+/// whose last link goes away is only freed once the kernel has forgotten it (as
+/// the kernel's own ext4 keeps an unlinked inode until its last `iput`).
 fn reply_entry(s: &Shared, op: &str, reply: ReplyEntry, r: commitfs_fs::Result<Attr>) {
-    match r {
+    match r.and_then(|a| s.fs.open_inode(a.ino).map(|()| a)) {
         Ok(a) => reply.entry(&s.ttl, &file_attr(&a), gen(&a)),
         Err(e) => reply.error(to_errno(op, &e)),
     }
@@ -87,7 +95,7 @@ fn reply_empty(op: &str, reply: ReplyEmpty, r: commitfs_fs::Result<()>) {
 fn set_time(t: TimeOrNow) -> SetTime {
     match t {
         TimeOrNow::Now => SetTime::Now,
-        TimeOrNow::SpecificTime(t) => SetTime::At(timestamp(t)),
+        TimeOrNow::SpecificTime(t) => SetTime::At(request_timestamp(t)),
     }
 }
 
@@ -159,8 +167,19 @@ impl Filesystem for CommitFuse {
         self.run(move |s| reply_entry(s, "lookup", reply, s.fs.lookup(parent, &name)));
     }
 
-    fn forget(&self, _req: &Request, _ino: INodeNo, _nlookup: u64) {
-        // Inode numbers are the ext4 numbers; nothing is held per lookup.
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        // Drop the references taken in `reply_entry` (and `create`).
+        let Ok(ino) = ext4_ino(ino) else {
+            return;
+        };
+        self.run(move |s| {
+            for _ in 0..nlookup.min(u32::MAX as u64) {
+                if let Err(e) = s.fs.release(ino) {
+                    tracing::error!("forget of inode {ino}: {e}");
+                    break;
+                }
+            }
+        });
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
@@ -197,8 +216,8 @@ impl Filesystem for CommitFuse {
             size,
             atime: atime.map(set_time),
             mtime: mtime.map(set_time),
-            ctime: ctime.map(timestamp),
-            crtime: crtime.map(timestamp),
+            ctime: ctime.map(request_timestamp),
+            crtime: crtime.map(request_timestamp),
         };
         self.run(move |s| {
             let r = if set == SetAttr::default() {
@@ -340,7 +359,7 @@ impl Filesystem for CommitFuse {
     fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let ino = ino_or_reply!(ino, reply);
         self.run(move |s| match s.fs.open_inode(ino) {
-            Ok(()) => reply.opened(s.fh(), FopenFlags::empty()),
+            Ok(()) => reply.opened(s.fh(), FILE_OPEN_FLAGS),
             Err(e) => reply.error(to_errno("open", &e)),
         });
     }
@@ -565,13 +584,13 @@ impl Filesystem for CommitFuse {
         let (uid, gid) = (req.uid(), req.gid());
         let perm = (mode & !umask & 0o7777) as u16;
         self.run(move |s| {
-            let r =
-                s.fs.create(parent, &name, perm, uid, gid)
-                    .and_then(|a| s.fs.open_inode(a.ino).map(|()| a));
+            // One reference for the kernel's lookup count, one for the open handle.
+            let r = s.fs.create(parent, &name, perm, uid, gid).and_then(|a| {
+                s.fs.open_inode(a.ino)?;
+                s.fs.open_inode(a.ino).map(|()| a)
+            });
             match r {
-                Ok(a) => {
-                    reply.created(&s.ttl, &file_attr(&a), gen(&a), s.fh(), FopenFlags::empty())
-                }
+                Ok(a) => reply.created(&s.ttl, &file_attr(&a), gen(&a), s.fh(), FILE_OPEN_FLAGS),
                 Err(e) => reply.error(to_errno("create", &e)),
             }
         });

@@ -1,0 +1,386 @@
+//! commitfs crash-state harness.
+//!
+//! 1. A workload ([`workload`]) runs on a [`commitfs_device::RecordingDevice`]
+//!    holding a fresh mkfs.ext4 image, while a model ([`model`]) records the tree
+//!    after every operation and every acknowledged fsync.
+//! 2. Crash states are built from the device log ([`plan_states`]): every flush
+//!    boundary, plus random crash points where each write issued since the last
+//!    flush survives or not (optionally torn into 512-byte sectors).
+//! 3. Each state is mounted with commitfs (journal recovery) and checked
+//!    ([`check`]): e2fsck clean, the tree a snapshot within the crash window, no
+//!    stale or foreign data, and the file system still usable.
+//!
+//! This crate sits on top of everything; nothing in the file system depends on it.
+
+pub mod check;
+pub mod jlog;
+pub mod model;
+pub mod observe;
+pub mod workload;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use commitfs_device::{CrashLog, CrashSpec, Materializer};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+pub use check::{check_image, ScratchFile};
+pub use workload::{find, record, Recording, WorkloadSpec, WORKLOADS};
+
+/// A fresh image made once per block size and process: 16 MiB with 1 KiB blocks,
+/// 32 MiB with 4 KiB blocks (mkfs.ext4 defaults otherwise).
+pub fn base_image(block_size: u32) -> Result<Arc<Vec<u8>>, String> {
+    static CACHE: OnceLock<Mutex<HashMap<u32, Arc<Vec<u8>>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let mut c = cache.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(img) = c.get(&block_size) {
+        return Ok(img.clone());
+    }
+    let mib = match block_size {
+        1024 => 16,
+        4096 => 32,
+        b => return Err(format!("unsupported block size {b} (1024 or 4096)")),
+    };
+    let bs = block_size.to_string();
+    let tmp = commitfs_fs::testutil::mkfs("crashtest-base", mib, &["-b", &bs]);
+    let bytes = std::fs::read(&tmp.path).map_err(|e| format!("read base image: {e}"))?;
+    let img = Arc::new(bytes);
+    c.insert(block_size, img.clone());
+    Ok(img)
+}
+
+/// Crash points for `log`: every flush boundary (up to half of `n`; evenly
+/// sampled beyond), the rest random, half of them close to a flush or FUA write
+/// where commits happen. Sorted by crash point.
+pub fn plan_states(log: &CrashLog, n: usize, seed: u64, torn: bool) -> Vec<CrashSpec> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5EED_CA5E);
+    let len = log.len();
+    let mut bounds: Vec<usize> = std::iter::once(0)
+        .chain(log.flush_indices().into_iter().map(|f| f + 1))
+        .chain(std::iter::once(len))
+        .collect();
+    bounds.dedup();
+    let max_bounds = (n / 2).max(1).min(n);
+    if bounds.len() > max_bounds {
+        let step = bounds.len() as f64 / max_bounds as f64;
+        bounds = (0..max_bounds)
+            .map(|i| bounds[(i as f64 * step) as usize])
+            .collect();
+    }
+    let mut out: Vec<CrashSpec> = bounds
+        .iter()
+        .map(|&k| CrashSpec {
+            k,
+            seed: rng.gen(),
+            keep_256: 0,
+            torn: false,
+        })
+        .collect();
+    out.truncate(n);
+    // Interesting points: just before/after flushes and FUA writes.
+    let hot: Vec<usize> = log
+        .ops()
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| match o {
+            commitfs_device::LogOp::Flush => true,
+            commitfs_device::LogOp::Write { fua, .. } => *fua,
+        })
+        .map(|(i, _)| i)
+        .collect();
+    while out.len() < n {
+        let k = if !hot.is_empty() && rng.gen_bool(0.5) {
+            let h = hot[rng.gen_range(0..hot.len())] as i64 + rng.gen_range(-6i64..=2);
+            h.clamp(0, len as i64) as usize
+        } else {
+            rng.gen_range(0..=len)
+        };
+        let keep_256 = match rng.gen_range(0..4) {
+            0 => 0,
+            1 => 255,
+            _ => rng.gen(),
+        };
+        out.push(CrashSpec {
+            k,
+            seed: rng.gen(),
+            keep_256,
+            torn: torn && rng.gen_bool(0.5),
+        });
+    }
+    out.sort_by_key(|s| (s.k, s.seed));
+    out
+}
+
+/// Options of one harness run.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub workload: String,
+    pub states: usize,
+    pub seed: u64,
+    pub torn: bool,
+    pub save_failures: Option<PathBuf>,
+    pub block_size: u32,
+    /// Checking threads (0 = one per CPU).
+    pub workers: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            workload: "mixed".into(),
+            states: 200,
+            seed: 1,
+            torn: false,
+            save_failures: None,
+            block_size: 1024,
+            workers: 0,
+        }
+    }
+}
+
+/// One failed crash state.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub spec: CrashSpec,
+    pub window: (usize, usize),
+    pub message: String,
+    pub saved: Option<PathBuf>,
+}
+
+/// Outcome of a run.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub workload: String,
+    pub block_size: u32,
+    pub seed: u64,
+    pub ops: usize,
+    pub syncs: usize,
+    pub log_len: usize,
+    pub flushes: usize,
+    /// Metadata writes to home locations before the final unmount (checkpoints and
+    /// the superblock written at mount).
+    pub home_writes: usize,
+    pub states: usize,
+    pub torn_states: usize,
+    pub passed: usize,
+    pub failures: Vec<Failure>,
+    /// Distinct snapshots the recovered trees equalled.
+    pub distinct_snapshots: usize,
+    pub record_time: Duration,
+    pub check_time: Duration,
+}
+
+impl std::fmt::Display for Summary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "crashtest workload={} bs={} seed={} states={} passed={} failed={} torn={} ops={} syncs={} log={} flushes={} home_writes={} snapshots_seen={} record={:.2}s check={:.2}s",
+            self.workload,
+            self.block_size,
+            self.seed,
+            self.states,
+            self.passed,
+            self.failures.len(),
+            self.torn_states,
+            self.ops,
+            self.syncs,
+            self.log_len,
+            self.flushes,
+            self.home_writes,
+            self.distinct_snapshots,
+            self.record_time.as_secs_f64(),
+            self.check_time.as_secs_f64()
+        )
+    }
+}
+
+/// Record `cfg.workload` and check `cfg.states` crash states of it.
+pub fn run(cfg: &Config) -> Result<Summary, String> {
+    let spec = find(&cfg.workload).ok_or_else(|| {
+        format!(
+            "unknown workload {:?} (known: {})",
+            cfg.workload,
+            WORKLOADS
+                .iter()
+                .map(|w| w.name)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })?;
+    let base = base_image(cfg.block_size)?;
+    let t0 = Instant::now();
+    let rec = record(spec, &base, cfg.seed)?;
+    let record_time = t0.elapsed();
+    let states = plan_states(&rec.log, cfg.states, cfg.seed, cfg.torn);
+    let t1 = Instant::now();
+    let results = check_states(&rec, &states, cfg.workers, cfg.save_failures.as_deref());
+    let check_time = t1.elapsed();
+    let mut failures = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for r in results {
+        match r {
+            Ok(j) => {
+                seen.insert(j);
+            }
+            Err(f) => failures.push(f),
+        }
+    }
+    Ok(Summary {
+        workload: spec.name.into(),
+        block_size: cfg.block_size,
+        seed: cfg.seed,
+        ops: rec.op_start.len(),
+        syncs: rec.syncs.len(),
+        log_len: rec.log.len(),
+        flushes: rec.log.flush_indices().len(),
+        home_writes: rec.log.ops()[..rec.unmount_start]
+            .iter()
+            .filter(|o| {
+                matches!(
+                    o,
+                    commitfs_device::LogOp::Write {
+                        cat: commitfs_device::IoCategory::Metadata,
+                        ..
+                    }
+                )
+            })
+            .count(),
+        states: states.len(),
+        torn_states: states.iter().filter(|s| s.torn).count(),
+        passed: states.len() - failures.len(),
+        failures,
+        distinct_snapshots: seen.len(),
+        record_time,
+        check_time,
+    })
+}
+
+/// Check `states` (sorted by crash point) on `workers` threads; returns per state
+/// the snapshot matched or the failure.
+pub fn check_states(
+    rec: &Recording,
+    states: &[CrashSpec],
+    workers: usize,
+    save: Option<&Path>,
+) -> Vec<Result<usize, Failure>> {
+    let workers = if workers == 0 {
+        std::thread::available_parallelism().map_or(2, |n| n.get())
+    } else {
+        workers
+    }
+    .clamp(1, states.len().max(1));
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<usize, Failure>>>> =
+        Mutex::new(vec![None; states.len()]);
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| {
+                let mut mat = Materializer::new(rec.log.clone());
+                let scratch = ScratchFile::new("check");
+                let mut buf = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(spec) = states.get(i) else { break };
+                    let r = check_one(rec, &mut mat, spec, &scratch, &mut buf, save);
+                    results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+                }
+            });
+        }
+    });
+    results
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .into_iter()
+        .map(|r| r.expect("every state checked"))
+        .collect()
+}
+
+fn check_one(
+    rec: &Recording,
+    mat: &mut Materializer,
+    spec: &CrashSpec,
+    scratch: &ScratchFile,
+    buf: &mut Vec<u8>,
+    save: Option<&Path>,
+) -> Result<usize, Failure> {
+    mat.image_into(spec, buf);
+    let img = std::mem::take(buf);
+    let (lo, hi) = rec.window(spec.k);
+    let keep = save.map(|_| img.clone());
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        check_image(rec, img, lo, hi, hi, scratch)
+    }))
+    .unwrap_or_else(|p| {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        Err(format!("panic during check: {msg}"))
+    });
+    match r {
+        Ok(p) => Ok(p.j),
+        Err(message) => {
+            let saved = match (save, keep) {
+                (Some(dir), Some(img)) => save_failure(rec, spec, (lo, hi), &message, dir, &img),
+                _ => None,
+            };
+            Err(Failure {
+                spec: *spec,
+                window: (lo, hi),
+                message,
+                saved,
+            })
+        }
+    }
+}
+
+/// Write a failing crash image (before recovery) and a description beside it.
+fn save_failure(
+    rec: &Recording,
+    spec: &CrashSpec,
+    window: (usize, usize),
+    message: &str,
+    dir: &Path,
+    img: &[u8],
+) -> Option<PathBuf> {
+    std::fs::create_dir_all(dir).ok()?;
+    let stem = format!(
+        "{}-bs{}-seed{}-k{}-s{:016x}{}",
+        rec.workload,
+        rec.bs,
+        rec.seed,
+        spec.k,
+        spec.seed,
+        if spec.torn { "-torn" } else { "" }
+    );
+    let path = dir.join(format!("{stem}.img"));
+    std::fs::write(&path, img).ok()?;
+    let (lo, hi) = window;
+    let ops: Vec<String> = rec
+        .op_desc
+        .iter()
+        .enumerate()
+        .skip(lo.saturating_sub(3))
+        .take(hi + 3 - lo.saturating_sub(3))
+        .map(|(i, d)| format!("  op {i} (-> snapshot {}), log index {}: {d}", i + 1, rec.op_start[i]))
+        .collect();
+    let text = format!(
+        "workload {} block size {} seed {}\ncrash point k={} of {} (state seed {:#x}, keep {}/256, torn {})\nwindow: snapshots {lo}..={hi}\nfailure: {message}\noperations around the window:\n{}\n",
+        rec.workload,
+        rec.bs,
+        rec.seed,
+        spec.k,
+        rec.log.len(),
+        spec.seed,
+        spec.keep_256,
+        spec.torn,
+        ops.join("\n")
+    );
+    std::fs::write(dir.join(format!("{stem}.txt")), text).ok()?;
+    Some(path)
+}
