@@ -886,6 +886,7 @@ struct Info {
     path: String,
     kind: Kind,
     size: u64,
+    nlink: u64,
     /// Entries in a directory.
     children: usize,
     xattrs: Vec<String>,
@@ -923,6 +924,7 @@ fn scan(root: &Path) -> Vec<Info> {
             path: shown,
             kind,
             size: st.stx_size,
+            nlink: st.stx_nlink as u64,
             children,
             xattrs,
         });
@@ -949,6 +951,8 @@ struct Gen {
     bs: u64,
     next_handle: u32,
     open: Vec<u32>,
+    /// Handles whose file was unlinked while open (by OpenUnlinkRead).
+    unlinked: Vec<u32>,
     skip: Vec<String>,
 }
 
@@ -1485,11 +1489,17 @@ impl Gen {
             18 => {
                 let r = self.rng.gen_range(0..10);
                 if self.open.len() < 4 && r < 3 {
-                    let f = self.file(t)?;
+                    let f = if r == 0 {
+                        // A file with one link, so the unlink really orphans it.
+                        self.pick(t, |i| i.kind == Kind::File && i.nlink == 1)?.clone()
+                    } else {
+                        self.file(t)?
+                    };
                     let h = self.next_handle;
                     self.next_handle += 1;
                     self.open.push(h);
                     if r == 0 {
+                        self.unlinked.push(h);
                         let len = f.size.min(1 << 20) as usize + 10;
                         return g(
                             Op::OpenUnlinkRead {
@@ -1508,15 +1518,19 @@ impl Gen {
                 }
                 let i = self.rng.gen_range(0..self.open.len());
                 let h = self.open[i];
+                let orphan = self.unlinked.contains(&h);
                 match r {
                     3 | 4 => {
                         self.open.swap_remove(i);
-                        g(Op::Close { h }, "handle", vec!["close"])
+                        self.unlinked.retain(|x| *x != h);
+                        let tag = if orphan { "close_unlinked" } else { "close" };
+                        g(Op::Close { h }, "handle", vec![tag])
                     }
                     5..=7 => {
                         let off = self.rng.gen_range(0..(1u64 << 20));
                         let len = self.len();
-                        g(Op::ReadH { h, off, len }, "handle", vec!["read_handle"])
+                        let tag = if orphan { "read_unlinked_handle" } else { "read_handle" };
+                        g(Op::ReadH { h, off, len }, "handle", vec![tag])
                     }
                     _ => {
                         let off = self.rng.gen_range(0..(1u64 << 20));
@@ -1525,7 +1539,7 @@ impl Gen {
                         g(
                             Op::WriteH { h, off, len, seed },
                             "handle",
-                            vec!["write_handle"],
+                            vec![if orphan { "write_unlinked_handle" } else { "write_handle" }],
                         )
                     }
                 }
@@ -1550,7 +1564,8 @@ const REQUIRED: &[&str] = &[
     "rmdir",
     "unlink",
     "open_unlink_read",
-    "read_handle",
+    "read_unlinked_handle",
+    "close_unlinked",
     "rename",
     "rename_replace",
     "rename_noreplace",
@@ -1625,6 +1640,7 @@ fn run_sequence(
         bs,
         next_handle: 1,
         open: vec![],
+        unlinked: vec![],
         skip,
     };
     let mut covered: BTreeMap<&'static str, (usize, usize)> = BTreeMap::new();
@@ -1685,6 +1701,7 @@ fn run_sequence(
             if !kernel.handles.contains_key(h) {
                 let h = *h;
                 gen.open.retain(|x| *x != h);
+                gen.unlinked.retain(|x| *x != h);
                 let _ = other.apply(&Op::Close { h });
             }
         }

@@ -86,6 +86,7 @@ fn mount_opts() -> MountOptions {
     MountOptions {
         read_only: false,
         commit_interval: 0,
+        ..Default::default()
     }
 }
 

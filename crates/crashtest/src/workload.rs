@@ -190,7 +190,7 @@ pub const WORKLOADS: &[WorkloadSpec] = &[
         name: "churn",
         about: "small transactions, fsync every few operations: log wrap and checkpoints",
         threads: 1,
-        ops_per_thread: 400,
+        ops_per_thread: 900,
         weights: CHURN,
         max_file_blocks: 16,
         max_write_blocks: 4,
@@ -292,6 +292,7 @@ pub fn record(spec: &'static WorkloadSpec, base: &[u8], seed: u64) -> Result<Rec
         MountOptions {
             read_only: false,
             commit_interval: 0,
+            ..Default::default()
         },
     )
     .map_err(|e| format!("mount of the base image: {e}"))?;

@@ -294,6 +294,7 @@ impl Inner {
             bit64: self.sb.is_64bit(),
             csum: self.sb.metadata_csum(),
             fast_commit,
+            use_fast_commit: fast_commit && self.opts.fast_commit,
         };
         self.journal = Arc::new(Journal::open_log(self.dev.clone(), self.bs, map, opts)?);
         Ok(())

@@ -154,6 +154,9 @@ pub struct MountOptions {
     pub read_only: bool,
     /// Seconds between automatic commits (`-o commit=N`).
     pub commit_interval: u32,
+    /// Use fast commits on images with the `fast_commit` feature (`-o
+    /// nofast_commit` turns them off).
+    pub fast_commit: bool,
 }
 
 impl Default for MountOptions {
@@ -161,6 +164,7 @@ impl Default for MountOptions {
         MountOptions {
             read_only: false,
             commit_interval: 5,
+            fast_commit: true,
         }
     }
 }

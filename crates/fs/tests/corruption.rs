@@ -237,7 +237,8 @@ fn file_info(img: &Path, path: &str) -> FileInfo {
     }
 }
 
-const FILES: [&str; 9] = [
+const FILES: [&str; 10] = [
+    "<8>",
     "/",
     "/small.txt",
     "/medium.bin",
@@ -354,6 +355,7 @@ enum Kind {
     DxNode,
     ExtentBlock,
     XattrBlock,
+    JournalSuperblock,
 }
 
 /// How to recompute the checksum after a structural edit.
@@ -366,6 +368,7 @@ enum Fix {
     Dx { seed: u32, co: usize },
     Extent { seed: u32 },
     Xattr { blk: u64 },
+    Journal,
     None,
 }
 
@@ -378,6 +381,8 @@ struct Target {
     start: usize,
     len: usize,
     covered: usize,
+    /// Whether a checksum protects `covered` (counts for the detection rate).
+    checksummed: bool,
     fix: Fix,
 }
 
@@ -392,6 +397,7 @@ fn targets(img: &Image) -> Vec<Target> {
         start: 1024,
         len: 1024,
         covered: 1024,
+        checksummed: true,
         fix: Fix::Superblock,
     });
     let ngroups = img.groups.len() as u32;
@@ -403,6 +409,7 @@ fn targets(img: &Image) -> Vec<Target> {
             start,
             len: img.desc_size,
             covered: img.desc_size,
+            checksummed: true,
             fix: Fix::GroupDesc { group: g },
         });
     }
@@ -413,6 +420,7 @@ fn targets(img: &Image) -> Vec<Target> {
         start: g0.block_bitmap as usize * bs,
         len: bs,
         covered: img.bpg as usize / 8,
+        checksummed: true,
         fix: Fix::None,
     });
     t.push(Target {
@@ -421,6 +429,7 @@ fn targets(img: &Image) -> Vec<Target> {
         start: g0.inode_bitmap as usize * bs,
         len: bs,
         covered: img.ipg as usize / 8,
+        checksummed: true,
         fix: Fix::None,
     });
     let isz = 256;
@@ -440,6 +449,7 @@ fn targets(img: &Image) -> Vec<Target> {
             start: fi.imap.0 as usize * bs + fi.imap.1,
             len: isz,
             covered: isz,
+            checksummed: true,
             fix: Fix::Inode { ino: fi.ino },
         });
     }
@@ -451,6 +461,7 @@ fn targets(img: &Image) -> Vec<Target> {
         start: d.blocks[0] as usize * bs,
         len: bs,
         covered: bs,
+        checksummed: true,
         fix: Fix::Leaf { seed: seed_of(&d) },
     });
     let r = f("/");
@@ -460,6 +471,7 @@ fn targets(img: &Image) -> Vec<Target> {
         start: r.blocks[0] as usize * bs,
         len: bs,
         covered: bs,
+        checksummed: true,
         fix: Fix::Leaf { seed: seed_of(&r) },
     });
     // The htree: root at logical 0; with indirect levels, its entries name the nodes.
@@ -474,6 +486,7 @@ fn targets(img: &Image) -> Vec<Target> {
         start: root_off,
         len: bs,
         covered: dx::ROOT_COUNT_OFFSET + 8 * count,
+        checksummed: true,
         fix: Fix::Dx {
             seed: seed_of(&b),
             co: dx::ROOT_COUNT_OFFSET,
@@ -495,6 +508,7 @@ fn targets(img: &Image) -> Vec<Target> {
                 start: off,
                 len: bs,
                 covered: dx::NODE_COUNT_OFFSET + 8 * ncount as usize,
+                checksummed: true,
                 fix: Fix::Dx {
                     seed: seed_of(&b),
                     co: dx::NODE_COUNT_OFFSET,
@@ -522,6 +536,7 @@ fn targets(img: &Image) -> Vec<Target> {
             start: p as usize * bs,
             len: bs,
             covered: bs,
+            checksummed: true,
             fix: Fix::Leaf { seed: seed_of(&b) },
         });
     }
@@ -536,6 +551,7 @@ fn targets(img: &Image) -> Vec<Target> {
             start: off,
             len: bs,
             covered: 12 + 12 * entries,
+            checksummed: true,
             fix: Fix::Extent { seed: seed_of(&s) },
         });
     }
@@ -547,7 +563,25 @@ fn targets(img: &Image) -> Vec<Target> {
         start: m.file_acl as usize * bs,
         len: bs,
         covered: bs,
+        checksummed: true,
         fix: Fix::Xattr { blk: m.file_acl },
+    });
+    // The journal superblock (journal block 0): checksummed only with csum v2/v3.
+    let j = f("<8>");
+    let jsb_off = j.blocks[0] as usize * bs;
+    let jsb = commitfs_format::jbd2::JournalSuperblock::parse(
+        &img.bytes[jsb_off..jsb_off + 1024],
+        j.blocks[0],
+    )
+    .expect("journal superblock");
+    t.push(Target {
+        kind: Kind::JournalSuperblock,
+        what: format!("journal superblock at {}", j.blocks[0]),
+        start: jsb_off,
+        len: 1024,
+        covered: 1024,
+        checksummed: jsb.has_csum_v2or3(),
+        fix: Fix::Journal,
     });
     t
 }
@@ -591,6 +625,11 @@ fn fix_csum(img: &Image, bytes: &mut [u8], t: &Target) {
             s[off..off + 4].copy_from_slice(&c.to_le_bytes());
         }
         Fix::Xattr { blk } => xattr::update_block_checksum(s, blk, &csum),
+        Fix::Journal => {
+            let c = commitfs_format::jbd2::compute_checksum(s);
+            let o = commitfs_format::jbd2::S_CHECKSUM;
+            s[o..o + 4].copy_from_slice(&c.to_be_bytes());
+        }
         Fix::None => {}
     }
 }
@@ -977,7 +1016,7 @@ fn corruption_campaign(bs: usize) {
                         }
                         let det = out.detected();
                         tally.detected += det as usize;
-                        if matches!(mode, Mode::FlipBit | Mode::RandomBytes) {
+                        if t.checksummed && matches!(mode, Mode::FlipBit | Mode::RandomBytes) {
                             tally.rate_cases += 1;
                             tally.rate_detected += det as usize;
                             if !det {

@@ -162,6 +162,9 @@ pub struct JournalStats {
     pub log_blocks: u64,
     pub checkpoints: u64,
     pub revokes: u64,
+    /// Fast commits written and their blocks.
+    pub fc_commits: u64,
+    pub fc_blocks: u64,
 }
 
 /// Buffer cache plus transaction manager.
@@ -184,6 +187,8 @@ pub struct Journal {
     log_blocks: AtomicU64,
     checkpoints: AtomicU64,
     revoke_count: AtomicU64,
+    fc_commits: AtomicU64,
+    fc_blocks: AtomicU64,
     /// Highest tid whose commit is durable (0: none yet).
     committed_tid: std::sync::atomic::AtomicU32,
 }
@@ -219,6 +224,8 @@ impl Journal {
             checkpoints: AtomicU64::new(0),
             revoke_count: AtomicU64::new(0),
             committed_tid: std::sync::atomic::AtomicU32::new(0),
+            fc_commits: AtomicU64::new(0),
+            fc_blocks: AtomicU64::new(0),
         }
     }
 
@@ -465,6 +472,36 @@ impl Journal {
         Ok(n)
     }
 
+    /// Where the next fast commit would go: `(tid of the running transaction, needs
+    /// a HEAD, free fast-commit blocks)`; `None` when a full commit is required.
+    pub fn fc_slot(&self) -> Option<(u32, bool, u32)> {
+        let l = self.log.as_ref()?;
+        if self.read_only {
+            return None;
+        }
+        l.lock().fc_slot()
+    }
+
+    /// Write a fast commit built for transaction `tid` (TLV blocks, the last one
+    /// holding the TAIL). Returns `false` without writing when `tid` is no longer
+    /// running: a full commit has made everything it described durable already.
+    pub fn fast_commit(&self, tid: u32, blocks: &[Vec<u8>], flush_first: bool) -> Result<bool> {
+        let Some(l) = &self.log else {
+            return Err(JournalError::BadJournal("no journal log".into()));
+        };
+        let _c = self.commit_lock.lock();
+        if self.tx.running.lock().tid != tid {
+            return Ok(false);
+        }
+        let mut st = l.lock();
+        if let Err(e) = st.fc_write(&*self.dev, blocks, flush_first) {
+            return Err(e);
+        }
+        self.fc_commits.fetch_add(1, Ordering::Relaxed);
+        self.fc_blocks.fetch_add(blocks.len() as u64, Ordering::Relaxed);
+        Ok(true)
+    }
+
     /// Write every committed buffer home, flush, and empty the log.
     pub fn checkpoint(&self) -> Result<()> {
         if let Some(l) = &self.log {
@@ -511,6 +548,8 @@ impl Journal {
             log_blocks: self.log_blocks.load(Ordering::Relaxed),
             checkpoints: self.checkpoints.load(Ordering::Relaxed),
             revokes: self.revoke_count.load(Ordering::Relaxed),
+            fc_commits: self.fc_commits.load(Ordering::Relaxed),
+            fc_blocks: self.fc_blocks.load(Ordering::Relaxed),
         }
     }
 }
@@ -587,6 +626,7 @@ mod log_tests {
             bit64: true,
             csum: true,
             fast_commit: false,
+            use_fast_commit: false,
         }
     }
 

@@ -85,6 +85,8 @@ pub struct LogOptions {
     pub csum: bool,
     /// The file system has `fast_commit` (keeps the fast-commit area out of the log).
     pub fast_commit: bool,
+    /// Write fast commits (sets the JBD2 FAST_COMMIT bit); needs `fast_commit`.
+    pub use_fast_commit: bool,
 }
 
 pub(crate) struct CommitWrite {
@@ -106,6 +108,13 @@ pub(crate) struct LogState {
     next_tid: u32,
     fast_commit_bit: bool,
     last_commit_sec: u64,
+    /// Fast-commit area: journal blocks `[fc_first, fc_end)` are writable (§8.10:
+    /// `M - N + 1 .. M - 1`); `fc_off` blocks used since the last full commit.
+    fc_first: u32,
+    fc_end: u32,
+    fc_off: u32,
+    /// Full commits since the log was opened (fast commits need one first, §8.9).
+    full_commits: u64,
     /// Buffers whose committed version is still only in the log.
     checkpoint: BTreeMap<u64, Arc<Buffer>>,
 }
@@ -149,8 +158,13 @@ impl LogState {
             raw[jbd2::S_CHECKSUM_TYPE] = jbd2::CHECKSUM_TYPE_CRC32C;
         }
         // The fast-commit area is reserved whenever the file system has the feature;
-        // the FAST_COMMIT bit itself is set by the fast-commit issue's writer.
-        let _ = opts.fast_commit;
+        // the JBD2 FAST_COMMIT bit is set while fast commits may be written (§9.1).
+        let use_fc = opts.fast_commit && opts.use_fast_commit;
+        if use_fc {
+            incompat |= jbd2::INCOMPAT_FAST_COMMIT;
+        } else {
+            incompat &= !jbd2::INCOMPAT_FAST_COMMIT;
+        }
         put_be32(&mut raw, jbd2::S_FEATURE_INCOMPAT, incompat);
         put_be32(&mut raw, jbd2::S_FEATURE_COMPAT, compat);
         let jsb = JournalSuperblock {
@@ -177,6 +191,7 @@ impl LogState {
                 jsb.maxlen
             )));
         }
+        let fc_first = jsb.maxlen.saturating_sub(fc) + 1;
         let mut st = LogState {
             map,
             bs,
@@ -189,6 +204,11 @@ impl LogState {
             next_tid: jsb.sequence.wrapping_add(1),
             fast_commit_bit: incompat & jbd2::INCOMPAT_FAST_COMMIT != 0,
             last_commit_sec: 0,
+            fc_first,
+            // Never let a fast commit end in the last block (§9.6): keep it unused.
+            fc_end: if use_fc { jsb.maxlen.saturating_sub(1) } else { fc_first },
+            fc_off: 0,
+            full_commits: 0,
             checkpoint: BTreeMap::new(),
         };
         st.write_sb(dev, 0, st.next_tid, true)?;
@@ -360,6 +380,15 @@ impl LogState {
         dev.write_at(cp * self.bs as u64, &commit, IoCategory::Journal, true)?;
         self.head = self.advance(cj);
         self.next_tid = tid.wrapping_add(1);
+        self.full_commits += 1;
+        if self.fc_off > 0 {
+            // The full commit supersedes this tid's fast commits; the area restarts
+            // at block 0. A stale HEAD there would make e2fsck 1.47 refuse the
+            // whole recovery (§9.8, §9.11 item 4): zero it (durable with the next
+            // flush).
+            self.fc_off = 0;
+            self.zero_fc_head(dev)?;
+        }
         for (b, data) in frozen {
             *b.committed.lock() = Some(data.clone());
             self.checkpoint.insert(b.blocknr(), b.clone());
@@ -380,7 +409,15 @@ impl LogState {
             }
         }
         dev.flush()?;
-        if self.tail != 0 {
+        if self.fast_commit_bit {
+            // Fast commits are only replayed when recovery runs, i.e. s_start != 0:
+            // point s_start at an empty log of the next tid, as the kernel does.
+            if self.tail != self.first || self.fc_off > 0 || self.head != self.first {
+                self.tail = self.first;
+                let seq = self.next_tid;
+                self.write_sb(dev, self.first, seq, true)?;
+            }
+        } else if self.tail != 0 {
             // Empty log: nothing to replay; the next commit re-points s_start.
             self.tail = 0;
             let seq = self.next_tid;
@@ -390,10 +427,74 @@ impl LogState {
         Ok(())
     }
 
+    /// Zero fast-commit area block 0.
+    fn zero_fc_head(&mut self, dev: &dyn BlockDevice) -> Result<()> {
+        if let Some(p) = self.map.phys(self.fc_first) {
+            let z = vec![0u8; self.bs];
+            dev.write_at(p * self.bs as u64, &z, IoCategory::FastCommit, false)?;
+        }
+        Ok(())
+    }
+
+    /// Room for a fast commit of the running transaction: `(tid, first fast commit
+    /// since the last full commit, free blocks)`, or `None` when fast commits are
+    /// off or no full commit happened since the log was opened.
+    pub fn fc_slot(&self) -> Option<(u32, bool, u32)> {
+        if !self.fast_commit_bit || self.full_commits == 0 {
+            return None;
+        }
+        let free = self.fc_end.saturating_sub(self.fc_first + self.fc_off);
+        Some((self.next_tid, self.fc_off == 0, free))
+    }
+
+    /// Write one fast commit (`blocks`, the last holding the TAIL) into the area.
+    /// `flush_first`: issue a flush before the tail block (data or earlier blocks
+    /// must be durable first); the tail always goes out with FUA.
+    pub fn fc_write(&mut self, dev: &dyn BlockDevice, blocks: &[Vec<u8>], flush_first: bool) -> Result<()> {
+        let n = blocks.len() as u32;
+        if n == 0 || self.fc_first + self.fc_off + n > self.fc_end {
+            return Err(JournalError::BadJournal("fast-commit area full".into()));
+        }
+        let start = self.fc_first + self.fc_off;
+        // Non-tail blocks: contiguous runs in one write each.
+        let (body, tail) = blocks.split_at(blocks.len() - 1);
+        let mut i = 0;
+        while i < body.len() {
+            let j0 = start + i as u32;
+            let p0 = self
+                .map
+                .phys(j0)
+                .ok_or_else(|| JournalError::BadJournal(format!("journal block {j0} not mapped")))?;
+            let mut run = body[i].clone();
+            let mut k = i + 1;
+            while k < body.len() && self.map.phys(start + k as u32) == Some(p0 + (k - i) as u64) {
+                run.extend_from_slice(&body[k]);
+                k += 1;
+            }
+            dev.write_at(p0 * self.bs as u64, &run, IoCategory::FastCommit, false)?;
+            i = k;
+        }
+        if flush_first || !body.is_empty() {
+            dev.flush()?;
+        }
+        let jt = start + n - 1;
+        let pt = self
+            .map
+            .phys(jt)
+            .ok_or_else(|| JournalError::BadJournal(format!("journal block {jt} not mapped")))?;
+        dev.write_at(pt * self.bs as u64, &tail[0], IoCategory::FastCommit, true)?;
+        self.fc_off += n;
+        Ok(())
+    }
+
     /// Clean close: checkpoint and leave `s_start = 0`, `s_sequence` past every tid
     /// used, FAST_COMMIT cleared on disk (§8.11).
     pub fn close(&mut self, dev: &dyn BlockDevice, next_tid: u32) -> Result<()> {
         self.checkpoint(dev)?;
+        if self.fc_off > 0 || self.fast_commit_bit {
+            self.fc_off = 0;
+            self.zero_fc_head(dev)?;
+        }
         let incompat = self.fmt.incompat & !jbd2::INCOMPAT_FAST_COMMIT;
         put_be32(&mut self.raw_sb, jbd2::S_FEATURE_INCOMPAT, incompat);
         let seq = next_tid.max(self.next_tid).wrapping_add(1);

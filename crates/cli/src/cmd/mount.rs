@@ -25,7 +25,7 @@ pub struct MountCmdOptions {
     pub commit: u32,
     pub writeback_cache: bool,
     pub allow_other: bool,
-    /// `nofast_commit`: accepted; fast commits are not written yet anyway.
+    /// `nofast_commit`: full JBD2 commits only, even on `fast_commit` images.
     pub no_fast_commit: bool,
     /// `fc_data_csum`: accepted; takes effect with the fast-commit writer.
     pub fc_data_csum: bool,
@@ -171,6 +171,7 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         MountOptions {
             read_only: o.read_only,
             commit_interval: o.commit,
+            fast_commit: !o.no_fast_commit,
         },
     )
     .map_err(|e| anyhow!("cannot mount {}: {e}", req.image.display()))?;
