@@ -28,6 +28,7 @@ use commitfs_format::dirent::{self, LeafGeometry};
 use commitfs_format::dirhash;
 use commitfs_format::dx::{self, DxGeometry};
 use commitfs_format::extent::{self, Entries, Extent, ExtentIdx, ExtentNode, NodeRef};
+use commitfs_format::fast_commit::{self as fc, FcPacker, Tlv};
 use commitfs_format::group_desc::{self, GroupDesc};
 use commitfs_format::inode::{self, Inode, Timestamp};
 use commitfs_format::jbd2::{self, JournalSuperblock};
@@ -1038,10 +1039,15 @@ pub fn xattr(data: &[u8]) {
 /// with [`FLAG_FIX_CSUM`]). Modes 1/2/3: descriptor / commit / revoke block of a log
 /// whose incompat word is `aux` and checksum seed `fs_seed`, transaction `generation`.
 /// Accepted log blocks rebuild with the builders and parse back to the same contents.
+/// Mode bit 2: the fast-commit area (little-endian TLVs, see [`fast_commit`]).
 pub fn jbd2(data: &[u8]) {
     let (h, rest) = Header::split(data);
     let _ = jbd2_log::parse_header(rest);
     let _ = jbd2_log::needs_escape(rest);
+    if h.mode() & 4 != 0 {
+        fast_commit(&h, rest);
+        return;
+    }
     match h.mode() & 3 {
         0 => journal_superblock(&h, rest),
         mode => {
@@ -1186,4 +1192,95 @@ fn log_revoke(h: &Header, f: &LogFormat, b: &[u8]) {
     );
     let back = jbd2_log::parse_revoke(&blocks[0], f, h.block).expect("re-parse of a revoke");
     assert_eq!(back, v, "revoke round trip");
+}
+
+/// Fast-commit area: the input as consecutive blocks of the selected size, scanned
+/// with `s_inode_size` = 128 << (`param` % 4) and expected tid `generation`. Every
+/// TLV that decodes re-encodes to itself; the TLVs are packed into a fresh commit,
+/// which must scan back as exactly one valid commit with the same records.
+fn fast_commit(h: &Header, rest: &[u8]) {
+    let isz = INODE_SIZES[h.param as usize % INODE_SIZES.len()];
+    let bs = if h.size == SIZE_EXACT {
+        BLOCK_SIZES[0]
+    } else {
+        BLOCK_SIZES[h.size as usize % BLOCK_SIZES.len()]
+    };
+    let tid = h.generation;
+    // Scan as the area.
+    let scan = fc::scan_blocks(rest.chunks(bs), isz, tid);
+    let tails = scan
+        .tags
+        .iter()
+        .filter(|t| matches!(t, Tlv::Tail { .. }))
+        .count();
+    assert_eq!(tails as u32, scan.commits, "one TAIL per valid commit");
+    let _ = scan.kernel_error();
+    let _ = scan.replayable().count();
+
+    // Every decodable TLV (walking the input TLV by TLV) round-trips.
+    let mut decoded = Vec::new();
+    let mut cur = 0usize;
+    while cur < rest.len() && decoded.len() < 64 {
+        let end = (cur / bs + 1) * bs;
+        let Ok((tlv, total)) = fc::decode(&rest[cur..end.min(rest.len())], isz) else {
+            break;
+        };
+        assert!(total >= fc::TL_LEN && cur + total <= rest.len());
+        assert_eq!(tlv.total_len(), total);
+        assert_eq!(tlv.ino(), tlv.ino());
+        if tlv.validate().is_ok() {
+            let mut out = vec![0u8; total];
+            let n = tlv.encode(&mut out).expect("a valid TLV encodes");
+            assert_eq!(n, total);
+            let (back, n2) = fc::decode(&out, isz).expect("an encoded TLV decodes");
+            assert_eq!(n2, total);
+            assert_eq!(back, tlv, "fast-commit TLV round trip");
+            decoded.push(tlv.into_owned());
+        }
+        cur += total;
+    }
+
+    // Pack what decoded (HEAD/TAIL are the packer's own) and scan it back.
+    let Ok(mut p) = FcPacker::new(bs, tid, true) else {
+        return;
+    };
+    let mut pushed = Vec::new();
+    for t in decoded {
+        if matches!(t, Tlv::Head { .. } | Tlv::Tail { .. }) {
+            continue;
+        }
+        // The scanner bounds INODE records by the inode size.
+        if let Tlv::Inode { raw, .. } = &t {
+            if raw.len() > isz {
+                continue;
+            }
+        }
+        let before = p.blocks_when_finished();
+        match p.push(&t) {
+            Ok(()) => {
+                assert!(p.blocks_when_finished() >= before);
+                if !matches!(t, Tlv::Pad { .. }) {
+                    pushed.push(t);
+                }
+            }
+            Err(fc::FcError::TooLarge { .. }) => {}
+            Err(e) => panic!("push of a valid TLV: {e}"),
+        }
+    }
+    let want_blocks = p.blocks_when_finished();
+    let packed = p.finish();
+    assert_eq!(packed.nblocks, want_blocks);
+    assert_eq!(packed.blocks.len(), packed.nblocks * bs);
+    let back = fc::scan_blocks(packed.blocks.chunks(bs), isz, tid);
+    assert_eq!(
+        back.commits, 1,
+        "a packed commit scans as one commit: {:?}",
+        back.end
+    );
+    let got: Vec<&Tlv<'static>> = back
+        .replayable()
+        .filter(|t| !matches!(t, Tlv::Pad { .. }))
+        .collect();
+    let want: Vec<&Tlv<'static>> = pushed.iter().collect();
+    assert_eq!(got, want, "fast-commit pack/scan round trip");
 }

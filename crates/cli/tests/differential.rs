@@ -1267,7 +1267,12 @@ impl Gen {
                 g(Op::Readlink { path }, "readlink", vec!["readlink"])
             }
             9 => {
-                let f = self.file(t)?;
+                let mut f = self.file(t)?;
+                // At most two files above 4 GiB (reading them back costs time):
+                // once there are two, writes beyond 4 GiB go to one of them.
+                if huge >= 2 && f.size <= GIB4 && self.rng.gen_range(0..12) == 8 {
+                    f = self.pick(t, |i| i.kind == Kind::File && i.size > GIB4)?.clone();
+                }
                 let s = f.size;
                 let huge_ok = f.size > GIB4 || huge < 2;
                 let len = self.len();

@@ -217,6 +217,8 @@ pub fn find(name: &str) -> Option<&'static WorkloadSpec> {
 pub struct SyncRecord {
     /// Model snapshot index when it started: everything up to it must survive.
     pub model_idx: usize,
+    /// Device-log length when it started.
+    pub start_idx: usize,
     /// Device-log length when it returned: crash points `k >= ret_idx` come after.
     pub ret_idx: usize,
     pub what: String,
@@ -373,6 +375,7 @@ pub fn record(spec: &'static WorkloadSpec, base: &[u8], seed: u64) -> Result<Rec
     let mut sh = shared.into_inner().unwrap_or_else(|e| e.into_inner());
     sh.syncs.push(SyncRecord {
         model_idx: sh.snaps.len() - 1,
+        start_idx: unmount_start,
         ret_idx: dev.op_count(),
         what: "unmount".into(),
     });
@@ -474,6 +477,7 @@ impl Ctx<'_> {
             let ino = sh.inos[&t.paths[p.as_str()]];
             (ino, sh.snaps.len() - 1, format!("{op:?} {p}"))
         };
+        let start_idx = self.dev.op_count();
         let r = match op {
             Op::Fsync => self.fs.fsync(target, rng.gen_bool(0.3)),
             Op::Fsyncdir => self.fs.fsyncdir(target),
@@ -483,6 +487,7 @@ impl Ctx<'_> {
         let ret = self.dev.op_count();
         lock(self.shared).syncs.push(SyncRecord {
             model_idx: start,
+            start_idx,
             ret_idx: ret,
             what,
         });

@@ -17,6 +17,7 @@ pub mod dirent;
 pub mod dirhash;
 pub mod dx;
 pub mod extent;
+pub mod fast_commit;
 pub mod jbd2;
 pub mod jbd2_log;
 pub mod xattr;

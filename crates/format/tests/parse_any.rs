@@ -350,6 +350,7 @@ impl<'a> Cutter<'a> {
         }
         // Inodes, from the root down.
         let mut seen = HashSet::new();
+        self.fast_commit_seeds();
         self.walk(inode::ROOT_INO, &mut seen);
         self.walk(self.sb.journal_inum(), &mut seen);
     }
@@ -466,6 +467,71 @@ impl<'a> Cutter<'a> {
                 let kind = ["", "jdesc", "jcommit", "jrevoke"][mode as usize];
                 self.push(Family::Jbd2, kind, h, &b);
             }
+        }
+    }
+
+    /// Fast-commit areas made by the packer, with real inode records inside.
+    fn fast_commit_seeds(&mut self) {
+        use commitfs_format::fast_commit::{Dentry, FcPacker, Tlv};
+        use std::borrow::Cow;
+        let (_, raw, _) = self.read_inode(inode::ROOT_INO);
+        let isz = raw.len();
+        let tid = 1234;
+        for n_inodes in [1usize, 3, 40] {
+            let mut p = FcPacker::new(self.bs, tid, true).expect("packer");
+            let recs = [
+                Tlv::AddRange {
+                    ino: 12,
+                    lblk: 5,
+                    len: 9,
+                    pblk: 4000,
+                    unwritten: false,
+                },
+                Tlv::Creat(Dentry {
+                    parent: 2,
+                    ino: 12,
+                    name: Cow::Borrowed(b"created"),
+                }),
+                Tlv::Link(Dentry {
+                    parent: 11,
+                    ino: 12,
+                    name: Cow::Borrowed(b"linked"),
+                }),
+                Tlv::DelRange {
+                    ino: 13,
+                    lblk: 0,
+                    len: 100,
+                },
+                Tlv::Unlink(Dentry {
+                    parent: 2,
+                    ino: 14,
+                    name: Cow::Borrowed(b"gone"),
+                }),
+            ];
+            for r in &recs {
+                p.push(r).expect("push");
+            }
+            for i in 0..n_inodes {
+                p.push(&Tlv::Inode {
+                    ino: 20 + i as u32,
+                    raw: Cow::Borrowed(&raw[..isz.min(128 + 32)]),
+                })
+                .expect("push inode");
+            }
+            let packed = p.finish();
+            let h = Header {
+                flags: 4 << FLAG_MODE_SHIFT,
+                size: self.size_sel(),
+                param: match isz {
+                    128 => 0,
+                    256 => 1,
+                    512 => 2,
+                    _ => 3,
+                },
+                generation: tid,
+                ..Default::default()
+            };
+            self.push(Family::Jbd2, "fcommit", h, &packed.blocks);
         }
     }
 
@@ -659,6 +725,7 @@ fn real_structures_parse_and_round_trip() {
     for want in [
         "sb", "gd", "bbitmap", "ibitmap", "idir", "ifile", "ilink", "root", "depth0", "depth1",
         "leaf", "dxroot", "dxnode", "ibody", "block", "jsb", "jdesc", "jcommit", "jrevoke",
+        "fcommit",
     ] {
         assert!(kinds.contains(want), "no seed of kind {want}: {kinds:?}");
     }

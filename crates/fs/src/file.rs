@@ -95,6 +95,7 @@ impl Inner {
             .filter(|&e| e <= max_file_size(self.bs))
             .ok_or(FsError::FileTooBig)?;
         let h = self.start(64)?;
+        self.fc_track_inode(ino, h.tid(), None);
         let r = self.write_in(&h, ino, &mut i, off, data);
         // Whatever part was written is recorded, even after an error (ENOSPC).
         let written = match &r {
@@ -159,6 +160,7 @@ impl Inner {
                     }
                     let b = i.blocks_512(self.bs) + n as u64 * (bs / 512);
                     i.set_blocks_512(b, self.bs);
+                    self.fc_track_inode(ino, h.tid(), Some((lblk, lblk as u64 + n as u64)));
                     (p, n, true, false)
                 }
             };
@@ -186,6 +188,7 @@ impl Inner {
             }
             if unwritten {
                 self.ext_convert_written(h, ino, i, lblk, covered as u32)?;
+                self.fc_track_inode(ino, h.tid(), Some((lblk, lblk as u64 + covered as u64)));
             }
             pos += span;
         }
@@ -217,6 +220,8 @@ impl Inner {
 
     fn set_size_in(&mut self, h: &Handle, ino: u32, i: &mut Inode, size: u64) -> Result<()> {
         let bs = self.bs as u64;
+        let range = (size < i.size).then(|| (size.div_ceil(bs).min(u32::MAX as u64) as u32, i.size.div_ceil(bs).max(1)));
+        self.fc_track_inode(ino, h.tid(), range);
         if size < i.size {
             // Zero the tail of the new last block so a later extension reads zeros.
             if size % bs != 0 {
@@ -297,6 +302,8 @@ impl Inner {
             return Err(FsError::NotSupported("punch hole without keep size".into()));
         }
         let h = self.start(64)?;
+        let range = ((off / self.bs as u64) as u32, end.div_ceil(self.bs as u64));
+        self.fc_track_inode(ino, h.tid(), Some(range));
         let r = self.fallocate_in(&h, ino, &mut i, off, end, flags);
         let t = now();
         if r.is_ok() {

@@ -75,6 +75,11 @@ pub(crate) struct Inner {
     /// Blocks freed by transactions that are not committed yet: start -> (end, tid).
     /// The allocator skips them (see `alloc.rs`).
     pub pending_free: std::collections::BTreeMap<u64, (u64, u32)>,
+    /// Fast-commit tracking (`fc.rs`); `fc_enabled` once the log writes fast commits.
+    pub fc: crate::fc::FcTracker,
+    pub fc_enabled: bool,
+    /// File data was written since the last flush we know of (selective flushing).
+    pub data_dirty: std::sync::atomic::AtomicBool,
     /// Per-group hint: first inode bit that may be free.
     pub inode_hint: Vec<u32>,
     /// Last group a directory was placed in (spreads top-level directories).
@@ -179,6 +184,9 @@ impl Inner {
             unlinked_open: HashSet::new(),
             dirs: Default::default(),
             pending_free: Default::default(),
+            fc: Default::default(),
+            fc_enabled: false,
+            data_dirty: Default::default(),
             inode_hint: vec![0; groups as usize],
             last_dir_group: 0,
             next_generation: now().nsec ^ 0x9E37_79B9,
@@ -297,6 +305,7 @@ impl Inner {
             use_fast_commit: fast_commit && self.opts.fast_commit,
         };
         self.journal = Arc::new(Journal::open_log(self.dev.clone(), self.bs, map, opts)?);
+        self.fc_enabled = opts.use_fast_commit;
         Ok(())
     }
 
@@ -420,6 +429,8 @@ impl Inner {
         self.check_data_range(pblk, buf.len())?;
         self.dev
             .write_at(pblk * self.bs as u64, buf, IoCategory::Data, false)?;
+        self.data_dirty
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 

@@ -8,6 +8,7 @@ mod alloc;
 mod dir;
 mod error;
 mod extent;
+mod fc;
 mod file;
 mod inner;
 mod ops;
@@ -25,6 +26,7 @@ use commitfs_format::superblock::Superblock;
 use parking_lot::Mutex;
 
 pub use error::{FsError, Result};
+pub use fc::{FcReason, FcStats};
 pub use types::*;
 
 use inner::Inner;
@@ -45,6 +47,8 @@ pub struct Fs {
     read_only: bool,
     unmounted: std::sync::atomic::AtomicBool,
     committer: Mutex<Option<Committer>>,
+    /// Serialises fsyncs (fast commits are written in the caller's thread).
+    fc_lock: Mutex<()>,
 }
 
 /// Background thread committing the running transaction every `commit=` seconds
@@ -113,6 +117,7 @@ impl Fs {
             dev,
             unmounted: Default::default(),
             committer: Mutex::new(committer),
+            fc_lock: Mutex::new(()),
         })
     }
 
@@ -220,6 +225,9 @@ impl Fs {
                 return Ok(());
             }
             g.prepare_commit()?;
+            // The commit's flush covers every data write made so far.
+            g.data_dirty
+                .store(false, std::sync::atomic::Ordering::Relaxed);
             g.journal.clone()
         };
         journal.commit()?;
@@ -413,6 +421,7 @@ impl Fs {
     pub fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
         self.retry_nospace(|g| {
             let h = g.start(8)?;
+            g.fc_ineligible(fc::FcReason::Xattr, h.tid());
             let r = g.xattr_set(&h, ino, name, value, flags);
             g.stop(h)?;
             r
@@ -422,16 +431,87 @@ impl Fs {
     pub fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()> {
         let mut g = self.inner.lock();
         let h = g.start(8)?;
+        g.fc_ineligible(fc::FcReason::Xattr, h.tid());
         let r = g.xattr_remove(&h, ino, name);
         g.stop(h)?;
         r
     }
 
-    /// Make the file's data and metadata durable. Without the on-disk journal (next
-    /// issue) this writes all pending metadata home and flushes.
+    /// Make the file's data and metadata durable (and, like ext4, every change
+    /// committed before it). On a `fast_commit` image an eligible fsync writes one
+    /// compact logical log in the caller's thread (usually one block, with a flush
+    /// only when data or earlier log blocks must be durable first); otherwise, or
+    /// when something ineligible happened, a full JBD2 commit.
     pub fn fsync(&self, ino: Ino, _datasync: bool) -> Result<()> {
-        self.inner.lock().read_inode(ino)?;
-        self.sync()
+        // Concurrent fsyncs queue here and ride on each other's commits: the one
+        // that runs next logs everything tracked so far.
+        let _fcl = self.fc_lock.lock();
+        let t0 = std::time::Instant::now();
+        let (j, tid, blocks, flush, logged) = {
+            let mut g = self.inner.lock();
+            g.read_inode(ino)?;
+            if !g.fc_on() {
+                drop(g);
+                return self.sync();
+            }
+            match g.fc_plan()? {
+                fc::FcPlan::Nothing => {
+                    let flush = g
+                        .data_dirty
+                        .swap(false, std::sync::atomic::Ordering::Relaxed);
+                    drop(g);
+                    if flush {
+                        self.dev.flush()?;
+                    }
+                    return Ok(());
+                }
+                fc::FcPlan::Full(r) => {
+                    g.fc_count_ineligible(r);
+                    drop(g);
+                    return self.sync();
+                }
+                fc::FcPlan::Fast {
+                    tid,
+                    records,
+                    logged,
+                } => {
+                    let packed = g
+                        .journal
+                        .fc_slot()
+                        .filter(|s| s.0 == tid)
+                        .and_then(|(_, head, free)| fc::pack(&records, tid, head, g.bs, free));
+                    let Some(blocks) = packed else {
+                        g.fc_count_ineligible(fc::FcReason::LogTooBig);
+                        g.fc_ineligible(fc::FcReason::LogTooBig, tid);
+                        drop(g);
+                        return self.sync();
+                    };
+                    let data = g
+                        .data_dirty
+                        .swap(false, std::sync::atomic::Ordering::Relaxed);
+                    (g.journal.clone(), tid, blocks, data, logged)
+                }
+            }
+        };
+        let wrote = j.fast_commit(tid, &blocks, flush)?;
+        let mut g = self.inner.lock();
+        let st = &mut g.fc.stats;
+        if wrote {
+            st.commits += 1;
+            st.blocks += blocks.len() as u64;
+            st.single_block += (blocks.len() == 1) as u64;
+            st.total_ns += t0.elapsed().as_nanos() as u64;
+            g.fc_logged(&logged);
+        } else {
+            st.skipped += 1;
+        }
+        Ok(())
+    }
+
+    /// Fast-commit counters (commits, blocks, single-block count, time, fallbacks
+    /// to full commits by reason).
+    pub fn fc_stats(&self) -> FcStats {
+        self.inner.lock().fc.stats.clone()
     }
 
     pub fn fsyncdir(&self, ino: Ino) -> Result<()> {

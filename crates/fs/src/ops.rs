@@ -6,6 +6,7 @@ use commitfs_format::superblock as sbf;
 use commitfs_journal::Handle;
 
 use crate::error::{FsError, Result};
+use crate::fc::{DentryOp, FcReason};
 use crate::inner::{now, Inner};
 use crate::types::*;
 
@@ -234,6 +235,21 @@ impl Inner {
             return Err(e);
         }
         self.touch_dir(h, parent, if is_dir { 1 } else { 0 })?;
+        match kind {
+            FileType::Regular => {
+                self.fc_track_dentry(
+                    DentryOp::Creat {
+                        parent,
+                        ino,
+                        name: name.to_vec(),
+                    },
+                    h.tid(),
+                );
+                self.fc_track_inode(ino, h.tid(), None);
+            }
+            FileType::Directory => self.fc_ineligible(FcReason::DirCreateRemove, h.tid()),
+            _ => self.fc_ineligible(FcReason::SpecialInode, h.tid()),
+        }
         self.attr_of(ino, &inode)
     }
 
@@ -275,6 +291,7 @@ impl Inner {
         let h = self.start(16)?;
         let r = (|| {
             self.dir_add_entry(&h, new_parent, new_name, ino, fi::file_type_of_mode(i.mode))?;
+            self.fc_link_ops(&h, new_parent, ino, new_name, true, &i);
             i.links_count += 1;
             i.ctime = now();
             self.write_inode(&h, ino, &i)?;
@@ -294,6 +311,7 @@ impl Inner {
         let h = self.start(16)?;
         let r = (|| {
             self.dir_remove_entry(&h, parent, name)?;
+            self.fc_link_ops(&h, parent, ino, name, false, &i);
             self.touch_dir(&h, parent, 0)?;
             self.drop_link(&h, ino)
         })();
@@ -312,10 +330,13 @@ impl Inner {
                 self.write_inode(h, ino, &i)?;
                 self.orphan_add(h, ino)?;
                 self.unlinked_open.insert(ino);
+                self.fc_ineligible(FcReason::Orphan, h.tid());
                 return Ok(());
             }
+            self.fc_track_inode(ino, h.tid(), Some((0, 1u64 << 32)));
             return self.evict_with(h, ino, i);
         }
+        self.fc_track_inode(ino, h.tid(), None);
         self.write_inode(h, ino, &i)
     }
 
@@ -336,6 +357,7 @@ impl Inner {
         }
         let h = self.start(16)?;
         let r = (|| {
+            self.fc_ineligible(FcReason::DirCreateRemove, h.tid());
             self.dir_remove_entry(&h, parent, name)?;
             self.touch_dir(&h, parent, -1)?;
             let mut i = self.read_inode(ino)?;
@@ -383,6 +405,10 @@ impl Inner {
         self.dir_for_update(new_parent)?;
         let src_i = self.read_inode(src)?;
         let dst = self.dir_lookup(new_parent, new_name)?.map(|x| x.0);
+        if flags.noreplace && dst.is_some() {
+            // Checked before "same name": the kernel answers EEXIST even then.
+            return Err(FsError::Exists);
+        }
         if parent == new_parent && name == new_name {
             return Ok(());
         }
@@ -398,6 +424,7 @@ impl Inner {
                 return Err(FsError::Invalid("rename into own subdirectory"));
             }
             let h = self.start(32)?;
+            self.fc_ineligible(FcReason::CrossRename, h.tid());
             let r = self.exchange_in(
                 &h, parent, name, src, &src_i, new_parent, new_name, dst, &dst_i,
             );
@@ -446,6 +473,26 @@ impl Inner {
     ) -> Result<()> {
         let ft = fi::file_type_of_mode(src_i.mode);
         let is_dir = src_i.is_dir();
+        if is_dir || !src_i.is_reg() {
+            self.fc_ineligible(
+                if is_dir {
+                    FcReason::RenameDir
+                } else {
+                    FcReason::SpecialInode
+                },
+                h.tid(),
+            );
+        } else {
+            // Kernel order: the replaced target goes first, then the new name, then
+            // the old name disappears.
+            if let Some(d) = dst {
+                let di = self.read_inode(d)?;
+                self.fc_link_ops(h, new_parent, d, new_name, false, &di);
+            }
+            self.fc_link_ops(h, new_parent, src, new_name, true, src_i);
+            self.fc_link_ops(h, parent, src, name, false, src_i);
+            self.fc_track_inode(src, h.tid(), None);
+        }
         match dst {
             Some(d) => {
                 self.dir_replace_entry(h, new_parent, new_name, src, ft)?;
@@ -562,6 +609,11 @@ impl Inner {
         }
         i.ctime = set.ctime.unwrap_or(t);
         let h = self.start(4)?;
+        if i.is_reg() {
+            self.fc_track_inode(ino, h.tid(), None);
+        } else {
+            self.fc_ineligible(FcReason::NonRegularSetattr, h.tid());
+        }
         let r = self.write_inode(&h, ino, &i);
         self.stop(h)?;
         r?;
@@ -585,6 +637,23 @@ impl Inner {
         Ok(())
     }
 
+    /// Track a LINK or UNLINK of a regular file for fast commits; other inode
+    /// types make the transaction ineligible.
+    fn fc_link_ops(&mut self, h: &Handle, parent: u32, ino: u32, name: &[u8], link: bool, i: &Inode) {
+        if !i.is_reg() {
+            self.fc_ineligible(FcReason::SpecialInode, h.tid());
+            return;
+        }
+        let name = name.to_vec();
+        let op = if link {
+            DentryOp::Link { parent, ino, name }
+        } else {
+            DentryOp::Unlink { parent, ino, name }
+        };
+        self.fc_track_dentry(op, h.tid());
+        self.fc_track_inode(ino, h.tid(), None);
+    }
+
     /// Free an open-unlinked inode at its last close (or at unmount): off the
     /// orphan list and freed in one transaction.
     pub fn evict_inode(&mut self, ino: u32) -> Result<()> {
@@ -593,6 +662,7 @@ impl Inner {
             return Ok(());
         }
         let h = self.start(64)?;
+        self.fc_ineligible(FcReason::Orphan, h.tid());
         let r = self
             .orphan_del(&h, ino)
             .and_then(|_| self.read_inode(ino))

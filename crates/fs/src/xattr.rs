@@ -139,7 +139,8 @@ impl Inner {
 
     /// Set attribute `name`. `flags.create`: fail with `Exists` if present;
     /// `flags.replace`: fail with `NoData` if absent. A value that cannot fit even
-    /// alone gives `XattrTooBig`; one that does not fit beside the others `NoSpace`.
+    /// alone, or beside the others, gives `NoSpace` (ENOSPC, as the kernel);
+    /// `XattrTooBig` (E2BIG) is for values over the 64 KiB VFS limit.
     pub fn xattr_set(
         &mut self,
         h: &Handle,
@@ -233,7 +234,9 @@ impl Inner {
                     if !fx::fits_block(alone, self.bs)
                         && !fx::fits_ibody(alone, inode.xattr_area.len())
                     {
-                        return Err(FsError::XattrTooBig);
+                        // The kernel answers ENOSPC here; E2BIG is only for
+                        // values over the VFS limit.
+                        return Err(FsError::NoSpace);
                     }
                     upsert(&mut block, e);
                     if !fx::fits_block(&block, self.bs) {
@@ -794,7 +797,7 @@ mod tests {
         ));
         assert!(matches!(
             fs.setxattr(ino, b"user.big", &vec![1; 4096], none),
-            Err(FsError::XattrTooBig)
+            Err(FsError::NoSpace)
         ));
         // The largest value that fits a 4 KiB block alone.
         let v = vec![7u8; 4096 - 32 - 20 - 4];

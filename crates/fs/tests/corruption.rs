@@ -1242,3 +1242,34 @@ fn descriptor_with_itable_unused_over_inodes_per_group() {
         panic!("create with bg_itable_unused 0xFFFF: {e}");
     }
 }
+
+/// A journal superblock with a bad magic is on-disk corruption: mounting must fail
+/// with an error that `FsError::is_corruption` recognises (EUCLEAN at the FUSE
+/// boundary), like every other corrupt structure.
+#[test]
+fn bad_journal_superblock_is_reported_as_corruption() {
+    install_panic_counter();
+    let img = build_image(4096);
+    let t = targets(&img)
+        .into_iter()
+        .find(|t| t.kind == Kind::JournalSuperblock)
+        .expect("journal superblock target");
+    for mode in [Mode::Zero, Mode::Random] {
+        let mut bytes = img.bytes.clone();
+        let mut rng = StdRng::seed_from_u64(3);
+        corrupt(&img, &mut bytes, &t, mode, &mut rng);
+        let r = guarded(Duration::from_secs(30), move || {
+            let dev: DeviceRef = Arc::new(MemDevice::from_vec(bytes));
+            Fs::open(dev, MountOptions::default()).err()
+        });
+        match r {
+            Err(e) => panic!("{mode:?} journal superblock: {e}"),
+            Ok(None) => panic!("{mode:?} journal superblock: mounted"),
+            Ok(Some(e)) => assert!(
+                e.is_corruption(),
+                "{mode:?} journal superblock: mount failed with {e:?}, which \
+                 is_corruption() does not report as corruption"
+            ),
+        }
+    }
+}
