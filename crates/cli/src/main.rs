@@ -5,8 +5,9 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use commitfs::cmd::{demo, info, mkfs, mount, size};
+use commitfs::cmd::{demo, info, mkfs, mount, size, stats};
 
+mod bench;
 mod crashtest_cmd;
 
 #[derive(Parser)]
@@ -65,8 +66,18 @@ enum Cmd {
         #[arg(long, short = 'L')]
         label: Option<String>,
     },
+    /// Live counters of a mounted file system (I/O by category, journal, fast commit).
+    Stats {
+        /// Mount point.
+        dir: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Crash-state harness: record a workload, check every crash state's recovery.
     Crashtest(crashtest_cmd::CrashtestArgs),
+    /// Benchmark commitfs beside kernel ext4, XFS and fuse2fs on one device.
+    Bench(bench::BenchArgs),
     /// Make an image, mount it, run a workload, verify, unmount, e2fsck, report.
     Demo {
         /// Work in this directory instead of a temporary one.
@@ -132,10 +143,15 @@ fn run(cli: Cli) -> Result<()> {
                 },
             )
         }
+        Cmd::Stats { dir, json } => {
+            init_cli_logging();
+            stats::run(&dir, json)
+        }
         Cmd::Crashtest(a) => {
             init_cli_logging();
             crashtest_cmd::run(a)
         }
+        Cmd::Bench(a) => bench::run(a),
         Cmd::Demo { dir, keep } => {
             init_cli_logging();
             demo::run(dir.as_deref(), keep)

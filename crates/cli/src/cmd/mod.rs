@@ -6,3 +6,4 @@ pub mod info;
 pub mod mkfs;
 pub mod mount;
 pub mod size;
+pub mod stats;

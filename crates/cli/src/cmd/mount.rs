@@ -209,6 +209,10 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         req.dir.display(),
         if cfg.read_only { " (read-only)" } else { "" }
     );
+    // Live counters for `commitfs stats DIR` (not fatal if the socket fails).
+    let _stats = super::stats::serve(fs.clone(), &req.dir)
+        .map_err(|e| tracing::warn!("stats socket unavailable: {e:#}"))
+        .ok();
     on_mounted(req)?;
     let r = session.run();
     let stats = fs.io_stats();

@@ -1,0 +1,160 @@
+//! `commitfs stats DIR [--json]`: live counters of a running mount.
+//!
+//! The mount daemon serves its counters on a Unix socket whose path is derived
+//! from the mount point (`/run/commitfs/<hash>.sock`); `commitfs stats` connects,
+//! reads one JSON document and prints it. Counters come from the device layer
+//! (I/O by category, flushes, FUA writes), the journal (commits, log blocks,
+//! checkpoints, revokes) and the fast-commit path (like the kernel's fc_info).
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::{anyhow, Context, Result};
+use commitfs_device::IoCategory;
+use commitfs_fs::Fs;
+use serde_json::{json, Value};
+
+/// Socket path for the mount at `dir` (canonicalised, hashed with FNV-1a).
+pub fn socket_path(dir: &Path) -> PathBuf {
+    let canon = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in canon.as_os_str().as_encoded_bytes() {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    let base = if std::fs::create_dir_all("/run/commitfs").is_ok() {
+        PathBuf::from("/run/commitfs")
+    } else {
+        let p = std::env::temp_dir().join("commitfs-run");
+        let _ = std::fs::create_dir_all(&p);
+        p
+    };
+    base.join(format!("{h:016x}.sock"))
+}
+
+/// Every counter of a mounted file system as JSON.
+pub fn stats_json(fs: &Fs) -> Value {
+    let s = fs.stats();
+    let fc = fs.fc_stats();
+    let mut dev = serde_json::Map::new();
+    for c in IoCategory::ALL {
+        let k = s.device.category(c);
+        dev.insert(
+            c.name().to_string(),
+            json!({
+                "reads": k.reads, "read_bytes": k.read_bytes,
+                "writes": k.writes, "write_bytes": k.write_bytes,
+                "fua_writes": k.fua_writes,
+            }),
+        );
+    }
+    let j = s.journal;
+    let fc_commits = fc.commits.max(1) as f64;
+    json!({
+        "journal_mode": s.journal_mode,
+        "device": dev,
+        "flushes": s.device.flushes,
+        "fua_writes": IoCategory::ALL.iter().map(|c| s.device.category(*c).fua_writes).sum::<u64>(),
+        "data_bytes": s.device.data.write_bytes,
+        "metadata_bytes": s.device.metadata.write_bytes,
+        "journal_bytes": s.device.journal.write_bytes,
+        "fast_commit_bytes": s.device.fast_commit.write_bytes,
+        "journal": {
+            "commits": j.commits,
+            "handles": j.handles,
+            "buffers_logged": j.buffers_written,
+            "log_blocks": j.log_blocks,
+            "checkpoints": j.checkpoints,
+            "revokes": j.revokes,
+        },
+        "fast_commit": {
+            "commits": fc.commits,
+            "blocks": fc.blocks,
+            "single_block_fraction": if fc.commits == 0 { 0.0 } else { fc.single_block as f64 / fc_commits },
+            "avg_commit_us": if fc.commits == 0 { 0.0 } else { fc.total_ns as f64 / fc_commits / 1000.0 },
+            "skipped": fc.skipped,
+            "ineligible": fc.ineligible,
+        },
+    })
+}
+
+/// Serves `stats_json` on the mount's socket until dropped.
+pub struct StatsServer {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for StatsServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Wake the accept loop so the thread ends, then remove the socket.
+        let _ = UnixStream::connect(&self.path);
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+pub fn serve(fs: Arc<Fs>, dir: &Path) -> Result<StatsServer> {
+    let path = socket_path(dir);
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path)
+        .with_context(|| format!("binding the stats socket {}", path.display()))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    std::thread::Builder::new()
+        .name("commitfs-stats".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                if stop2.load(Ordering::Acquire) {
+                    break;
+                }
+                if let Ok(mut c) = conn {
+                    let body = stats_json(&fs).to_string();
+                    let _ = c.write_all(body.as_bytes());
+                }
+            }
+        })
+        .context("starting the stats thread")?;
+    Ok(StatsServer { path, stop })
+}
+
+/// `commitfs stats DIR`.
+pub fn run(dir: &Path, as_json: bool) -> Result<()> {
+    let path = socket_path(dir);
+    let mut c = UnixStream::connect(&path).map_err(|e| {
+        anyhow!(
+            "no commitfs mount at {} ({}: {e}); is it mounted with `commitfs mount`?",
+            dir.display(),
+            path.display()
+        )
+    })?;
+    let mut body = String::new();
+    c.read_to_string(&mut body)?;
+    let v: Value = serde_json::from_str(&body).context("parsing the daemon's reply")?;
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("journal mode: {}", v["journal_mode"].as_str().unwrap_or("?"));
+    println!(
+        "device: data {} B, metadata {} B, journal {} B, fast-commit {} B written; {} flushes, {} FUA writes",
+        v["data_bytes"], v["metadata_bytes"], v["journal_bytes"], v["fast_commit_bytes"], v["flushes"], v["fua_writes"]
+    );
+    let j = &v["journal"];
+    println!(
+        "journal: {} commits, {} log blocks, {} checkpoints, {} revokes",
+        j["commits"], j["log_blocks"], j["checkpoints"], j["revokes"]
+    );
+    let f = &v["fast_commit"];
+    println!(
+        "fast commit: {} commits, {} blocks, single-block {:.0}%, avg {:.0} us; ineligible {}",
+        f["commits"],
+        f["blocks"],
+        f["single_block_fraction"].as_f64().unwrap_or(0.0) * 100.0,
+        f["avg_commit_us"].as_f64().unwrap_or(0.0),
+        f["ineligible"]
+    );
+    Ok(())
+}
