@@ -257,8 +257,15 @@ impl Inner {
             .iter()
             .map(|(i, t)| (*i, t.range, t.version))
             .collect();
+        // Every tracked inode, created ones included (the kernel writes a created
+        // inode twice: its INODE before the CREAT so replay can link it, and again
+        // after its ranges so replay recomputes i_blocks from the final tree).
         for (ino, range, _) in &inos {
-            if created.contains(ino) {
+            // A freed inode is described by its UNLINK alone: replay drops the last
+            // link and the orphan cleanup frees it (the kernel's writer likewise
+            // forgets evicted inodes; its INODE replay refuses a deleted inode).
+            let i = self.read_inode(*ino)?;
+            if i.links_count == 0 {
                 continue;
             }
             if let Some(r) = range {
@@ -358,9 +365,61 @@ impl Inner {
 }
 
 /// Encode `records` as one fast commit of `tid` in the kernel's TLV layout
-/// (§9.4): HEAD when `need_head`, PAD-closed blocks, TAIL with the CRC. `None`
-/// when it needs more than `free` blocks or a record cannot be encoded.
-pub fn pack(records: &[FcRecord], tid: u32, need_head: bool, block_size: usize, free: u32) -> Option<Vec<Vec<u8>>> {
-    let _ = (records, tid, need_head, block_size, free);
-    None
+/// (§9.4, packer in `commitfs_format::fast_commit`): HEAD when `need_head`,
+/// PAD-closed blocks, TAIL with the CRC. `None` when it needs more than `free`
+/// blocks or a record can never fit a block (the caller falls back to a full
+/// commit, like the kernel).
+pub fn pack(
+    records: &[FcRecord],
+    tid: u32,
+    need_head: bool,
+    block_size: usize,
+    free: u32,
+) -> Option<Vec<Vec<u8>>> {
+    use commitfs_format::fast_commit::{Dentry, FcPacker, Tlv};
+    use std::borrow::Cow;
+    let mut p = FcPacker::new(block_size, tid, need_head).ok()?;
+    for r in records {
+        let d = |parent: u32, ino: u32, name: &[u8]| Dentry {
+            parent,
+            ino,
+            name: Cow::Owned(name.to_vec()),
+        };
+        let tlv = match r {
+            FcRecord::AddRange {
+                ino,
+                lblk,
+                len,
+                pblk,
+                unwritten,
+            } => Tlv::AddRange {
+                ino: *ino,
+                lblk: *lblk,
+                len: *len,
+                pblk: *pblk,
+                unwritten: *unwritten,
+            },
+            FcRecord::DelRange { ino, lblk, len } => Tlv::DelRange {
+                ino: *ino,
+                lblk: *lblk,
+                len: *len,
+            },
+            FcRecord::Dentry(DentryOp::Creat { parent, ino, name }) => Tlv::Creat(d(*parent, *ino, name)),
+            FcRecord::Dentry(DentryOp::Link { parent, ino, name }) => Tlv::Link(d(*parent, *ino, name)),
+            FcRecord::Dentry(DentryOp::Unlink { parent, ino, name }) => Tlv::Unlink(d(*parent, *ino, name)),
+            FcRecord::Inode { ino, raw } => Tlv::Inode {
+                ino: *ino,
+                raw: Cow::Borrowed(raw),
+            },
+        };
+        p.push(&tlv).ok()?;
+        if p.blocks_when_finished() as u32 > free {
+            return None;
+        }
+    }
+    let packed = p.finish();
+    if packed.nblocks as u32 > free {
+        return None;
+    }
+    Some(packed.blocks.chunks(block_size).map(|c| c.to_vec()).collect())
 }

@@ -291,6 +291,9 @@ impl Inner {
                     .unwrap_or_default()
             );
             self.reload_after_recovery()?;
+            // Fast commits after the JBD2 log (ext4-format.md §9.7): replayed now, on
+            // the write-home journal; see fc_replay.rs for the crash-safety order.
+            self.replay_fast_commits(&map, &jsb, report.end_tid)?;
         }
         if self.read_only {
             if self.sb.has_incompat(sbf::INCOMPAT_RECOVER) && jsb.start != 0 {

@@ -9,6 +9,7 @@ mod dir;
 mod error;
 mod extent;
 mod fc;
+mod fc_replay;
 mod file;
 mod inner;
 mod ops;

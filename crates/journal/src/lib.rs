@@ -22,6 +22,7 @@
 //! unmount and `sync` need; crash atomicity through the on-disk JBD2 log comes with
 //! the journal issue without changing this API.
 
+mod fc_scan;
 mod log;
 mod recovery;
 
@@ -33,6 +34,10 @@ use commitfs_device::{DeviceError, DeviceRef, IoCategory};
 use commitfs_format::FormatError;
 use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+pub use fc_scan::{
+    commit_fast_commit_replay, fc_area, finish_fast_commit_recovery, hold_log_for_fast_commits,
+    read_fast_commits, FcArea,
+};
 pub use log::{JournalMap, LogOptions};
 pub use recovery::{read_superblock, recover, scan, RecoveryReport};
 
