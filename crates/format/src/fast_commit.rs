@@ -212,7 +212,7 @@ impl<'a> Tlv<'a> {
     /// Check that the record can be encoded and passes the kernel's length rules
     /// (§9.3) for an inode size of up to `u16` bytes.
     pub fn validate(&self) -> Result<(), FcError> {
-        match self {
+        let problem = match self {
             Tlv::AddRange {
                 len,
                 pblk,
@@ -220,26 +220,26 @@ impl<'a> Tlv<'a> {
                 ..
             } => {
                 if encode_len(*len, *unwritten).is_none() {
-                    return Err(FcError::Invalid("ADD_RANGE length out of range"));
-                }
-                if pblk.saturating_add(*len as u64) > PBLK_LIMIT {
-                    return Err(FcError::Invalid("ADD_RANGE physical block beyond 48 bits"));
-                }
-            }
-            Tlv::Creat(d) | Tlv::Link(d) | Tlv::Unlink(d) => {
-                if d.name.is_empty() || d.name.len() > NAME_MAX {
-                    return Err(FcError::Invalid("dentry name must be 1 to 255 bytes"));
+                    Some("ADD_RANGE length out of range")
+                } else if pblk.saturating_add(*len as u64) > PBLK_LIMIT {
+                    Some("ADD_RANGE physical block beyond 48 bits")
+                } else {
+                    None
                 }
             }
+            Tlv::Creat(d) | Tlv::Link(d) | Tlv::Unlink(d) => (d.name.is_empty()
+                || d.name.len() > NAME_MAX)
+                .then_some("dentry name must be 1 to 255 bytes"),
             Tlv::Inode { raw, .. } => {
-                if raw.len() < GOOD_OLD_INODE_SIZE {
-                    return Err(FcError::Invalid("INODE record shorter than 128 bytes"));
-                }
+                (raw.len() < GOOD_OLD_INODE_SIZE).then_some("INODE record shorter than 128 bytes")
             }
-            Tlv::Tail { len, .. } if (*len as usize) < TAIL_LEN => {
-                return Err(FcError::Invalid("TAIL value shorter than 8 bytes"));
+            Tlv::Tail { len, .. } => {
+                ((*len as usize) < TAIL_LEN).then_some("TAIL value shorter than 8 bytes")
             }
-            _ => {}
+            _ => None,
+        };
+        if let Some(p) = problem {
+            return Err(FcError::Invalid(p));
         }
         if self.value_len() > u16::MAX as usize {
             return Err(FcError::Invalid("value longer than 65535 bytes"));
@@ -573,11 +573,7 @@ pub enum ScanEnd {
     },
     /// A TAIL whose tid or CRC does not match: the end of the valid log (or a torn
     /// commit).
-    BadTail {
-        block: u32,
-        tid: u32,
-        crc_ok: bool,
-    },
+    BadTail { block: u32, tid: u32, crc_ok: bool },
     /// Blocks were fed out of order (kernel: `-EFSCORRUPTED`).
     OutOfOrder { expected: u32, got: u32 },
     /// The area ran out while the scan still wanted blocks. The kernel would then
@@ -928,7 +924,7 @@ mod tests {
         for bs in [1024usize, 4096] {
             let mut p = FcPacker::new(bs, 41, true).unwrap();
             let mut pushed = Vec::new();
-            for i in 0..40u32 {
+            for i in 0..80u32 {
                 let t = if i % 3 == 0 {
                     Tlv::Inode {
                         ino: 20 + i,
@@ -984,7 +980,11 @@ mod tests {
                     cur += n;
                 }
                 assert_eq!(cur, bs);
-                let want = if b + 1 == fc.nblocks { TAG_TAIL } else { TAG_PAD };
+                let want = if b + 1 == fc.nblocks {
+                    TAG_TAIL
+                } else {
+                    TAG_PAD
+                };
                 assert_eq!(last_tag, want);
             }
             assert_eq!(
@@ -1035,7 +1035,12 @@ mod tests {
             raw: Cow::Owned(vec![1; bs - 4 - 4 - 4]),
         };
         p.push(&just).unwrap();
-        assert!(p.push(&Tlv::Head { features: 0, tid: 1 }).is_err());
+        assert!(p
+            .push(&Tlv::Head {
+                features: 0,
+                tid: 1
+            })
+            .is_err());
     }
 
     #[test]
@@ -1144,11 +1149,22 @@ mod tests {
         assert!(s.tags.is_empty() && s.in_use.is_empty());
         assert!(!s.kernel_error());
         // A flipped byte anywhere in the first commit's CRC span: nothing replays.
-        let first_len = {
-            let (one, _) = area(bs, 8, &some_commits(1, 30));
-            one.len()
+        // The first commit is one block; its TAIL ends the CRC span.
+        let tail_at = {
+            let mut at = 0;
+            loop {
+                let (t, n) = decode(&a[at..bs], ISZ).unwrap();
+                if let Tlv::Tail { .. } = t {
+                    break at;
+                }
+                at += n;
+            }
         };
-        for pos in [13usize, 100, first_len - bs + 5] {
+        // Bytes after fc_crc are not covered: flipping one changes nothing.
+        let mut b = a.clone();
+        b[tail_at + 20] ^= 0x40;
+        assert_eq!(scan_blocks(blocks(&b, bs), ISZ, 8).commits, 2);
+        for pos in [13usize, tail_at - 3, tail_at + 5] {
             let mut b = a.clone();
             b[pos] ^= 0x40;
             let s = scan_blocks(blocks(&b, bs), ISZ, 8);
@@ -1183,7 +1199,10 @@ mod tests {
         assert_eq!(s.tags, new_tags);
         assert!(!s.kernel_error(), "stale remainder ends the scan quietly");
         assert!(
-            matches!(s.end, ScanEnd::BadTail { tid: 5, .. } | ScanEnd::BadRecord { .. }),
+            matches!(
+                s.end,
+                ScanEnd::BadTail { tid: 5, .. } | ScanEnd::BadRecord { .. }
+            ),
             "{:?}",
             s.end
         );
@@ -1198,7 +1217,12 @@ mod tests {
             .iter()
             .take_while(|t| !matches!(t, Tlv::Tail { .. }))
             .cloned()
-            .chain(two_tags.iter().find(|t| matches!(t, Tlv::Tail { .. })).cloned())
+            .chain(
+                two_tags
+                    .iter()
+                    .find(|t| matches!(t, Tlv::Tail { .. }))
+                    .cloned(),
+            )
             .collect();
         assert_eq!(s.tags, first);
         let _ = two;

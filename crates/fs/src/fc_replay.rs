@@ -1,28 +1,31 @@
-//! Fast-commit replay at mount (ext4-format.md §9.6, §9.7, §9.11 item 6).
+//! Fast-commit replay at mount (ext4-format.md §9.6, §9.7, §9.9, §9.11 item 6).
 //!
-//! Runs right after the JBD2 replay, on the write-home journal that
-//! `reload_after_recovery` installs, so every change below reaches its home block at
-//! the final commit (one write per dirty block, then a flush):
+//! Runs right after the JBD2 replay (whose blocks are then home and durable):
 //!
-//! 1. Scan the fast-commit area (only with the JBD2 FAST_COMMIT bit set on disk)
-//!    with `expected_tid` = the JBD2 recovery's end tid.
-//! 2. If anything is replayable, point the journal superblock back at the live log
-//!    ([`commitfs_journal::relive_log`]): a crash from here on repeats JBD2 replay and
-//!    fast-commit replay, as with the kernel, which marks its log empty only after
-//!    its fast-commit replay. Every record states a result, not an operation, so a
-//!    repeated replay converges (§9.7 "Idempotence").
-//! 3. Apply the records in log order with the kernel's rules (table of §9.7). The
-//!    allocator (tree blocks, directory blocks) must not hand out the physical ranges
-//!    named by ADD_RANGE records nor blocks an INODE record releases (they may still
-//!    be in use): their bits are *held* set during replay, and releases are deferred.
-//!    Blocks freed through the extent code are kept out of allocation by
-//!    `pending_free` until the replay is written.
-//! 4. Release held blocks that no touched inode maps, set the bits of every block
-//!    (data and tree) the touched inodes map, recompute their `i_blocks`, recompute
-//!    every group's free counts from the bitmaps and the superblock totals (as
-//!    e2fsck does), and write it all home.
-//! 5. Mark the log empty with FAST_COMMIT cleared, then zero fast-commit block 0
-//!    ([`commitfs_journal::finish_fast_commit_recovery`]).
+//! 1. Hold the log: point the journal superblock at an empty live log of the
+//!    recovery's end tid `T` ([`commitfs_journal::hold_log_for_fast_commits`]), so a
+//!    crash from here on repeats recovery and this replay from the same home state.
+//! 2. Scan the fast-commit area (only with the JBD2 FAST_COMMIT bit set on disk) with
+//!    `expected_tid = T`.
+//! 3. Apply the records in log order with the kernel's rules (table of §9.7), on a
+//!    write-home journal over an in-memory overlay of the device: nothing reaches the
+//!    disk yet. The allocator (tree blocks, directory blocks) must not hand out the
+//!    physical ranges named by ADD_RANGE records nor blocks an INODE record releases
+//!    (they may still be in use): their bits are *held* set during replay and the
+//!    releases deferred; blocks freed through the extent code are kept out of
+//!    allocation by `pending_free`.
+//! 4. Release held blocks no touched inode maps, set the bits of every block (data
+//!    and tree) the touched inodes map, recompute their `i_blocks`, recompute every
+//!    group's free counts and bitmap checksums and the superblock totals (as e2fsck
+//!    does).
+//! 5. Commit the changed blocks as JBD2 transaction `T`, then write them home
+//!    ([`commitfs_journal::commit_fast_commit_replay`]): the replay is atomic, and a
+//!    full commit of `T` supersedes the fast commits of `T` (§9.9). The kernel writes
+//!    its replay home block by block (its own source lists journaling it as a TODO);
+//!    a crash in the middle can then leave, e.g., a removed name with its inode
+//!    reverted by the repeated JBD2 replay, which no record repairs.
+//! 6. Mark the log empty with FAST_COMMIT cleared; fast-commit block 0 was zeroed
+//!    right after the commit ([`commitfs_journal::finish_fast_commit_recovery`]).
 //!
 //! Deliberate differences from the kernel, where its behaviour would leave an image
 //! e2fsck rejects or lose data on a repeated replay:
@@ -34,10 +37,14 @@
 //! * An INODE record with no links (a deleted file) frees the inode number, as
 //!   e2fsck does, instead of failing the replay.
 //! * `i_blocks` also counts the xattr block, and is recomputed after the last
-//!   record for every touched inode.
+//!   record for every touched inode (the kernel only at INODE records).
 //! * A scan that the kernel would reject (§9.6) still replays its valid prefix.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use commitfs_device::{BlockDevice, DeviceRef, IoCategory, IoStats};
+use parking_lot::Mutex;
 
 use commitfs_format::bitmap;
 use commitfs_format::bytes::{le16, le32};
@@ -48,7 +55,7 @@ use commitfs_format::group_desc::{BG_BLOCK_UNINIT, BG_INODE_UNINIT};
 use commitfs_format::inode::{self as fi, Inode};
 use commitfs_format::jbd2::JournalSuperblock;
 use commitfs_format::superblock as sbf;
-use commitfs_journal::{Handle, JournalMap};
+use commitfs_journal::{Handle, Journal, JournalMap};
 
 use crate::error::{FsError, Result};
 use crate::inner::Inner;
@@ -114,17 +121,20 @@ impl Inner {
         before: &JournalSuperblock,
         end_tid: u32,
     ) -> Result<Option<FcReplayReport>> {
-        let Some(scan) = commitfs_journal::read_fast_commits(
-            &*self.dev,
+        if commitfs_journal::fc_area(before).is_none() {
+            return Ok(None);
+        }
+        let dev = self.dev.clone();
+        commitfs_journal::hold_log_for_fast_commits(&*dev, map, self.bs, end_tid)?;
+        let scan = commitfs_journal::read_fast_commits(
+            &*dev,
             map,
             self.bs,
             before,
             self.inode_size,
             end_tid,
         )?
-        else {
-            return Ok(None);
-        };
+        .ok_or_else(|| FsError::corrupt("fast-commit area vanished"))?;
         if scan.kernel_error() {
             tracing::warn!(
                 "fast-commit area: scan ended with {:?} after {} valid commits (the kernel \
@@ -135,19 +145,39 @@ impl Inner {
         }
         let mut report = None;
         if scan.commits > 0 {
-            commitfs_journal::relive_log(&*self.dev, map, self.bs, before)?;
-            let r = self.fc_replay(&scan)?;
+            // Compute the replay against an overlay: the disk stays as recovery left
+            // it until the result is committed as one transaction.
+            let overlay = Arc::new(Overlay::new(dev.clone(), self.bs));
+            self.journal = Arc::new(Journal::new(overlay.clone(), self.bs, false));
+            let r = self.fc_replay(&scan);
+            self.journal = Arc::new(Journal::new(dev.clone(), self.bs, self.read_only));
+            let r = r?;
+            let blocks = overlay.take();
+            if !commitfs_journal::commit_fast_commit_replay(&*dev, map, self.bs, end_tid, &blocks)?
+            {
+                tracing::warn!(
+                    "fast-commit replay: {} changed blocks do not fit one transaction; \
+                     writing them home directly",
+                    blocks.len()
+                );
+                for (b, d) in &blocks {
+                    dev.write_at(b * self.bs as u64, d, IoCategory::Metadata, false)?;
+                }
+                dev.flush()?;
+            }
             tracing::info!(
-                "fast-commit replay (tid {end_tid}): {} commits, {} records applied, {} skipped, {} inodes re-derived",
+                "fast-commit replay (tid {end_tid}): {} commits, {} records applied, {} skipped, \
+                 {} inodes re-derived, {} blocks written",
                 r.commits,
                 r.applied,
                 r.skipped,
-                r.inodes
+                r.inodes,
+                blocks.len()
             );
             report = Some(r);
         }
         commitfs_journal::finish_fast_commit_recovery(
-            &*self.dev,
+            &*dev,
             map,
             self.bs,
             end_tid.wrapping_add(1),
@@ -155,7 +185,7 @@ impl Inner {
         Ok(report)
     }
 
-    /// Apply scanned records and write the result home (steps 3–4 above).
+    /// Apply scanned records and commit them to the current journal (steps 3–4).
     pub(crate) fn fc_replay(&mut self, scan: &FcScan) -> Result<FcReplayReport> {
         let saved_pending = std::mem::take(&mut self.pending_free);
         let saved_incompat = self.sb.feature_incompat();
@@ -727,6 +757,88 @@ impl Inner {
             gdm.inode_bitmap_csum = c;
         }
         self.write_gd(h, g)
+    }
+}
+
+/// A device whose writes stay in memory (whole blocks), read back over the real
+/// device: the replay is computed here and committed afterwards as one transaction.
+struct Overlay {
+    dev: DeviceRef,
+    bs: u64,
+    blocks: Mutex<BTreeMap<u64, Vec<u8>>>,
+}
+
+impl Overlay {
+    fn new(dev: DeviceRef, bs: usize) -> Overlay {
+        Overlay {
+            dev,
+            bs: bs as u64,
+            blocks: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The blocks written, by block number.
+    fn take(&self) -> BTreeMap<u64, Vec<u8>> {
+        std::mem::take(&mut self.blocks.lock())
+    }
+}
+
+impl BlockDevice for Overlay {
+    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> commitfs_device::Result<()> {
+        let mut done = 0usize;
+        while done < buf.len() {
+            let pos = offset + done as u64;
+            let (blk, within) = (pos / self.bs, (pos % self.bs) as usize);
+            let n = (self.bs as usize - within).min(buf.len() - done);
+            let piece = &mut buf[done..done + n];
+            match self.blocks.lock().get(&blk) {
+                Some(b) => piece.copy_from_slice(&b[within..within + n]),
+                None => self.dev.read_at(pos, piece, cat)?,
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn write_at(
+        &self,
+        offset: u64,
+        buf: &[u8],
+        cat: IoCategory,
+        _fua: bool,
+    ) -> commitfs_device::Result<()> {
+        let mut done = 0usize;
+        while done < buf.len() {
+            let pos = offset + done as u64;
+            let (blk, within) = (pos / self.bs, (pos % self.bs) as usize);
+            let n = (self.bs as usize - within).min(buf.len() - done);
+            let mut map = self.blocks.lock();
+            if !map.contains_key(&blk) {
+                let mut b = vec![0u8; self.bs as usize];
+                if n < self.bs as usize {
+                    self.dev.read_at(blk * self.bs, &mut b, cat)?;
+                }
+                map.insert(blk, b);
+            }
+            if let Some(b) = map.get_mut(&blk) {
+                b[within..within + n].copy_from_slice(&buf[done..done + n]);
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn flush(&self) -> commitfs_device::Result<()> {
+        Ok(())
+    }
+    fn size(&self) -> u64 {
+        self.dev.size()
+    }
+    fn is_read_only(&self) -> bool {
+        false
+    }
+    fn stats(&self) -> &IoStats {
+        self.dev.stats()
     }
 }
 

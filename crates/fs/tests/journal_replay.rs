@@ -80,6 +80,7 @@ fn host_tree(root: &Path) -> BTreeMap<String, (String, u64, Vec<u8>)> {
 
 struct KernelMount {
     dir: PathBuf,
+    img: Option<PathBuf>,
 }
 
 impl KernelMount {
@@ -93,7 +94,10 @@ impl KernelMount {
             .status()
             .unwrap();
         assert!(st.success(), "kernel mount failed");
-        KernelMount { dir }
+        KernelMount {
+            dir,
+            img: Some(img.to_path_buf()),
+        }
     }
 }
 
@@ -101,6 +105,17 @@ impl Drop for KernelMount {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg(&self.dir).status();
         let _ = std::fs::remove_dir(&self.dir);
+        // The loop device detaches asynchronously after umount; wait for it so a
+        // following e2fsck does not see the image as mounted.
+        if let Some(img) = &self.img {
+            for _ in 0..200 {
+                let out = Command::new("losetup").arg("-j").arg(img).output();
+                match out {
+                    Ok(o) if !o.stdout.is_empty() => std::thread::sleep(std::time::Duration::from_millis(10)),
+                    _ => break,
+                }
+            }
+        }
     }
 }
 
@@ -365,4 +380,114 @@ fn fast_commits_replayed_by_kernel_1k() {
 #[test]
 fn fast_commits_replayed_by_kernel_4k() {
     fc_crash_kernel_replay("4096");
+}
+
+/// Issue 3, kernel as judge (a): 50+ crash images of commitfs (copies of the
+/// device at every fsync of a mixed workload, with live JBD2 and, on fast_commit
+/// images, fast-commit logs) are recovered by the kernel and by commitfs with the
+/// same tree, and e2fsck is clean after either.
+#[test]
+fn kernel_judges_50_commitfs_crash_images() {
+    let mut images = 0;
+    for (bs, feats) in [("1024", "^fast_commit"), ("4096", "fast_commit")] {
+        let img = mkfs("judge-a", 48, &["-b", bs, "-O", feats]);
+        let fs = Fs::open_path(&img.path, MountOptions::default()).unwrap();
+        let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap();
+        let mut copies = Vec::new();
+        for i in 0..26u32 {
+            let name = format!("f{i}");
+            let f = fs.create(d.ino, name.as_bytes(), 0o644, 0, 0).unwrap();
+            fs.write(f.ino, 0, &vec![i as u8 + 1; 1500 + i as usize * 997])
+                .unwrap();
+            match i % 6 {
+                1 => fs.unlink(d.ino, format!("f{}", i - 1).as_bytes()).unwrap(),
+                2 => fs
+                    .rename(d.ino, name.as_bytes(), ROOT_INO, format!("top{i}").as_bytes(), RenameFlags::default())
+                    .unwrap(),
+                3 => {
+                    fs.setattr(f.ino, &SetAttr { size: Some(700), ..Default::default() })
+                        .unwrap();
+                }
+                4 => {
+                    fs.mkdir(d.ino, format!("sub{i}").as_bytes(), 0o700, 0, 0)
+                        .unwrap();
+                }
+                _ => {}
+            }
+            fs.fsync(f.ino, false).unwrap();
+            let expected = lib_tree(&fs);
+            let us = copy_image(&img.path, &format!("a{i}"));
+            let k = copy_image(&img.path, &format!("k{i}"));
+            copies.push((expected, us, k));
+        }
+        drop(fs);
+        for (expected, us, k) in copies {
+            {
+                let fs = Fs::open_path(&us.path, MountOptions::default()).unwrap();
+                assert_eq!(lib_tree(&fs), expected, "commitfs recovery of {}", us.path.display());
+                fs.unmount().unwrap();
+            }
+            assert_fsck_clean(&us.path);
+            {
+                let m = KernelMount::new(&k.path);
+                assert_eq!(host_tree(&m.dir), expected, "kernel recovery of {}", k.path.display());
+            }
+            assert_fsck_clean(&k.path);
+            images += 1;
+        }
+    }
+    assert!(images >= 50);
+}
+
+/// Issue 3, kernel as judge (b): 50+ images left with a dirty journal by kernel
+/// ext4 (copies taken mid-workload while mounted) are recovered by commitfs with
+/// the same result as the kernel's own recovery; e2fsck is clean after both.
+#[test]
+fn commitfs_judges_50_kernel_crash_images() {
+    let mut images = 0;
+    for bs in ["1024", "4096"] {
+        let img = mkfs("judge-b", 48, &["-b", bs, "-O", "^fast_commit"]);
+        let mut copies = Vec::new();
+        {
+            let m = KernelMount::new(&img.path);
+            let d = m.dir.join("d");
+            std::fs::create_dir(&d).unwrap();
+            for i in 0..26u32 {
+                let p = d.join(format!("k{i}"));
+                std::fs::write(&p, vec![i as u8 + 7; 900 + i as usize * 1311]).unwrap();
+                if i % 4 == 1 {
+                    std::fs::remove_file(d.join(format!("k{}", i - 1))).unwrap();
+                }
+                if i % 4 == 2 {
+                    std::fs::rename(&p, m.dir.join(format!("moved{i}"))).unwrap();
+                }
+                if i % 4 == 3 {
+                    std::fs::create_dir(d.join(format!("dir{i}"))).unwrap();
+                }
+                // Half the copies after an fsync-like sync, half mid-flight.
+                if i % 2 == 0 {
+                    let st = Command::new("sync").arg("-f").arg(&m.dir).status().unwrap();
+                    assert!(st.success());
+                }
+                let c1 = copy_image(&img.path, &format!("b{i}"));
+                let c2 = copy_image(&img.path, &format!("c{i}"));
+                copies.push((c1, c2));
+            }
+        }
+        for (ours, theirs) in copies {
+            let expected = {
+                let m = KernelMount::new(&theirs.path);
+                host_tree(&m.dir)
+            };
+            assert_fsck_clean(&theirs.path);
+            {
+                let fs = Fs::open_path(&ours.path, MountOptions::default()).unwrap();
+                assert_eq!(lib_tree(&fs), expected, "commitfs recovery of {}", ours.path.display());
+                fs.unmount().unwrap();
+            }
+            assert_fsck_clean(&ours.path);
+            images += 1;
+        }
+    }
+    assert!(images >= 50);
 }
