@@ -100,6 +100,9 @@ impl GroupDesc {
 /// Descriptor checksum: crc32c(fs_seed, le32(group) ++ desc with bg_checksum zeroed),
 /// low 16 bits (§1.3).
 pub fn compute_checksum(b: &[u8], group: u32, csum: &CsumCtx) -> u16 {
+    if b.len() < BG_CHECKSUM + 2 {
+        return 0;
+    }
     let mut c = crc32c_raw(csum.fs_seed, &group.to_le_bytes());
     c = crc32c_raw(c, &b[..BG_CHECKSUM]);
     c = crc32c_raw(c, &[0, 0]);
@@ -111,6 +114,13 @@ pub fn compute_checksum(b: &[u8], group: u32, csum: &CsumCtx) -> u16 {
 pub fn verify(b: &[u8], group: u32, csum: &CsumCtx, gdt_block: u64) -> Result<()> {
     if !csum.enabled {
         return Ok(());
+    }
+    if b.len() < 32 {
+        return Err(FormatError::corrupt(
+            "group descriptor",
+            gdt_block,
+            format!("group {group}: descriptor of {} bytes", b.len()),
+        ));
     }
     let stored = le16(b, BG_CHECKSUM);
     let computed = compute_checksum(b, group, csum);

@@ -150,7 +150,8 @@ impl Inode {
     /// `block` is the inode-table block it came from, for error messages.
     pub fn parse(b: &[u8], ino: u32, csum: &CsumCtx, block: u64) -> Result<Inode> {
         let s = "inode";
-        if b.len() < GOOD_OLD_INODE_SIZE {
+        // Records are 128 bytes or large enough to hold the extra fields' header.
+        if b.len() < GOOD_OLD_INODE_SIZE || (b.len() > GOOD_OLD_INODE_SIZE && b.len() < 0x84) {
             return Err(FormatError::corrupt(
                 s,
                 block,

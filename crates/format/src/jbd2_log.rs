@@ -120,6 +120,9 @@ pub fn verify_tail(b: &[u8], f: &LogFormat) -> bool {
     if !f.has_csum() {
         return true;
     }
+    if b.len() < 4 {
+        return false;
+    }
     be32(b, b.len() - 4) == tail_checksum(b, f.seed)
 }
 

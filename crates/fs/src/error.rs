@@ -61,6 +61,12 @@ impl FsError {
     }
     /// Whether this error means on-disk corruption (EUCLEAN at the FUSE boundary).
     pub fn is_corruption(&self) -> bool {
-        matches!(self, FsError::Corrupt(_) | FsError::CorruptMsg(_))
+        matches!(
+            self,
+            FsError::Corrupt(_)
+                | FsError::CorruptMsg(_)
+                | FsError::Journal(JournalError::Format(_))
+                | FsError::Journal(JournalError::BadJournal(_))
+        )
     }
 }

@@ -90,8 +90,7 @@ impl Inner {
         if data.is_empty() {
             return Ok(0);
         }
-        let end = off
-            .checked_add(data.len() as u64)
+        off.checked_add(data.len() as u64)
             .filter(|&e| e <= max_file_size(self.bs))
             .ok_or(FsError::FileTooBig)?;
         let h = self.start(64)?;
@@ -102,14 +101,12 @@ impl Inner {
             Ok(n) => *n,
             Err(_) => 0,
         };
-        if written > 0 || r.is_ok() {
+        if written > 0 {
             let t = now();
             i.mtime = t;
             i.ctime = t;
-            i.size = i
-                .size
-                .max(off + written as u64)
-                .max(if r.is_ok() { end } else { 0 });
+            // A short write (ENOSPC part-way) only grows the file by what it wrote.
+            i.size = i.size.max(off + written as u64);
         }
         let wr = self.write_inode(&h, ino, &i);
         self.stop(h)?;
