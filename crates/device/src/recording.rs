@@ -122,6 +122,14 @@ impl BlockDevice for RecordingDevice {
     }
 }
 
+impl MemDevice {
+    /// The content, by value: a crash harness checks thousands of images and reuses
+    /// one allocation for all of them instead of copying each out.
+    pub fn into_vec(self) -> Vec<u8> {
+        self.data.into_inner()
+    }
+}
+
 /// How one write of the volatile tail is treated in a crash state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fate {
@@ -153,6 +161,9 @@ pub struct CrashLog {
     /// `last_flush[k]`: index one past the last flush among requests `0..k` (0 if
     /// none); every write before it is durable at crash point `k`.
     last_flush: Vec<usize>,
+    /// Byte ranges the device is assumed to write atomically: a write overlapping
+    /// one is never torn (it survives whole or not at all).
+    atomic: Vec<std::ops::Range<u64>>,
 }
 
 impl CrashLog {
@@ -170,7 +181,20 @@ impl CrashLog {
             base,
             ops: Arc::new(ops),
             last_flush,
+            atomic: Vec::new(),
         }
+    }
+
+    /// Never tear writes that overlap `ranges` (e.g. a 1 KiB superblock whose
+    /// checksum sits in its last sector: no file system survives tearing it).
+    pub fn with_atomic(mut self, ranges: Vec<std::ops::Range<u64>>) -> CrashLog {
+        self.atomic = ranges;
+        self
+    }
+
+    fn tearable(&self, offset: u64, len: usize) -> bool {
+        let end = offset + len as u64;
+        !self.atomic.iter().any(|r| r.start < end && offset < r.end)
     }
 
     pub fn ops(&self) -> &[LogOp] {
@@ -213,10 +237,14 @@ impl CrashLog {
             .map(|op| match op {
                 LogOp::Flush => Fate::Durable,
                 LogOp::Write { fua: true, .. } => Fate::Durable,
-                LogOp::Write { data, .. } => {
+                LogOp::Write { data, offset, .. } => {
                     let sectors = data.len().div_ceil(SECTOR);
                     // A quarter of the torn-eligible writes tear; the others are whole.
-                    if spec.torn && sectors > 1 && rng.next() % 4 == 0 {
+                    if spec.torn
+                        && sectors > 1
+                        && rng.next() % 4 == 0
+                        && self.tearable(*offset, data.len())
+                    {
                         let mut mask = 0u64;
                         for s in 0..sectors.min(64) {
                             if keep(&mut rng) {
@@ -460,6 +488,7 @@ mod tests {
         assert_eq!(blk(&img, 3), &[0; BS][..]);
         assert_eq!(blk(&img, 4), &[4; BS][..]);
         assert_eq!(cl.full_image(6), d.contents());
+        assert_eq!(MemDevice::from_vec(cl.full_image(6)).into_vec(), d.contents());
         // A filtered image may break the rules on purpose: drop a flushed write.
         let img = cl.image_filtered(6, |i, _| i != 0);
         assert_eq!(blk(&img, 1), &[0; BS][..]);
@@ -502,6 +531,14 @@ mod tests {
             }
         }
         assert!(torn_seen);
+        // Writes overlapping an atomic range never tear.
+        let cl = cl.with_atomic(vec![1024..2048]);
+        for seed in 0..100 {
+            assert!(!matches!(
+                cl.fates(&spec(1, seed, 128, true))[0],
+                Fate::Torn(_)
+            ));
+        }
         // Without `torn`, writes are all or nothing.
         for seed in 0..50 {
             let img = cl.image(&spec(1, seed, 128, false));

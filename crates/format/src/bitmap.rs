@@ -38,7 +38,7 @@ pub fn count_zeros(b: &[u8], bits: usize) -> usize {
 pub fn set_padding(b: &mut [u8], from: usize) {
     let total = b.len() * 8;
     let mut n = from;
-    while n < total && n % 8 != 0 {
+    while n < total && !n.is_multiple_of(8) {
         set_bit(b, n);
         n += 1;
     }
@@ -51,7 +51,7 @@ pub fn set_padding(b: &mut [u8], from: usize) {
 pub fn find_zero(b: &[u8], start: usize, end: usize) -> Option<usize> {
     let mut n = start;
     while n < end {
-        if n % 64 == 0 && n + 64 <= end {
+        if n.is_multiple_of(64) && n + 64 <= end {
             let w = u64::from_le_bytes(b[n / 8..n / 8 + 8].try_into().unwrap());
             if w == u64::MAX {
                 n += 64;
@@ -72,7 +72,7 @@ pub fn zero_run(b: &[u8], start: usize, end: usize, max: usize) -> usize {
     let mut n = start;
     let lim = end.min(start.saturating_add(max));
     while n < lim {
-        if n % 64 == 0 && n + 64 <= lim {
+        if n.is_multiple_of(64) && n + 64 <= lim {
             let w = u64::from_le_bytes(b[n / 8..n / 8 + 8].try_into().unwrap());
             if w == 0 {
                 n += 64;

@@ -315,7 +315,7 @@ impl Superblock {
         }
         if self.has_incompat(INCOMPAT_64BIT) {
             let ds = self.desc_size_raw() as u64;
-            if ds < 32 || ds > 1024 || !ds.is_power_of_two() {
+            if !(32..=1024).contains(&ds) || !ds.is_power_of_two() {
                 return bad(format!("s_desc_size {ds} invalid"));
             }
         }
@@ -341,7 +341,7 @@ impl Superblock {
         }
         if self.has_incompat(INCOMPAT_EXTENTS) || self.has_ro_compat(RO_COMPAT_EXTRA_ISIZE) {
             let want = self.want_extra_isize() as u64;
-            if isz > 128 && (want % 4 != 0 || 128 + want > isz) {
+            if isz > 128 && (!want.is_multiple_of(4) || 128 + want > isz) {
                 return bad(format!("s_want_extra_isize {want} invalid"));
             }
         }
@@ -636,7 +636,7 @@ impl Superblock {
         if !self.has_ro_compat(RO_COMPAT_SPARSE_SUPER) || g == 1 {
             return true;
         }
-        if g % 2 == 0 {
+        if g.is_multiple_of(2) {
             return false;
         }
         [3u32, 5, 7].iter().any(|&p| is_power_of(g, p))
@@ -656,7 +656,7 @@ impl Superblock {
 }
 
 fn is_power_of(mut n: u32, p: u32) -> bool {
-    while n > 1 && n % p == 0 {
+    while n > 1 && n.is_multiple_of(p) {
         n /= p;
     }
     n == 1

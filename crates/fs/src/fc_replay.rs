@@ -153,7 +153,10 @@ impl Inner {
             self.journal = Arc::new(Journal::new(dev.clone(), self.bs, self.read_only));
             let r = r?;
             let blocks = overlay.take();
-            if !commitfs_journal::commit_fast_commit_replay(&*dev, map, self.bs, end_tid, &blocks)?
+            if !blocks.is_empty()
+                && !commitfs_journal::commit_fast_commit_replay(
+                    &*dev, map, self.bs, end_tid, &blocks,
+                )?
             {
                 tracing::warn!(
                     "fast-commit replay: {} changed blocks do not fit one transaction; \
@@ -189,8 +192,9 @@ impl Inner {
     pub(crate) fn fc_replay(&mut self, scan: &FcScan) -> Result<FcReplayReport> {
         let saved_pending = std::mem::take(&mut self.pending_free);
         let saved_incompat = self.sb.feature_incompat();
-        // The home superblock keeps needs_recovery while the log is live: without it
-        // the kernel would wipe the log instead of replaying it after a crash.
+        // Should anything write the superblock during replay, the home copy must keep
+        // needs_recovery while the log is live: without it the kernel would wipe the
+        // log instead of replaying it after a crash.
         self.sb
             .set_feature_incompat(saved_incompat | sbf::INCOMPAT_RECOVER);
         let r = self.fc_replay_inner(scan);
@@ -518,8 +522,12 @@ impl Inner {
                 self.write_gd(h, g)?;
             }
         }
+        // The totals are only refreshed in memory: the mount writes the superblock
+        // directly right after journal recovery, and keeping it out of the replay's
+        // transaction means a torn home write of it (two sectors) can never stop
+        // the next mount before recovery.
         self.refresh_super_counts();
-        self.write_super(h)
+        Ok(())
     }
 
     // ---- helpers ------------------------------------------------------------------
@@ -813,16 +821,17 @@ impl BlockDevice for Overlay {
             let (blk, within) = (pos / self.bs, (pos % self.bs) as usize);
             let n = (self.bs as usize - within).min(buf.len() - done);
             let mut map = self.blocks.lock();
-            if !map.contains_key(&blk) {
-                let mut b = vec![0u8; self.bs as usize];
-                if n < self.bs as usize {
-                    self.dev.read_at(blk * self.bs, &mut b, cat)?;
+            let b = match map.entry(blk) {
+                std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::btree_map::Entry::Vacant(e) => {
+                    let mut b = vec![0u8; self.bs as usize];
+                    if n < self.bs as usize {
+                        self.dev.read_at(blk * self.bs, &mut b, cat)?;
+                    }
+                    e.insert(b)
                 }
-                map.insert(blk, b);
-            }
-            if let Some(b) = map.get_mut(&blk) {
-                b[within..within + n].copy_from_slice(&buf[done..done + n]);
-            }
+            };
+            b[within..within + n].copy_from_slice(&buf[done..done + n]);
             done += n;
         }
         Ok(())

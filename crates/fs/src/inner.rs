@@ -291,8 +291,8 @@ impl Inner {
                     .unwrap_or_default()
             );
             self.reload_after_recovery()?;
-            // Fast commits after the JBD2 log (ext4-format.md §9.7): replayed now, on
-            // the write-home journal; see fc_replay.rs for the crash-safety order.
+            // Fast commits after the JBD2 log (ext4-format.md §9.7): replayed now and
+            // committed as one JBD2 transaction; see fc_replay.rs for the order.
             self.replay_fast_commits(&map, &jsb, report.end_tid)?;
         }
         if self.read_only {

@@ -19,10 +19,11 @@ use commitfs_device::{
     BlockDevice, CrashSpec, FileDevice, IoCategory, LogOp, MemDevice, RecordingDevice,
 };
 use commitfs_format::bitmap;
-use commitfs_format::bytes::{le16, put_le16, put_le32};
+use commitfs_format::bytes::{le16, put_be32, put_le16, put_le32};
 use commitfs_format::extent::NodeRef;
 use commitfs_format::fast_commit::{Dentry, FcPacker, FcScan, Tlv};
 use commitfs_format::group_desc::GroupDesc;
+use commitfs_format::jbd2;
 use commitfs_format::superblock::{Superblock, INCOMPAT_RECOVER};
 use commitfs_fs::testutil::{fsck, mkfs, problem_lines, TempImage};
 use commitfs_fs::*;
@@ -774,8 +775,8 @@ fn crash_during_replay_converges(path: &Path) {
     drop(fs);
     let log = rec.crash_log();
     // The journal superblock writes of the mount: recovery marking the log empty,
-    // fast-commit replay re-pointing it, the end of fast-commit recovery, then the
-    // log opened for writing.
+    // fast-commit replay holding it live, the end of fast-commit recovery marking it
+    // empty again, then the log opened for writing.
     let sb_writes: Vec<usize> = log.ops()[..mount_ops]
         .iter()
         .enumerate()
@@ -784,17 +785,29 @@ fn crash_during_replay_converges(path: &Path) {
         .collect();
     assert!(sb_writes.len() >= 3, "{sb_writes:?}");
     // Known window (reported): between `recover` marking the log empty and the
-    // fast-commit replay re-pointing it, a crash loses the fast commits, because
-    // `recover` writes s_start = 0 before returning. Nothing else happens there.
+    // fast-commit replay holding it, a crash loses the fast commits, because
+    // `recover` writes s_start = 0 before returning. Only reads happen there.
     let window = sb_writes[0] + 1..=sb_writes[1];
     assert_eq!(
         window.clone().count(),
         1,
         "only reads between the two writes"
     );
-    // "Replay twice": everything written, the log still live.
-    let twice = sb_writes[2];
-    assert!(matches!(log.ops()[twice - 1], LogOp::Flush));
+    // The replay is committed and written home, the log not yet marked empty:
+    // recovery replays the replay's transaction.
+    let committed = sb_writes[2];
+    assert!(matches!(log.ops()[committed - 1], LogOp::Flush));
+    assert!(
+        log.ops()[sb_writes[1]..committed].iter().any(|op| matches!(
+            op,
+            LogOp::Write {
+                fua: true,
+                cat: IoCategory::Journal,
+                ..
+            }
+        )),
+        "the replay was committed through the log"
+    );
 
     let scratch = path.with_extension("crash.img");
     let _guard = TempImage {
@@ -811,7 +824,7 @@ fn crash_during_replay_converges(path: &Path) {
                 k,
                 seed,
                 keep_256: 128,
-                torn: false,
+                torn: seed == 2,
             };
             let img = log.image(&spec);
             let dev: Arc<dyn BlockDevice> = Arc::new(MemDevice::from_vec(img));
@@ -826,8 +839,8 @@ fn crash_during_replay_converges(path: &Path) {
             );
             fs.unmount().unwrap();
             drop(fs);
-            // e2fsck on a sample (every state at the twice point and flush boundaries).
-            if k == twice || k % 7 == 0 {
+            // e2fsck on a sample of the states.
+            if k == committed || k % 5 == 0 {
                 let mut out = vec![0u8; dev.size() as usize];
                 dev.read_at(0, &mut out, IoCategory::Metadata).unwrap();
                 std::fs::write(&scratch, &out).unwrap();
@@ -857,29 +870,70 @@ fn crash_during_kernel_replay_converges() {
     crash_during_replay_converges(&us.path);
 }
 
-/// Replaying the same records a second time on the replayed image changes nothing:
-/// records state results, not operations (§9.7). The whole journal (live log and
-/// fast-commit area) is put back over the recovered image, as after a crash just
-/// before recovery marks the log empty.
+/// Applying the same fast commits a second time to the replayed image changes
+/// nothing: records state results, not operations (§9.7). The fast-commit area is
+/// put back and the log held at their tid, as after a crash just before the
+/// replay's commit (with a home that already has the result).
 #[test]
 fn replay_twice_is_a_fixed_point() {
     let hb = hand_built(4096, 128, false);
     let base = std::fs::read(&hb.img.path).unwrap();
     let (map, g) = journal_map(&base);
+    let (scan, tid) = scan_fast_commits(&hb.img.path);
+    assert_eq!(scan.commits, 2);
+    let area = {
+        let dev = MemDevice::from_vec(base.clone());
+        let (jsb, _) = commitfs_journal::read_superblock(&dev, &map, g.bs).unwrap();
+        commitfs_journal::fc_area(&jsb).unwrap()
+    };
     let first = commitfs_recover(&hb.img.path);
     assert_eq!(first, hb.expected, "{}", tree_diff(&first, &hb.expected));
     assert_clean(&hb.img.path, "first replay");
-    let mut again = std::fs::read(&hb.img.path).unwrap();
-    for j in 0..map.len() {
-        let p = map.phys(j).unwrap() as usize * g.bs;
-        again[p..p + g.bs].copy_from_slice(&base[p..p + g.bs]);
+
+    let again = MemDevice::from_vec(std::fs::read(&hb.img.path).unwrap());
+    for j in area.first..area.first + area.blocks {
+        let p = map.phys(j).unwrap() * g.bs as u64;
+        let blk = &base[p as usize..p as usize + g.bs];
+        again
+            .write_at(p, blk, IoCategory::FastCommit, false)
+            .unwrap();
     }
-    let mut sb = Superblock::parse(&again[1024..2048]).unwrap();
+    let (jsb, mut raw) = commitfs_journal::read_superblock(&again, &map, g.bs).unwrap();
+    // The replay's own transaction (tid `tid`) may still sit at the log start; as
+    // after a crash before it was written, that block holds something else.
+    let p = map.phys(jsb.first).unwrap() * g.bs as u64;
+    again
+        .write_at(p, &vec![0u8; g.bs], IoCategory::Journal, false)
+        .unwrap();
+    put_be32(&mut raw, jbd2::S_START, jsb.first);
+    put_be32(&mut raw, jbd2::S_SEQUENCE, tid);
+    put_be32(
+        &mut raw,
+        jbd2::S_FEATURE_INCOMPAT,
+        jsb.feature_incompat | jbd2::INCOMPAT_FAST_COMMIT,
+    );
+    let c = jbd2::compute_checksum(&raw);
+    put_be32(&mut raw, jbd2::S_CHECKSUM, c);
+    again
+        .write_at(
+            map.phys(0).unwrap() * g.bs as u64,
+            &raw,
+            IoCategory::Journal,
+            false,
+        )
+        .unwrap();
+    let mut img = again.contents();
+    let mut sb = Superblock::parse(&img[1024..2048]).unwrap();
     sb.set_feature_incompat(sb.feature_incompat() | INCOMPAT_RECOVER);
-    again[1024..2048].copy_from_slice(&sb.to_bytes());
-    std::fs::write(&hb.img.path, &again).unwrap();
-    let (scan, _) = scan_fast_commits(&hb.img.path);
-    assert_eq!(scan.commits, 2, "the fast commits are live again");
+    img[1024..2048].copy_from_slice(&sb.to_bytes());
+    std::fs::write(&hb.img.path, &img).unwrap();
+    let (scan2, tid2) = scan_fast_commits(&hb.img.path);
+    assert_eq!(
+        (scan2.commits, tid2),
+        (2, tid),
+        "the fast commits are live again"
+    );
+
     let second = commitfs_recover(&hb.img.path);
     assert_eq!(second, first, "{}", tree_diff(&second, &first));
     assert_clean(&hb.img.path, "second replay");

@@ -78,6 +78,15 @@ fn host_tree(root: &Path) -> BTreeMap<String, (String, u64, Vec<u8>)> {
     out
 }
 
+/// Tests in this file run in parallel; kernel loop mounts detach asynchronously and
+/// e2fsck then sometimes believes an unrelated image is mounted (it matches loop
+/// devices by inode). Every test that mounts with the kernel holds this lock.
+static KERNEL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn kernel_lock() -> std::sync::MutexGuard<'static, ()> {
+    KERNEL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 struct KernelMount {
     dir: PathBuf,
     img: Option<PathBuf>,
@@ -161,6 +170,7 @@ fn journal_start(img: &Path) -> u64 {
 }
 
 fn crash_then_replay(bs: &str, extra: &[&str]) {
+    let _k = kernel_lock();
     let mut args = vec!["-b", bs];
     args.extend_from_slice(extra);
     let img = mkfs("replay", 64, &args);
@@ -233,6 +243,7 @@ fn replay_4k_upstream_defaults() {
 /// The other direction: a dirty journal written by the kernel (an image copied
 /// while mounted, after sync) is replayed by commitfs with the kernel's result.
 fn kernel_crash_then_replay(bs: &str) {
+    let _k = kernel_lock();
     let img = mkfs("kreplay", 64, &["-b", bs, "-O", "^fast_commit"]);
     let crash = copy_image(&img.path, "crash");
     {
@@ -288,6 +299,7 @@ fn kernel_log_replayed_by_commitfs_4k() {
 /// the kernel both free it at mount; e2fsck is clean either way.
 #[test]
 fn open_unlinked_file_is_freed_after_crash() {
+    let _k = kernel_lock();
     let img = mkfs("orphan", 64, &["-b", "1024"]);
     let fs = Fs::open_path(&img.path, MountOptions::default()).unwrap();
     let before = fs.statfs().unwrap();
@@ -325,6 +337,7 @@ fn open_unlinked_file_is_freed_after_crash() {
 /// one full commit, fsyncs of creates/appends/truncates/unlinks/renames go out as
 /// fast commits; a crash copy mounted by the kernel shows every fsynced change.
 fn fc_crash_kernel_replay(bs: &str) {
+    let _k = kernel_lock();
     let img = mkfs("fcreplay", 64, &["-b", bs, "-O", "fast_commit"]);
     let fs = Fs::open_path(&img.path, MountOptions::default()).unwrap();
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap();
@@ -388,6 +401,7 @@ fn fast_commits_replayed_by_kernel_4k() {
 /// same tree, and e2fsck is clean after either.
 #[test]
 fn kernel_judges_50_commitfs_crash_images() {
+    let _k = kernel_lock();
     let mut images = 0;
     for (bs, feats) in [("1024", "^fast_commit"), ("4096", "fast_commit")] {
         let img = mkfs("judge-a", 48, &["-b", bs, "-O", feats]);
@@ -444,6 +458,7 @@ fn kernel_judges_50_commitfs_crash_images() {
 /// the same result as the kernel's own recovery; e2fsck is clean after both.
 #[test]
 fn commitfs_judges_50_kernel_crash_images() {
+    let _k = kernel_lock();
     let mut images = 0;
     for bs in ["1024", "4096"] {
         let img = mkfs("judge-b", 48, &["-b", bs, "-O", "^fast_commit"]);

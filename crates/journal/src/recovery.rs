@@ -329,9 +329,19 @@ pub fn recover(
             "{bad_tags} journaled blocks failed their checksums; replay incomplete"
         )));
     }
-    // Mark the journal empty only now that every home write is durable.
-    put_be32(&mut raw, jbd2::S_SEQUENCE, end_tid.wrapping_add(1));
-    put_be32(&mut raw, jbd2::S_START, 0);
+    // Only now that every home write is durable may the replayed transactions
+    // leave the log. With live fast commits (FAST_COMMIT on disk) the log must stay
+    // "live" and pointed at the first tid they belong to, or a crash before their
+    // replay completes would lose them: s_start = s_first, s_sequence = end_tid
+    // (the fast-commit replay then finishes and empties the log). Otherwise mark
+    // it empty with the next tid past every one used (§8.11).
+    if jsb.feature_incompat & jbd2::INCOMPAT_FAST_COMMIT != 0 {
+        put_be32(&mut raw, jbd2::S_SEQUENCE, end_tid);
+        put_be32(&mut raw, jbd2::S_START, jsb.first);
+    } else {
+        put_be32(&mut raw, jbd2::S_SEQUENCE, end_tid.wrapping_add(1));
+        put_be32(&mut raw, jbd2::S_START, 0);
+    }
     if jsb.has_csum_v2or3() {
         let c = jbd2::compute_checksum(&raw);
         put_be32(&mut raw, jbd2::S_CHECKSUM, c);
