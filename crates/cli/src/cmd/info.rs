@@ -64,6 +64,12 @@ pub struct JournalInfo {
     /// Fast-commit blocks in effect (0 without fast commits).
     pub fast_commit_blocks: u32,
     pub checksum_type: u8,
+    /// Committed transactions in the live log (what a recovery would replay), with
+    /// their tid range, from a scan of the log (no replay).
+    pub live_transactions: Option<u32>,
+    pub live_tids: Option<(u32, u32)>,
+    /// Why a scan of the live log stopped early (damaged transaction), if it did.
+    pub log_damage: Option<String>,
 }
 
 fn format_uuid(u: &[u8; 16]) -> String {
@@ -119,6 +125,21 @@ pub fn inspect(path: &Path) -> Result<ImageInfo> {
     } else {
         None
     };
+    let mut journal = journal;
+    if let Some(j) = journal.as_mut().filter(|j| j.s_start != 0) {
+        // Count the transactions a recovery would replay (read-only scan).
+        let dev: commitfs_device::DeviceRef =
+            std::sync::Arc::new(commitfs_device::FileDevice::open(path, true)?);
+        match commitfs_fs::Fs::inspect_journal(dev) {
+            Ok(Some((_, report, _))) => {
+                j.live_transactions = Some(report.transactions);
+                j.live_tids = Some((report.start_tid, report.end_tid));
+                j.log_damage = report.stopped_at;
+            }
+            Ok(None) => {}
+            Err(e) => j.log_damage = Some(format!("scan failed: {e}")),
+        }
+    }
     let needs_recovery =
         sb.has_incompat(sbf::INCOMPAT_RECOVER) || journal.as_ref().is_some_and(|j| j.s_start != 0);
     Ok(ImageInfo {
@@ -269,6 +290,9 @@ fn journal_info(f: &File, sb: &Superblock) -> Result<JournalInfo> {
         s_num_fc_blks: j.num_fc_blks,
         fast_commit_blocks: j.fc_blocks(sb.has_compat(sbf::COMPAT_FAST_COMMIT)),
         checksum_type: j.checksum_type,
+        live_transactions: None,
+        live_tids: None,
+        log_damage: None,
     })
 }
 
@@ -334,11 +358,20 @@ pub fn render(i: &ImageInfo) -> String {
                 j.s_sequence,
                 j.s_start,
                 if j.s_start == 0 {
-                    " (empty)"
+                    " (empty)".to_string()
                 } else {
-                    " (live transactions)"
+                    match (j.live_transactions, j.live_tids) {
+                        (Some(n), Some((a, b))) => format!(
+                            " ({n} committed transactions to replay: tids {a}..{})",
+                            b.wrapping_sub(1)
+                        ),
+                        _ => " (live transactions)".to_string(),
+                    }
                 }
             );
+            if let Some(d) = &j.log_damage {
+                let _ = writeln!(s, "  log damage:     {d}");
+            }
             let names = if j.feature_names.is_empty() {
                 "(none)".to_string()
             } else {
