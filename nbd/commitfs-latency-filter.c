@@ -23,6 +23,8 @@
  * benchmark reads them while the device runs: they are the device's own counts,
  * never the file system's. With trace=N the file also holds a ring of the last N
  * requests (time, op, offset, length) for classifying writes by disk region.
+ * The model in force is read from the same file at every request, so a client
+ * may change it while the device runs (the tests do).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -89,6 +91,8 @@ static uint64_t bucket_ns;           /* the device's time line */
 static pthread_mutex_t flush_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic uint64_t dirty_bytes; /* written since the last flush */
 static __thread int slack_set;
+
+#define MODEL(f) __atomic_load_n (&sh->f, __ATOMIC_RELAXED)
 
 static uint64_t
 now_ns (void)
@@ -231,23 +235,24 @@ trace (uint8_t op, uint64_t offset, uint32_t count, uint8_t flags)
 /* Reserve this request's slot on the device's time line (IOPS and bandwidth
  * caps) and return when it may complete: slot end + fixed latency. */
 static uint64_t
-throttle (uint64_t t0, uint64_t bytes, int64_t lat_us)
+throttle (uint64_t t0, uint64_t bytes, uint64_t lat_us)
 {
-  uint64_t cost = 0, start;
-  if (cfg.iops > 0) cost += 1000000000ULL / (uint64_t) cfg.iops;
-  if (cfg.bw_mbps > 0) cost += bytes * 1000ULL / (uint64_t) cfg.bw_mbps; /* ns */
-  if (cost == 0) return t0 + (uint64_t) lat_us * 1000;
+  uint64_t cost = 0, start, iops = MODEL (iops), bw = MODEL (bw_bps);
+  if (iops > 0) cost += 1000000000ULL / iops;
+  if (bw > 0) cost += bytes * 1000000000ULL / bw; /* ns */
+  if (cost == 0) return t0 + lat_us * 1000;
   pthread_mutex_lock (&bucket_lock);
   start = bucket_ns > t0 ? bucket_ns : t0;
   bucket_ns = start + cost;
   pthread_mutex_unlock (&bucket_lock);
-  return start + cost + (uint64_t) lat_us * 1000;
+  return start + cost + lat_us * 1000;
 }
 
 static uint64_t
 destage_ns (uint64_t bytes)
 {
-  return cfg.destage_mbps > 0 ? bytes * 1000ULL / (uint64_t) cfg.destage_mbps : 0;
+  uint64_t d = MODEL (destage_bps);
+  return d > 0 ? bytes * 1000000000ULL / d : 0;
 }
 
 static void
@@ -268,7 +273,7 @@ latency_pread (nbdkit_next *next, void *handle, void *buf, uint32_t count,
   atomic_fetch_add (&sh->reads, 1);
   atomic_fetch_add (&sh->read_bytes, count);
   trace (OP_READ, offset, count, 0);
-  finish (t0, throttle (t0, count, cfg.lat_read));
+  finish (t0, throttle (t0, count, MODEL (lat_read_us)));
   return r;
 }
 
@@ -283,10 +288,10 @@ latency_pwrite (nbdkit_next *next, void *handle, const void *buf,
   atomic_fetch_add (&sh->writes, 1);
   atomic_fetch_add (&sh->write_bytes, count);
   trace (OP_WRITE, offset, count, fua ? TF_FUA : 0);
-  deadline = throttle (t0, count, cfg.lat_write);
+  deadline = throttle (t0, count, MODEL (lat_write_us));
   if (fua) {
     atomic_fetch_add (&sh->fua_writes, 1);
-    deadline += (uint64_t) cfg.lat_fua * 1000 + destage_ns (count);
+    deadline += MODEL (lat_fua_us) * 1000 + destage_ns (count);
   } else
     atomic_fetch_add (&dirty_bytes, count);
   finish (t0, deadline);
@@ -306,7 +311,7 @@ latency_flush (nbdkit_next *next, void *handle, uint32_t flags, int *err)
     dirty = atomic_exchange (&dirty_bytes, 0);
     atomic_fetch_add (&sh->flushes, 1);
     trace (OP_FLUSH, 0, 0, 0);
-    finish (start, start + (uint64_t) cfg.lat_flush * 1000 + destage_ns (dirty));
+    finish (start, start + MODEL (lat_flush_us) * 1000 + destage_ns (dirty));
   }
   pthread_mutex_unlock (&flush_lock);
   atomic_fetch_add (&sh->flush_ns, now_ns () - t0);
@@ -323,7 +328,7 @@ latency_trim (nbdkit_next *next, void *handle, uint32_t count, uint64_t offset,
   atomic_fetch_add (&sh->trims, 1);
   atomic_fetch_add (&sh->trim_bytes, count);
   trace (OP_TRIM, offset, count, 0);
-  finish (t0, throttle (t0, 0, cfg.lat_write));
+  finish (t0, throttle (t0, 0, MODEL (lat_write_us)));
   return r;
 }
 
@@ -337,7 +342,7 @@ latency_zero (nbdkit_next *next, void *handle, uint32_t count, uint64_t offset,
   atomic_fetch_add (&sh->zeroes, 1);
   atomic_fetch_add (&sh->zero_bytes, count);
   trace (OP_ZERO, offset, count, (flags & NBDKIT_FLAG_FUA) ? TF_FUA : 0);
-  finish (t0, throttle (t0, count, cfg.lat_write));
+  finish (t0, throttle (t0, count, MODEL (lat_write_us)));
   return r;
 }
 

@@ -44,18 +44,30 @@ fn lib_copy_tree(fs: &Fs, src: &Path, dst: Ino) -> std::io::Result<u64> {
             let md = std::fs::symlink_metadata(de.path())?;
             use std::os::unix::fs::MetadataExt;
             let perm = (md.mode() & 0o7777) as u16;
-            let lib_err = |e: commitfs_fs::FsError| std::io::Error::other(format!("{}: {e}", de.path().display()));
+            let lib_err = |e: commitfs_fs::FsError| {
+                std::io::Error::other(format!("{}: {e}", de.path().display()))
+            };
             let child = if md.is_dir() {
-                let a = fs.mkdir(ino, name.as_bytes(), perm, md.uid(), md.gid()).map_err(lib_err)?;
+                let a = fs
+                    .mkdir(ino, name.as_bytes(), perm, md.uid(), md.gid())
+                    .map_err(lib_err)?;
                 stack.push((de.path(), a.ino));
                 a.ino
             } else if md.file_type().is_symlink() {
                 let t = std::fs::read_link(de.path())?;
-                fs.symlink(ino, name.as_bytes(), t.as_os_str().as_bytes(), md.uid(), md.gid())
-                    .map_err(lib_err)?
-                    .ino
+                fs.symlink(
+                    ino,
+                    name.as_bytes(),
+                    t.as_os_str().as_bytes(),
+                    md.uid(),
+                    md.gid(),
+                )
+                .map_err(lib_err)?
+                .ino
             } else if md.is_file() {
-                let a = fs.create(ino, name.as_bytes(), perm, md.uid(), md.gid()).map_err(lib_err)?;
+                let a = fs
+                    .create(ino, name.as_bytes(), perm, md.uid(), md.gid())
+                    .map_err(lib_err)?;
                 let f = std::fs::File::open(de.path())?;
                 use std::os::unix::fs::FileExt;
                 let mut off = 0u64;
@@ -66,7 +78,9 @@ fn lib_copy_tree(fs: &Fs, src: &Path, dst: Ino) -> std::io::Result<u64> {
                     }
                     let mut done = 0;
                     while done < r {
-                        done += fs.write(a.ino, off + done as u64, &buf[done..r]).map_err(lib_err)?;
+                        done += fs
+                            .write(a.ino, off + done as u64, &buf[done..r])
+                            .map_err(lib_err)?;
                     }
                     off += r as u64;
                 }
@@ -95,7 +109,8 @@ fn bench_lib(image: &Path, files: usize, src: &Path) -> Times {
     let t = Instant::now();
     let d = fs.mkdir(ROOT_INO, b"many", 0o755, 0, 0).expect("mkdir").ino;
     for i in 0..files {
-        fs.create(d, format!("f{i:06}").as_bytes(), 0o644, 0, 0).expect("create");
+        fs.create(d, format!("f{i:06}").as_bytes(), 0o644, 0, 0)
+            .expect("create");
     }
     let create = t.elapsed();
     fs.sync().expect("sync");
@@ -154,13 +169,21 @@ fn main() {
             }
         }
     }
-    let bin = std::env::var_os("COMMITFS_BIN").map(PathBuf::from).unwrap_or_else(|| {
-        let exe = std::env::current_exe().expect("current exe");
-        exe.parent().and_then(|p| p.parent()).expect("target dir").join("commitfs")
-    });
+    let bin = std::env::var_os("COMMITFS_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let exe = std::env::current_exe().expect("current exe");
+            exe.parent()
+                .and_then(|p| p.parent())
+                .expect("target dir")
+                .join("commitfs")
+        });
     umask0();
     let fresh = mkfs("bench", 2048, &["-b", "4096"]);
-    println!("image: 2 GiB, 4 KiB blocks; {files} files in one directory; source tree {}", src.display());
+    println!(
+        "image: 2 GiB, 4 KiB blocks; {files} files in one directory; source tree {}",
+        src.display()
+    );
 
     let li = copy_sparse(&fresh.path, "bench-lib");
     let lib = bench_lib(&li.path, files, &src);
@@ -198,7 +221,10 @@ fn main() {
     drop(km);
     drop(ki);
 
-    println!("{:<28} {:>10} {:>10} {:>10}", "seconds", "library", "FUSE", "kernel");
+    println!(
+        "{:<28} {:>10} {:>10} {:>10}",
+        "seconds", "library", "FUSE", "kernel"
+    );
     let row = |name: &str, f: fn(&Times) -> Duration| {
         println!(
             "{:<28} {:>10.3} {:>10.3} {:>10.3}   lib/kernel {:>6.2}x  FUSE/kernel {:>6.2}x",

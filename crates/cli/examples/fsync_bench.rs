@@ -61,7 +61,7 @@ fn posix_workload(dir: &Path, n: usize) -> f64 {
     for i in 0..n {
         let mut f = std::fs::OpenOptions::new()
             .create(true)
-            .write(true)
+            
             .append(true)
             .mode(0o644)
             .open(dir.join(format!("f{i}")))

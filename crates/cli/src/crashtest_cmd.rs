@@ -21,6 +21,10 @@ pub struct CrashtestArgs {
     /// Also tear unflushed writes into 512-byte sectors.
     #[arg(long)]
     pub torn: bool,
+    /// With --torn, let the 1 KiB primary superblock tear too (its checksum is in
+    /// its last sector: ext4 cannot survive that without e2fsck).
+    #[arg(long)]
+    pub torn_superblock: bool,
     /// Save each failing crash image (before recovery) and a description here.
     #[arg(long, value_name = "DIR")]
     pub save_failures: Option<PathBuf>,
@@ -50,6 +54,7 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
         save_failures: a.save_failures,
         block_size: a.block_size,
         workers: a.jobs,
+        torn_superblock: a.torn_superblock,
     };
     let summary = commitfs_crashtest::run(&cfg).map_err(anyhow::Error::msg)?;
     for f in summary.failures.iter().take(10) {

@@ -3,9 +3,14 @@
 //! A seeded random sequence of file-system operations is applied, one by one, to
 //! kernel ext4 (loop mount of a fresh image) and to commitfs (through the library
 //! on an identical copy, or through the FUSE mount of another copy). Every
-//! operation's result must agree (same value or same errno); at the end the trees
-//! are compared field by field, both images must pass `e2fsck -fn`, commitfs's image
-//! must read back identically after a remount (library and kernel).
+//! operation's result must agree (same value or same errno); every 250 operations
+//! the trees' metadata are compared, at the end the whole trees field by field
+//! (names, types, modes, owners, sizes, content hashes, link structure, symlink
+//! targets, xattrs, rdev; mtime/atime either the same explicitly set value or both
+//! "recent", ctime/crtime recent); both images must pass `e2fsck -fn`, and
+//! commitfs's image must read back identically after a remount (library and
+//! kernel, every time exact). Kernels are mounted `noatime` so atimes are
+//! deterministic. Inode numbers may differ: everything is compared by path.
 //!
 //! The kernel side is the reference: the generator picks its next operation from
 //! the kernel's current tree. Environment:
@@ -32,6 +37,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 const GIB4: u64 = 1 << 32;
+/// Operations between two whole-tree metadata comparisons.
+const CHECKPOINT_EVERY: usize = 250;
 const IMAGE_MIB: u64 = 256;
 
 // ---------------------------------------------------------------- operations
@@ -236,14 +243,14 @@ fn same(a: &Res, b: &Res) -> bool {
 /// seeds giving mostly-zero data (so zero runs inside written blocks are covered).
 fn gen_data(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed | 1;
-    let sparse = seed % 5 == 0;
+    let sparse = seed.is_multiple_of(5);
     let mut v = Vec::with_capacity(len);
     while v.len() < len {
         x ^= x >> 12;
         x ^= x << 25;
         x ^= x >> 27;
         let w = x.wrapping_mul(0x2545_F491_4F6C_DD1D);
-        let bytes = if sparse && w % 17 != 0 {
+        let bytes = if sparse && !w.is_multiple_of(17) {
             [0u8; 8]
         } else {
             w.to_le_bytes()
@@ -278,6 +285,8 @@ trait Target {
     fn apply(&mut self, op: &Op) -> Res;
     /// Close every handle still open.
     fn close_all(&mut self) -> Result<(), String>;
+    /// The tree as this target shows it (for checkpoints during the sequence).
+    fn snapshot(&self, opts: SnapOpts) -> Snapshot;
 }
 
 // ---------------------------------------------------------------- POSIX target
@@ -582,6 +591,10 @@ impl Target for PosixTarget {
         self.handles.clear();
         Ok(())
     }
+
+    fn snapshot(&self, opts: SnapOpts) -> Snapshot {
+        snapshot_posix(&self.root, opts)
+    }
 }
 
 // ---------------------------------------------------------------- library target
@@ -875,6 +888,10 @@ impl Target for LibTarget {
                 .map_err(|e| format!("release({ino}): {e}"))?;
         }
         Ok(())
+    }
+
+    fn snapshot(&self, opts: SnapOpts) -> Snapshot {
+        snapshot_lib(&self.fs, opts)
     }
 }
 
@@ -1271,7 +1288,9 @@ impl Gen {
                 // At most two files above 4 GiB (reading them back costs time):
                 // once there are two, writes beyond 4 GiB go to one of them.
                 if huge >= 2 && f.size <= GIB4 && self.rng.gen_range(0..12) == 8 {
-                    f = self.pick(t, |i| i.kind == Kind::File && i.size > GIB4)?.clone();
+                    f = self
+                        .pick(t, |i| i.kind == Kind::File && i.size > GIB4)?
+                        .clone();
                 }
                 let s = f.size;
                 let huge_ok = f.size > GIB4 || huge < 2;
@@ -1496,7 +1515,8 @@ impl Gen {
                 if self.open.len() < 4 && r < 3 {
                     let f = if r == 0 {
                         // A file with one link, so the unlink really orphans it.
-                        self.pick(t, |i| i.kind == Kind::File && i.nlink == 1)?.clone()
+                        self.pick(t, |i| i.kind == Kind::File && i.nlink == 1)?
+                            .clone()
                     } else {
                         self.file(t)?
                     };
@@ -1534,7 +1554,11 @@ impl Gen {
                     5..=7 => {
                         let off = self.rng.gen_range(0..(1u64 << 20));
                         let len = self.len();
-                        let tag = if orphan { "read_unlinked_handle" } else { "read_handle" };
+                        let tag = if orphan {
+                            "read_unlinked_handle"
+                        } else {
+                            "read_handle"
+                        };
                         g(Op::ReadH { h, off, len }, "handle", vec![tag])
                     }
                     _ => {
@@ -1544,7 +1568,11 @@ impl Gen {
                         g(
                             Op::WriteH { h, off, len, seed },
                             "handle",
-                            vec![if orphan { "write_unlinked_handle" } else { "write_handle" }],
+                            vec![if orphan {
+                                "write_unlinked_handle"
+                            } else {
+                                "write_handle"
+                            }],
                         )
                     }
                 }
@@ -1628,6 +1656,7 @@ fn run_sequence(
     kroot: &Path,
     other: &mut dyn Target,
     other_name: &str,
+    t0: i64,
 ) -> Mismatches {
     let mut kernel = PosixTarget {
         root: kroot.to_path_buf(),
@@ -1735,6 +1764,39 @@ fn run_sequence(
         {
             tree = scan(kroot);
         }
+        // Checkpoint: metadata of the whole tree (no file contents, cheap), so a
+        // divergence that no result shows is caught near where it happened.
+        if (i + 1) % CHECKPOINT_EVERY == 0 {
+            let o = SnapOpts {
+                content: false,
+                xattrs: true,
+            };
+            let d = compare(
+                &kernel.snapshot(o),
+                "kernel",
+                &other.snapshot(o),
+                other_name,
+                recent(t0),
+            );
+            if !d.is_empty() {
+                let m = format!(
+                    "[{}] seed {seed}: trees differ after op #{i} (first difference since op #{}):\n  {}",
+                    case.name,
+                    i + 1 - CHECKPOINT_EVERY,
+                    d.iter().take(20).cloned().collect::<Vec<_>>().join("\n  ")
+                );
+                if !keep_going {
+                    panic!(
+                        "{m}\nrecent ops:\n  {}\nrepro: {repro}",
+                        history.join("\n  ")
+                    );
+                }
+                eprintln!("{m}");
+                if !mismatches.iter().any(|x| x.contains("trees differ after")) {
+                    mismatches.push(m);
+                }
+            }
+        }
     }
     kernel.close_all().expect("close kernel handles");
     other
@@ -1824,7 +1886,7 @@ fn lib_case(case: &Case) {
         fs,
         handles: HashMap::new(),
     };
-    let _m = run_sequence(case, seed, nops, bs, km.path(), &mut lib, "commitfs");
+    let _m = run_sequence(case, seed, nops, bs, km.path(), &mut lib, "commitfs", t0);
 
     let ctx = format!("[{}] seed {seed}", case.name);
     let ks = snapshot_posix(km.path(), SnapOpts::default());
@@ -1894,7 +1956,7 @@ fn fuse_case(case: &Case) {
         root: fm.path().to_path_buf(),
         handles: HashMap::new(),
     };
-    let _m = run_sequence(case, seed, nops, bs, km.path(), &mut fuse, "fuse");
+    let _m = run_sequence(case, seed, nops, bs, km.path(), &mut fuse, "fuse", t0);
 
     let ks = snapshot_posix(km.path(), SnapOpts::default());
     let fs_snap = snapshot_posix(fm.path(), SnapOpts::default());
@@ -1956,7 +2018,16 @@ fn harness_kernel_vs_kernel() {
         root: kb.path().to_path_buf(),
         handles: HashMap::new(),
     };
-    let _m = run_sequence(&case, seed, nops, 1024, ka.path(), &mut other, "kernel-2");
+    let _m = run_sequence(
+        &case,
+        seed,
+        nops,
+        1024,
+        ka.path(),
+        &mut other,
+        "kernel-2",
+        t0,
+    );
     let sa = snapshot_posix(ka.path(), SnapOpts::default());
     let sb = snapshot_posix(kb.path(), SnapOpts::default());
     assert_same(&sa, "kernel-1", &sb, "kernel-2", recent(t0), "harness");

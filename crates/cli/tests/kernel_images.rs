@@ -48,8 +48,22 @@ fn set_xattr(p: &Path, name: &str, value: &[u8]) {
     let c = cpath(p);
     let n = CString::new(name).unwrap();
     // SAFETY: valid NUL-terminated strings and a buffer of the given length.
-    let r = unsafe { libc::lsetxattr(c.as_ptr(), n.as_ptr(), value.as_ptr() as *const libc::c_void, value.len(), 0) };
-    assert_eq!(r, 0, "lsetxattr {} {name}: {}", p.display(), std::io::Error::last_os_error());
+    let r = unsafe {
+        libc::lsetxattr(
+            c.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr() as *const libc::c_void,
+            value.len(),
+            0,
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "lsetxattr {} {name}: {}",
+        p.display(),
+        std::io::Error::last_os_error()
+    );
 }
 
 fn set_times(p: &Path, atime: (i64, i64), mtime: (i64, i64)) {
@@ -65,13 +79,30 @@ fn set_times(p: &Path, atime: (i64, i64), mtime: (i64, i64)) {
         },
     ];
     // SAFETY: valid path and a two-element timespec array.
-    let r = unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), ts.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) };
-    assert_eq!(r, 0, "utimensat {}: {}", p.display(), std::io::Error::last_os_error());
+    let r = unsafe {
+        libc::utimensat(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            ts.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "utimensat {}: {}",
+        p.display(),
+        std::io::Error::last_os_error()
+    );
 }
 
 /// Extent tree depth of a file as debugfs reports it (`ex` prints "level/depth").
 fn extent_depth(image: &Path, path: &str) -> u32 {
-    let out = run(Command::new("debugfs").arg("-R").arg(format!("ex {path}")).arg(image)).expect("debugfs ex");
+    let out = run(Command::new("debugfs")
+        .arg("-R")
+        .arg(format!("ex {path}"))
+        .arg(image))
+    .expect("debugfs ex");
     out.lines()
         .filter_map(|l| {
             let l = l.trim_start();
@@ -87,7 +118,13 @@ fn has_index_flag(p: &Path) -> bool {
     let f = std::fs::File::open(p).expect("open dir");
     let mut flags: libc::c_long = 0;
     // SAFETY: FS_IOC_GETFLAGS writes one long into `flags`.
-    let r = unsafe { libc::ioctl(std::os::unix::io::AsRawFd::as_raw_fd(&f), 0x8008_6601, &mut flags) };
+    let r = unsafe {
+        libc::ioctl(
+            std::os::unix::io::AsRawFd::as_raw_fd(&f),
+            0x8008_6601,
+            &mut flags,
+        )
+    };
     assert_eq!(r, 0, "FS_IOC_GETFLAGS: {}", std::io::Error::last_os_error());
     flags & 0x1000 != 0
 }
@@ -132,7 +169,10 @@ fn build_with_kernel(root: &Path, bs: usize) -> Deep {
     //    4 leaves' worth.
     let per_leaf = (bs - 12) / 12;
     let nblocks = (4 * per_leaf + 200) as u64;
-    let mut deep = Deep { bs, content: vec![] };
+    let mut deep = Deep {
+        bs,
+        content: vec![],
+    };
     {
         let f = std::fs::File::create(r("deep")).unwrap();
         for k in 0..nblocks {
@@ -158,7 +198,10 @@ fn build_with_kernel(root: &Path, bs: usize) -> Deep {
         // SAFETY: plain fallocate calls on an open file.
         unsafe {
             assert_eq!(libc::fallocate(fd, 0, 20_000, 300_000), 0);
-            assert_eq!(libc::fallocate(fd, libc::FALLOC_FL_KEEP_SIZE, 400_000, 500_000), 0);
+            assert_eq!(
+                libc::fallocate(fd, libc::FALLOC_FL_KEEP_SIZE, 400_000, 500_000),
+                0
+            );
         }
         g.write_all_at(b"inside-unwritten", 100_000).unwrap();
         std::fs::File::create(r("empty")).unwrap();
@@ -168,14 +211,21 @@ fn build_with_kernel(root: &Path, bs: usize) -> Deep {
     {
         let f = std::fs::File::create(r("huge")).unwrap();
         f.write_all_at(b"start", 0).unwrap();
-        f.write_all_at(&block_pattern(4, 0, 5000), 4 * GIB - 2000).unwrap();
+        f.write_all_at(&block_pattern(4, 0, 5000), 4 * GIB - 2000)
+            .unwrap();
         f.write_all_at(b"five gib", 5 * GIB).unwrap();
         f.set_len(6 * GIB + 123).unwrap();
     }
 
     // 5. Symlinks: fast, exactly at the boundary, slow, and as long as allowed.
     std::fs::create_dir(r("links")).unwrap();
-    for (name, len) in [("short", 10usize), ("fifty_nine", 59), ("sixty", 60), ("long", 300), ("max", bs - 1)] {
+    for (name, len) in [
+        ("short", 10usize),
+        ("fifty_nine", 59),
+        ("sixty", 60),
+        ("long", 300),
+        ("max", bs - 1),
+    ] {
         let t: String = (0..len).map(|i| (b'a' + (i % 26) as u8) as char).collect();
         std::os::unix::fs::symlink(t, r("links").join(name)).unwrap();
     }
@@ -189,7 +239,7 @@ fn build_with_kernel(root: &Path, bs: usize) -> Deep {
         if i < 4 {
             // Identical sets: the kernel shares one xattr block among f0..f3.
             set_xattr(&p, "user.big", &vec![b'B'; bs / 3]);
-            set_xattr(&p, "trusted.shared", &vec![b'S'; 100]);
+            set_xattr(&p, "trusted.shared", &[b'S'; 100]);
         } else {
             set_xattr(&p, "user.big", &vec![b'0' + i as u8; bs / 2]);
         }
@@ -202,7 +252,11 @@ fn build_with_kernel(root: &Path, bs: usize) -> Deep {
     let mk = |name: &str, mode: u32, dev: libc::dev_t| {
         let c = cpath(&r("special").join(name));
         // SAFETY: valid path.
-        assert_eq!(unsafe { libc::mknod(c.as_ptr(), mode, dev) }, 0, "mknod {name}");
+        assert_eq!(
+            unsafe { libc::mknod(c.as_ptr(), mode, dev) },
+            0,
+            "mknod {name}"
+        );
     };
     mk("fifo", libc::S_IFIFO | 0o640, 0);
     mk("sock", libc::S_IFSOCK | 0o600, 0);
@@ -215,7 +269,11 @@ fn build_with_kernel(root: &Path, bs: usize) -> Deep {
         assert_eq!(libc::chmod(cs.as_ptr(), 0o4755), 0);
         assert_eq!(libc::lchown(cs.as_ptr(), 100_000, 4_000_000_000), 0);
     }
-    set_times(&r("special/suid"), (-1_000_000, 123), (3_000_000_000, 999_999_999));
+    set_times(
+        &r("special/suid"),
+        (-1_000_000, 123),
+        (3_000_000_000, 999_999_999),
+    );
     set_times(&r("special/fifo"), (12345, 0), (-5, 500_000_000));
     set_times(&r("links/long"), (1, 1), (2, 2));
     std::fs::hard_link(r("xa/f5"), r("special/link_to_f5")).unwrap();
@@ -225,7 +283,11 @@ fn build_with_kernel(root: &Path, bs: usize) -> Deep {
 /// Expected-state checks after commitfs's modifications.
 fn check_expectations(s: &Snapshot, added: &[String], removed: &[String], deep: &Deep, ctx: &str) {
     let mut errs = vec![];
-    let big: Vec<&String> = s.entries.keys().filter(|p| p.starts_with("/big/")).collect();
+    let big: Vec<&String> = s
+        .entries
+        .keys()
+        .filter(|p| p.starts_with("/big/"))
+        .collect();
     for a in added {
         if !s.entries.contains_key(a) {
             errs.push(format!("added {a} missing"));
@@ -244,7 +306,11 @@ fn check_expectations(s: &Snapshot, added: &[String], removed: &[String], deep: 
     match s.entries.get("/deep") {
         Some(e) => {
             if e.size != deep.content.len() as u64 {
-                errs.push(format!("/deep size {} expected {}", e.size, deep.content.len()));
+                errs.push(format!(
+                    "/deep size {} expected {}",
+                    e.size,
+                    deep.content.len()
+                ));
             }
             if e.content != Some(content_hash_of(&deep.content)) {
                 errs.push("/deep content differs from the expected bytes".into());
@@ -254,7 +320,10 @@ fn check_expectations(s: &Snapshot, added: &[String], removed: &[String], deep: 
     }
     let want_x: &[(&str, &[&str])] = &[
         ("/xa/f0", &["trusted.shared", "user.big", "user.small"]),
-        ("/xa/f1", &["trusted.shared", "user.big", "user.new", "user.small"]),
+        (
+            "/xa/f1",
+            &["trusted.shared", "user.big", "user.new", "user.small"],
+        ),
         ("/xa/f2", &[]),
         ("/xa/f3", &["trusted.shared", "user.big", "user.small"]),
         ("/xa/f4", &["user.small"]),
@@ -263,7 +332,11 @@ fn check_expectations(s: &Snapshot, added: &[String], removed: &[String], deep: 
     for (p, names) in want_x {
         match s.entries.get(*p) {
             Some(e) => {
-                let have: Vec<String> = e.xattrs.keys().map(|k| String::from_utf8_lossy(k).into_owned()).collect();
+                let have: Vec<String> = e
+                    .xattrs
+                    .keys()
+                    .map(|k| String::from_utf8_lossy(k).into_owned())
+                    .collect();
                 if have != *names {
                     errs.push(format!("{p}: xattrs {have:?}, expected {names:?}"));
                 }
@@ -281,7 +354,11 @@ fn check_expectations(s: &Snapshot, added: &[String], removed: &[String], deep: 
             errs.push(format!("/huge size {}", e.size));
         }
     }
-    assert!(errs.is_empty(), "{ctx}: commitfs's changes are not what was asked:\n  {}", errs.join("\n  "));
+    assert!(
+        errs.is_empty(),
+        "{ctx}: commitfs's changes are not what was asked:\n  {}",
+        errs.join("\n  ")
+    );
 }
 
 struct Lib<'a> {
@@ -290,7 +367,9 @@ struct Lib<'a> {
 
 impl Lib<'_> {
     fn ino(&self, p: &str) -> Ino {
-        self.fs.resolve(p).unwrap_or_else(|e| panic!("resolve {p}: {e}"))
+        self.fs
+            .resolve(p)
+            .unwrap_or_else(|e| panic!("resolve {p}: {e}"))
     }
     fn write(&self, p: &str, off: u64, data: &[u8]) {
         let ino = self.ino(p);
@@ -319,14 +398,16 @@ fn modify_with_commitfs(fs: &Fs, deep: &mut Deep) -> (Vec<String>, Vec<String>) 
         let p = format!("/big/{name}");
         match i % 100 {
             7 => {
-                fs.mkdir(big, name.as_bytes(), 0o755, 0, 0).unwrap_or_else(|e| panic!("mkdir {p}: {e}"));
+                fs.mkdir(big, name.as_bytes(), 0o755, 0, 0)
+                    .unwrap_or_else(|e| panic!("mkdir {p}: {e}"));
             }
             8 => {
                 fs.symlink(big, name.as_bytes(), "x".repeat(100).as_bytes(), 0, 0)
                     .unwrap_or_else(|e| panic!("symlink {p}: {e}"));
             }
             _ => {
-                fs.create(big, name.as_bytes(), 0o644, 1000, 1000).unwrap_or_else(|e| panic!("create {p}: {e}"));
+                fs.create(big, name.as_bytes(), 0o644, 1000, 1000)
+                    .unwrap_or_else(|e| panic!("create {p}: {e}"));
             }
         }
         added.push(p);
@@ -337,33 +418,49 @@ fn modify_with_commitfs(fs: &Fs, deep: &mut Deep) -> (Vec<String>, Vec<String>) 
         let p = format!("/big/{name}");
         if i % 500 == 0 {
             if i % 1000 == 0 {
-                fs.rmdir(big, name.as_bytes()).unwrap_or_else(|e| panic!("rmdir {p}: {e}"));
+                fs.rmdir(big, name.as_bytes())
+                    .unwrap_or_else(|e| panic!("rmdir {p}: {e}"));
                 removed.push(p);
             }
             continue;
         }
-        fs.unlink(big, name.as_bytes()).unwrap_or_else(|e| panic!("unlink {p}: {e}"));
+        fs.unlink(big, name.as_bytes())
+            .unwrap_or_else(|e| panic!("unlink {p}: {e}"));
         removed.push(p);
     }
     for i in (0..1000usize).step_by(5) {
         let p = added[i].clone();
         let name = p.trim_start_matches("/big/");
         if i % 100 == 7 {
-            fs.rmdir(big, name.as_bytes()).unwrap_or_else(|e| panic!("rmdir {p}: {e}"));
+            fs.rmdir(big, name.as_bytes())
+                .unwrap_or_else(|e| panic!("rmdir {p}: {e}"));
         } else {
-            fs.unlink(big, name.as_bytes()).unwrap_or_else(|e| panic!("unlink {p}: {e}"));
+            fs.unlink(big, name.as_bytes())
+                .unwrap_or_else(|e| panic!("unlink {p}: {e}"));
         }
         removed.push(p.clone());
     }
     added.retain(|p| !removed.contains(p));
-    let removed_orig: Vec<String> = removed.iter().filter(|p| !p.starts_with("/big/added_")).cloned().collect();
+    let removed_orig: Vec<String> = removed
+        .iter()
+        .filter(|p| !p.starts_with("/big/added_"))
+        .cloned()
+        .collect();
     // A rename inside the big directory and one out of it.
     let a = big_name(2);
     let b = "renamed_inside";
-    fs.rename(big, a.as_bytes(), big, b.as_bytes(), RenameFlags::default()).expect("rename in /big");
+    fs.rename(big, a.as_bytes(), big, b.as_bytes(), RenameFlags::default())
+        .expect("rename in /big");
     let root = l.ino("/");
     let c = big_name(3);
-    fs.rename(big, c.as_bytes(), root, b"moved_out_of_big", RenameFlags::default()).expect("rename out of /big");
+    fs.rename(
+        big,
+        c.as_bytes(),
+        root,
+        b"moved_out_of_big",
+        RenameFlags::default(),
+    )
+    .expect("rename out of /big");
     let mut removed_all = removed_orig;
     removed_all.push(format!("/big/{a}"));
     removed_all.push(format!("/big/{c}"));
@@ -415,7 +512,8 @@ fn modify_with_commitfs(fs: &Fs, deep: &mut Deep) -> (Vec<String>, Vec<String>) 
     // drop everything from another, add to a new file.
     let x = XattrFlags::default();
     let f1 = l.ino("/xa/f1");
-    fs.setxattr(f1, b"user.new", b"new value", x).expect("setxattr f1");
+    fs.setxattr(f1, b"user.new", b"new value", x)
+        .expect("setxattr f1");
     fs.setxattr(
         f1,
         b"user.big",
@@ -428,14 +526,21 @@ fn modify_with_commitfs(fs: &Fs, deep: &mut Deep) -> (Vec<String>, Vec<String>) 
     .expect("replace f1 user.big");
     let f2 = l.ino("/xa/f2");
     for n in ["user.small", "user.big", "trusted.shared"] {
-        fs.removexattr(f2, n.as_bytes()).unwrap_or_else(|e| panic!("removexattr f2 {n}: {e}"));
+        fs.removexattr(f2, n.as_bytes())
+            .unwrap_or_else(|e| panic!("removexattr f2 {n}: {e}"));
     }
     let f4 = l.ino("/xa/f4");
-    fs.removexattr(f4, b"user.big").expect("removexattr f4 user.big");
+    fs.removexattr(f4, b"user.big")
+        .expect("removexattr f4 user.big");
     let xa = l.ino("/xa");
-    let new = fs.create(xa, b"new", 0o600, 0, 0).expect("create /xa/new").ino;
-    fs.setxattr(new, b"user.a", &vec![1u8; 20], x).expect("setxattr new a");
-    fs.setxattr(new, b"user.b", &vec![2u8; bs / 2], x).expect("setxattr new b");
+    let new = fs
+        .create(xa, b"new", 0o600, 0, 0)
+        .expect("create /xa/new")
+        .ino;
+    fs.setxattr(new, b"user.a", &[1u8; 20], x)
+        .expect("setxattr new a");
+    fs.setxattr(new, b"user.b", &vec![2u8; bs / 2], x)
+        .expect("setxattr new b");
     fs.setxattr(new, b"user.c", b"", x).expect("setxattr new c");
 
     // The huge file: write above 4 GiB, then cut it to just above 4 GiB.
@@ -490,7 +595,8 @@ fn modify_with_kernel(root: &Path, bs: usize) {
         .open(root.join("deep"))
         .unwrap();
     for k in 0..50u64 {
-        f.write_all_at(&block_pattern(12, k, bs), (3 * k + 1) * bs as u64).unwrap();
+        f.write_all_at(&block_pattern(12, k, bs), (3 * k + 1) * bs as u64)
+            .unwrap();
     }
     f.sync_all().unwrap();
     set_xattr(&root.join("xa/f3"), "user.kernel", b"again");
@@ -505,16 +611,23 @@ fn kernel_image_case(tag: &str, mkfs_args: &[&str], bs: usize) {
     let mut km = KernelMount::mount(&img.path, "noatime").expect("kernel mount");
     let mut deep = build_with_kernel(km.path(), bs);
     km.unmount().expect("kernel unmount");
-    check_fsck(&img.path, "kernel-built image").unwrap_or_else(|e| panic!("{ctx} harness problem: {e}"));
+    check_fsck(&img.path, "kernel-built image")
+        .unwrap_or_else(|e| panic!("{ctx} harness problem: {e}"));
     let depth = extent_depth(&img.path, "/deep");
-    assert!(depth >= 2, "{ctx}: the kernel built /deep with extent depth {depth}, need >= 2");
+    assert!(
+        depth >= 2,
+        "{ctx}: the kernel built /deep with extent depth {depth}, need >= 2"
+    );
     eprintln!("{ctx}: /deep has extent depth {depth}");
 
     // What the kernel sees (read-only, no atime updates: the image stays as built).
     let mut km = KernelMount::mount(&img.path, "ro,noatime").expect("kernel ro mount");
     let k0 = snapshot_posix(km.path(), SnapOpts::default());
     km.unmount().expect("kernel unmount");
-    assert!(k0.entries.len() > BIG_DIR_ENTRIES, "{ctx}: kernel snapshot too small");
+    assert!(
+        k0.entries.len() > BIG_DIR_ENTRIES,
+        "{ctx}: kernel snapshot too small"
+    );
 
     // commitfs must see exactly the same.
     let fs = open_lib(&img.path, false).unwrap_or_else(|e| panic!("{ctx}: commitfs mount: {e}"));
@@ -524,42 +637,73 @@ fn kernel_image_case(tag: &str, mkfs_args: &[&str], bs: usize) {
         dir_sizes: true,
         atime: true,
     };
-    assert_same(&k0, "kernel", &c0, "commitfs", exact, &format!("{ctx} kernel-built image"));
+    assert_same(
+        &k0,
+        "kernel",
+        &c0,
+        "commitfs",
+        exact,
+        &format!("{ctx} kernel-built image"),
+    );
 
     // commitfs modifies it.
     let (added, removed) = modify_with_commitfs(&fs, &mut deep);
     let c1 = snapshot_lib(&fs, SnapOpts::default());
     check_expectations(&c1, &added, &removed, &deep, &ctx);
-    fs.unmount().unwrap_or_else(|e| panic!("{ctx}: commitfs unmount: {e}"));
+    fs.unmount()
+        .unwrap_or_else(|e| panic!("{ctx}: commitfs unmount: {e}"));
     drop(fs);
-    check_fsck(&img.path, "image after commitfs's changes").unwrap_or_else(|e| panic!("{ctx}: {e}"));
-    eprintln!("{ctx}: /deep has extent depth {} after commitfs's changes", extent_depth(&img.path, "/deep"));
+    check_fsck(&img.path, "image after commitfs's changes")
+        .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+    eprintln!(
+        "{ctx}: /deep has extent depth {} after commitfs's changes",
+        extent_depth(&img.path, "/deep")
+    );
 
     // The kernel must see exactly commitfs's tree.
     let mut km = KernelMount::mount(&img.path, "ro,noatime").expect("kernel ro mount");
     let k1 = snapshot_posix(km.path(), SnapOpts::default());
     let indexed = has_index_flag(&km.path().join("big"));
     km.unmount().expect("kernel unmount");
-    assert_same(&c1, "commitfs", &k1, "kernel", exact, &format!("{ctx} commitfs-modified image"));
+    assert_same(
+        &c1,
+        "commitfs",
+        &k1,
+        "kernel",
+        exact,
+        &format!("{ctx} commitfs-modified image"),
+    );
     assert!(indexed, "{ctx}: /big lost its htree index flag");
 
     // And the kernel can keep working on it; then both agree once more.
     let mut km = KernelMount::mount(&img.path, "noatime").expect("kernel mount");
     modify_with_kernel(km.path(), bs);
     km.unmount().expect("kernel unmount");
-    check_fsck(&img.path, "image after the kernel's second round").unwrap_or_else(|e| panic!("{ctx}: {e}"));
+    check_fsck(&img.path, "image after the kernel's second round")
+        .unwrap_or_else(|e| panic!("{ctx}: {e}"));
     let mut km = KernelMount::mount(&img.path, "ro,noatime").expect("kernel ro mount");
     let k2 = snapshot_posix(km.path(), SnapOpts::default());
     km.unmount().expect("kernel unmount");
     let fs = open_lib(&img.path, true).unwrap_or_else(|e| panic!("{ctx}: commitfs mount: {e}"));
     let c2 = snapshot_lib(&fs, SnapOpts::default());
     drop(fs);
-    assert_same(&k2, "kernel", &c2, "commitfs", exact, &format!("{ctx} after the kernel's second round"));
+    assert_same(
+        &k2,
+        "kernel",
+        &c2,
+        "commitfs",
+        exact,
+        &format!("{ctx} after the kernel's second round"),
+    );
 }
 
 #[test]
 fn kernel_images_1k() {
-    kernel_image_case("kimg-1k", &["-b", "1024", "-O", "metadata_csum_seed,orphan_file"], 1024);
+    kernel_image_case(
+        "kimg-1k",
+        &["-b", "1024", "-O", "metadata_csum_seed,orphan_file"],
+        1024,
+    );
 }
 
 #[test]

@@ -8,6 +8,7 @@ fn main() {
         block_size: a.get(5).map_or(1024, |x| x.parse().unwrap()),
         save_failures: Some("/tmp/ctfail".into()),
         workers: 0,
+        torn_superblock: a.get(6).is_some(),
     };
     let s = commitfs_crashtest::run(&cfg).unwrap();
     for f in s.failures.iter().take(5) {

@@ -106,18 +106,45 @@ pub fn check_image(
     content_hi: usize,
     scratch: &ScratchFile,
 ) -> Result<Pass, String> {
+    check_image_reusing(rec, img, lo, hi, content_hi, scratch).0
+}
+
+/// [`check_image`], also handing back the image buffer (when it could be
+/// recovered) so the caller can reuse the allocation for the next state.
+pub fn check_image_reusing(
+    rec: &Recording,
+    img: Vec<u8>,
+    lo: usize,
+    hi: usize,
+    content_hi: usize,
+    scratch: &ScratchFile,
+) -> (Result<Pass, String>, Option<Vec<u8>>) {
     let dev = Arc::new(MemDevice::from_vec(img));
-    let fs = Fs::open(dev.clone(), mount_opts()).map_err(|e| format!("mount/recovery: {e}"))?;
-    let obs = observe::observe(&fs, rec.max_file_size).map_err(|e| format!("(b) {e}"))?;
-    let j = match_tree(rec, &obs, lo, hi, content_hi)?;
-    fs.unmount().map_err(|e| format!("unmount after recovery: {e}"))?;
-    drop(fs);
-    let recovered = dev.contents();
-    drop(dev);
-    fsck_image(&recovered, scratch, "after recovery").map_err(|e| format!("(a) {e}"))?;
-    drop(recovered);
-    still_works(rec, scratch).map_err(|e| format!("(d) {e}"))?;
-    Ok(Pass { j })
+    let r = (|| {
+        let fs =
+            Fs::open(dev.clone(), mount_opts()).map_err(|e| format!("mount/recovery: {e}"))?;
+        let obs = observe::observe(&fs, rec.max_file_size).map_err(|e| format!("(b) {e}"))?;
+        let j = match_tree(rec, &obs, lo, hi, content_hi)?;
+        fs.unmount()
+            .map_err(|e| format!("unmount after recovery: {e}"))?;
+        Ok(j)
+    })();
+    // Every Fs is dropped by now (also on error), so the device is ours again.
+    let Ok(dev) = Arc::try_unwrap(dev) else {
+        return (Err("device still referenced after unmount".into()), None);
+    };
+    let recovered = dev.into_vec();
+    let j = match r {
+        Ok(j) => j,
+        Err(e) => return (Err(e), Some(recovered)),
+    };
+    if let Err(e) = fsck_image(&recovered, scratch, "after recovery") {
+        return (Err(format!("(a) {e}")), Some(recovered));
+    }
+    if let Err(e) = still_works(rec, scratch) {
+        return (Err(format!("(d) {e}")), Some(recovered));
+    }
+    (Ok(Pass { j }), Some(recovered))
 }
 
 /// (b) and (c): find a snapshot in `[lo, hi]` whose metadata equals the recovered
@@ -161,6 +188,32 @@ pub fn match_tree(
         near(lo),
         near(hi)
     ))
+}
+
+/// Whether the recovered namespace and metadata equal `tree`, ignoring what lives
+/// in data blocks (file content, and targets of symlinks of 60 bytes or more, which
+/// have a data block, ext4-format.md §4.8). For states where committed transactions
+/// were lost on purpose (a damaged log): blocks freed and reused by the lost
+/// transactions legitimately hold other data then.
+pub fn meta_matches_ignoring_data_blocks(tree: &model::Tree, obs: &Observed) -> bool {
+    let strip = |m: &model::Meta| {
+        let mut m = m.clone();
+        if m.kind == Kind::Symlink && m.target.len() >= 60 {
+            m.target.clear();
+        }
+        m
+    };
+    let a: Vec<(&str, model::Meta, usize)> = tree
+        .canonical()
+        .into_iter()
+        .map(|(p, m, g)| (p, strip(m), g))
+        .collect();
+    let b: Vec<(&str, model::Meta, usize)> = obs
+        .canonical()
+        .into_iter()
+        .map(|(p, m, g)| (p, strip(m), g))
+        .collect();
+    a == b
 }
 
 /// (c) for snapshot `j`: every byte of every file equals that byte in one of the

@@ -126,6 +126,9 @@ pub struct Config {
     pub block_size: u32,
     /// Checking threads (0 = one per CPU).
     pub workers: usize,
+    /// Let torn writes tear the primary superblock too (see
+    /// [`workload::superblock_range`]); off by default.
+    pub torn_superblock: bool,
 }
 
 impl Default for Config {
@@ -138,6 +141,7 @@ impl Default for Config {
             save_failures: None,
             block_size: 1024,
             workers: 0,
+            torn_superblock: false,
         }
     }
 }
@@ -213,7 +217,10 @@ pub fn run(cfg: &Config) -> Result<Summary, String> {
     })?;
     let base = base_image(cfg.block_size)?;
     let t0 = Instant::now();
-    let rec = record(spec, &base, cfg.seed)?;
+    let mut rec = record(spec, &base, cfg.seed)?;
+    if cfg.torn_superblock {
+        rec.log = rec.log.clone().with_atomic(Vec::new());
+    }
     let record_time = t0.elapsed();
     let states = plan_states(&rec.log, cfg.states, cfg.seed, cfg.torn);
     let t1 = Instant::now();
@@ -312,7 +319,11 @@ fn check_one(
     let (lo, hi) = rec.window(spec.k);
     let keep = save.map(|_| img.clone());
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        check_image(rec, img, lo, hi, hi, scratch)
+        let (r, back) = check::check_image_reusing(rec, img, lo, hi, hi, scratch);
+        if let Some(b) = back {
+            *buf = b;
+        }
+        r
     }))
     .unwrap_or_else(|p| {
         let msg = p

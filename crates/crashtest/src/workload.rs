@@ -145,6 +145,23 @@ const CHURN: &[(Op, u32)] = &[
     (Op::Fsyncdir, 4),
 ];
 
+/// Commits racing with metadata changes: half the steps are fsyncs, the rest
+/// small operations on shared metadata blocks (inode tables, bitmaps, directories).
+const MTSYNC: &[(Op, u32)] = &[
+    (Op::Create, 8),
+    (Op::Append, 4),
+    (Op::SetXattr, 6),
+    (Op::Chmod, 6),
+    (Op::Rename, 4),
+    (Op::Link, 2),
+    (Op::Unlink, 4),
+    (Op::Mkdir, 2),
+    (Op::TruncDown, 2),
+    (Op::Fsync, 18),
+    (Op::Fsyncdir, 6),
+    (Op::Sync, 2),
+];
+
 pub const WORKLOADS: &[WorkloadSpec] = &[
     WorkloadSpec {
         name: "mixed",
@@ -204,6 +221,16 @@ pub const WORKLOADS: &[WorkloadSpec] = &[
         weights: MIXED,
         max_file_blocks: 24,
         max_write_blocks: 4,
+        max_depth: 2,
+    },
+    WorkloadSpec {
+        name: "mtsync",
+        about: "4 threads, half the steps fsyncs racing small metadata changes",
+        threads: 4,
+        ops_per_thread: 150,
+        weights: MTSYNC,
+        max_file_blocks: 8,
+        max_write_blocks: 2,
         max_depth: 2,
     },
 ];
@@ -346,7 +373,7 @@ pub fn record(spec: &'static WorkloadSpec, base: &[u8], seed: u64) -> Result<Rec
             .map(|(t, home)| {
                 let ctx = &ctx;
                 s.spawn(move || {
-                    let mut rng = StdRng::seed_from_u64(seed ^ (t as u64 + 1) * 0x9E37_79B9);
+                    let mut rng = StdRng::seed_from_u64(seed ^ ((t as u64 + 1) * 0x9E37_79B9));
                     for _ in 0..ctx.spec.ops_per_thread {
                         ctx.step(&mut rng, home)?;
                     }
@@ -389,7 +416,7 @@ pub fn record(spec: &'static WorkloadSpec, base: &[u8], seed: u64) -> Result<Rec
         workload: spec.name,
         seed,
         bs,
-        log: dev.crash_log(),
+        log: dev.crash_log().with_atomic(vec![superblock_range()]),
         snaps: sh.snaps,
         snap_hashes,
         op_start: sh.op_start,
@@ -398,6 +425,16 @@ pub fn record(spec: &'static WorkloadSpec, base: &[u8], seed: u64) -> Result<Rec
         unmount_start,
         max_file_size,
     })
+}
+
+/// The ext4 primary superblock (1 KiB at byte 1024). Its checksum is in its last
+/// sector and every update changes its first sector, so a write torn between the
+/// two leaves a superblock no ext4 implementation mounts (the kernel refuses it and
+/// e2fsck falls back to a backup). Torn-write states therefore keep it whole unless
+/// asked otherwise (`Config::torn_superblock`).
+pub fn superblock_range() -> std::ops::Range<u64> {
+    let o = commitfs_format::superblock::SUPERBLOCK_OFFSET;
+    o..o + commitfs_format::superblock::SUPERBLOCK_SIZE as u64
 }
 
 /// Exact comparison of a live tree with the model (metadata and every byte).

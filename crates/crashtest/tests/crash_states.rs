@@ -13,6 +13,7 @@ fn suite(workload: &str, states: usize, seed: u64, torn: bool, block_size: u32) 
         save_failures: std::env::var_os("CRASHTEST_SAVE_FAILURES").map(Into::into),
         block_size,
         workers: 0,
+        torn_superblock: false,
     };
     let s = run(&cfg).unwrap_or_else(|e| panic!("{workload} seed {seed}: {e}"));
     println!("{s}");

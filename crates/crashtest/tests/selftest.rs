@@ -43,6 +43,7 @@ fn dropping_a_committed_commit_block_is_reported() {
         let err = check_image(&rec, broken, lo, hi, hi, &scratch)
             .expect_err("a lost commit block of an acknowledged fsync must be reported");
         assert!(err.starts_with("(b)"), "{err}");
+        println!("lost commit block at log index {}: {err}", commit.log_idx);
         tried += 1;
         if tried == 3 {
             break;
@@ -99,6 +100,7 @@ fn foreign_stale_and_nonzero_data_are_reported() {
         .expect_err("foreign data must be reported");
     assert!(err.starts_with("(c)") && err.contains("foreign"), "{err}");
     assert!(err.contains("the data is file id"), "{err}");
+    println!("foreign: {err}");
 
     // Stale: a block replaced by an older version of itself.
     let mut planted_stale = false;
@@ -114,6 +116,7 @@ fn foreign_stale_and_nonzero_data_are_reported() {
                 let err = check_image(&rec, bad, last, last, last, &scratch)
                     .expect_err("stale data must be reported");
                 assert!(err.starts_with("(c)"), "{err}");
+                println!("stale: {err}");
                 planted_stale = true;
                 break 'outer;
             }
@@ -137,6 +140,7 @@ fn foreign_stale_and_nonzero_data_are_reported() {
     let err = check_image(&rec, bad, last, last, last, &scratch)
         .expect_err("non-zero data in a zero range must be reported");
     assert!(err.contains("every allowed version reads zeros"), "{err}");
+    println!("non-zero: {err}");
 }
 
 #[test]
@@ -150,4 +154,5 @@ fn a_state_outside_the_window_is_reported() {
     let err = check_image(&rec, img, 0, old, old, &scratch)
         .expect_err("a tree newer than the window must be reported");
     assert!(err.starts_with("(b)") && err.contains("it equals snapshot"), "{err}");
+    println!("outside the window: {}", &err[..err.len().min(200)]);
 }

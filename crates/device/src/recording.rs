@@ -242,7 +242,7 @@ impl CrashLog {
                     // A quarter of the torn-eligible writes tear; the others are whole.
                     if spec.torn
                         && sectors > 1
-                        && rng.next() % 4 == 0
+                        && rng.next().is_multiple_of(4)
                         && self.tearable(*offset, data.len())
                     {
                         let mut mask = 0u64;

@@ -91,6 +91,9 @@ pub enum FcRecord {
     Inode { ino: u32, raw: Vec<u8> },
 }
 
+/// A changed logical range `[start, end)`, if any.
+type LblkRange = Option<(u32, u64)>;
+
 #[derive(Debug, Clone)]
 struct Tracked {
     tid: u32,
@@ -251,7 +254,7 @@ impl Inner {
             }
             records.push(FcRecord::Dentry(d.clone()));
         }
-        let inos: Vec<(u32, Option<(u32, u64)>, u64)> = self
+        let inos: Vec<(u32, LblkRange, u64)> = self
             .fc
             .inodes
             .iter()

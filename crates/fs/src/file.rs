@@ -47,7 +47,7 @@ impl Inner {
                     unwritten: false,
                     ..
                 }) => {
-                    if in_blk == 0 && span % self.bs == 0 {
+                    if in_blk == 0 && span.is_multiple_of(self.bs) {
                         self.read_data(pblk, dst)?;
                     } else {
                         let nblk = (in_blk + span).div_ceil(self.bs);
@@ -164,7 +164,7 @@ impl Inner {
             let span = ((nblocks as u64 * bs) as usize - in_blk).min(data.len() - pos);
             let src = &data[pos..pos + span];
             let covered = (in_blk + span).div_ceil(self.bs);
-            if in_blk == 0 && span % self.bs == 0 {
+            if in_blk == 0 && span.is_multiple_of(self.bs) {
                 self.write_data(pblk, src)?;
             } else {
                 // Partial head/tail block: read-modify-write unless the block is new
@@ -175,7 +175,7 @@ impl Inner {
                         self.read_data(pblk, &mut tmp[..self.bs])?;
                     }
                     let tail_end = in_blk + span;
-                    if tail_end % self.bs != 0 && (covered > 1 || in_blk == 0) {
+                    if !tail_end.is_multiple_of(self.bs) && (covered > 1 || in_blk == 0) {
                         let last = covered - 1;
                         self.read_data(pblk + last as u64, &mut tmp[last * self.bs..])?;
                     }
@@ -221,7 +221,7 @@ impl Inner {
         self.fc_track_inode(ino, h.tid(), range);
         if size < i.size {
             // Zero the tail of the new last block so a later extension reads zeros.
-            if size % bs != 0 {
+            if !size.is_multiple_of(bs) {
                 let lblk = (size / bs) as u32;
                 if let Some(m) = self.ext_map(ino, i, lblk)? {
                     if !m.unwritten {

@@ -137,6 +137,19 @@ impl Handle {
     }
 }
 
+/// The log gets a copy of each buffer; handles of the next transaction may keep
+/// changing the live version. Call only while no handle is open.
+fn freeze(buffers: BTreeMap<u64, Arc<Buffer>>) -> Vec<(Arc<Buffer>, Arc<[u8]>)> {
+    buffers
+        .into_values()
+        .map(|b| {
+            b.dirty.store(false, Ordering::Release);
+            let copy: Arc<[u8]> = Arc::from(&b.data.read()[..]);
+            (b, copy)
+        })
+        .collect()
+}
+
 /// Transaction states (the journal issue uses all of them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TxState {
@@ -393,7 +406,7 @@ impl Journal {
             return Ok(0);
         }
         let _c = self.commit_lock.lock();
-        let (tid, buffers, revokes) = {
+        let (tid, buffers) = {
             let mut r = self.tx.running.lock();
             // T_LOCKED: wait until every handle of the transaction has stopped.
             while r.handles > 0 {
@@ -407,15 +420,19 @@ impl Journal {
             }
             let tid = r.tid;
             r.tid = r.tid.wrapping_add(1);
-            (
-                tid,
-                std::mem::take(&mut r.buffers),
-                std::mem::take(&mut r.revokes),
-            )
+            let buffers = std::mem::take(&mut r.buffers);
+            let revokes = std::mem::take(&mut r.revokes);
+            if let Some(l) = &self.log {
+                // Freeze while no handle is open and none can start (we hold the
+                // running lock): a copy taken after releasing it could contain
+                // changes of the next transaction, i.e. half an operation.
+                let frozen = freeze(buffers);
+                drop(r);
+                return self.commit_log(l, tid, frozen, revokes);
+            }
+            // Write-home mode has no log to revoke from.
+            (tid, buffers)
         };
-        if let Some(l) = &self.log {
-            return self.commit_log(l, tid, buffers, revokes);
-        }
         let n = buffers.len();
         for (blocknr, b) in buffers {
             // Clear first: a change racing with the write re-dirties the buffer and
@@ -443,18 +460,9 @@ impl Journal {
         &self,
         l: &Mutex<log::LogState>,
         tid: u32,
-        buffers: BTreeMap<u64, Arc<Buffer>>,
+        frozen: Vec<(Arc<Buffer>, Arc<[u8]>)>,
         revokes: BTreeSet<u64>,
     ) -> Result<usize> {
-        // Freeze: the log gets a copy; handles may keep changing the live version.
-        let frozen: Vec<(Arc<Buffer>, Arc<[u8]>)> = buffers
-            .into_values()
-            .map(|b| {
-                b.dirty.store(false, Ordering::Release);
-                let copy: Arc<[u8]> = Arc::from(&b.data.read()[..]);
-                (b, copy)
-            })
-            .collect();
         let n = frozen.len();
         let mut st = l.lock();
         let written = match st.commit(&*self.dev, tid, &frozen, &revokes) {
@@ -499,9 +507,7 @@ impl Journal {
             return Ok(false);
         }
         let mut st = l.lock();
-        if let Err(e) = st.fc_write(&*self.dev, blocks, flush_first) {
-            return Err(e);
-        }
+        st.fc_write(&*self.dev, blocks, flush_first)?;
         self.fc_commits.fetch_add(1, Ordering::Relaxed);
         self.fc_blocks.fetch_add(blocks.len() as u64, Ordering::Relaxed);
         Ok(true)

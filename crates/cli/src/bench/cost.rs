@@ -38,14 +38,16 @@ impl Default for PriceModel {
 /// A cost estimate in USD per month.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Cost {
-    /// Provisioned for the run as measured (its p95 IOPS and MB/s).
+    /// The monthly bill of a volume provisioned for the run as measured (its
+    /// p95 IOPS and MB/s; capacity and the included baseline count).
     pub measured_usd: f64,
-    /// Provisioned to deliver the common target rate of the workload point
-    /// (the best system's throughput), scaling this system's I/O per app op.
-    pub at_target_usd: f64,
-    /// IOPS and MB/s that target needs from the device.
-    pub target_iops: f64,
-    pub target_mbps: f64,
+    /// Provisioning cost per 1,000 application ops/s: the p95 IOPS and MB/s the
+    /// system needs per application op, priced at the per-IOPS and per-MB/s
+    /// rates (no capacity, no free baseline), so systems compare at equal work.
+    pub per_kops_usd: f64,
+    /// Device IOPS and MB/s (p95) per 1,000 application ops/s.
+    pub iops_per_kops: f64,
+    pub mbps_per_kops: f64,
 }
 
 impl PriceModel {
@@ -55,20 +57,19 @@ impl PriceModel {
             + (mbps - self.included_mbps).max(0.0) * self.usd_per_mbps_month
     }
 
-    /// `p95_*` measured while the system delivered `throughput` app ops/s;
-    /// `target` is the app rate to provision for.
-    pub fn estimate(&self, p95_iops: f64, p95_mbps: f64, throughput: f64, target: f64) -> Cost {
-        let scale = if throughput > 0.0 {
-            target / throughput
+    /// `p95_*` measured while the system delivered `throughput` app ops/s.
+    pub fn estimate(&self, p95_iops: f64, p95_mbps: f64, throughput: f64) -> Cost {
+        let per_k = if throughput > 0.0 {
+            1000.0 / throughput
         } else {
             0.0
         };
-        let (ti, tm) = (p95_iops * scale, p95_mbps * scale);
+        let (i, m) = (p95_iops * per_k, p95_mbps * per_k);
         Cost {
             measured_usd: self.monthly(p95_iops, p95_mbps),
-            at_target_usd: self.monthly(ti, tm),
-            target_iops: ti,
-            target_mbps: tm,
+            per_kops_usd: i * self.usd_per_iops_month + m * self.usd_per_mbps_month,
+            iops_per_kops: i,
+            mbps_per_kops: m,
         }
     }
 
@@ -98,10 +99,11 @@ mod tests {
         assert_eq!(m.monthly(100.0, 10.0), base);
         let c = m.monthly(13_000.0, 225.0);
         assert!((c - (base + 10_000.0 * 0.005 + 100.0 * 0.04)).abs() < 1e-9);
-        // Twice the I/O per op at the same target costs more.
-        let a = m.estimate(5000.0, 50.0, 1000.0, 2000.0);
-        let b = m.estimate(10000.0, 50.0, 1000.0, 2000.0);
-        assert!(b.at_target_usd > a.at_target_usd);
-        assert!((a.target_iops - 10_000.0).abs() < 1e-9);
+        // Twice the I/O per op costs twice as much per 1,000 ops/s.
+        let a = m.estimate(5000.0, 0.0, 1000.0);
+        let b = m.estimate(10000.0, 0.0, 1000.0);
+        assert!((a.iops_per_kops - 5000.0).abs() < 1e-9);
+        assert!((a.per_kops_usd - 25.0).abs() < 1e-9);
+        assert!((b.per_kops_usd - 2.0 * a.per_kops_usd).abs() < 1e-9);
     }
 }

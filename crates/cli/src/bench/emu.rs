@@ -13,6 +13,9 @@
 //! The counters are the device's own (the filter's shared file), never the file
 //! system's. This file is also compiled into `tests/bench_device.rs`.
 
+// Shared with tests/bench_device.rs, which uses a different subset.
+#![allow(dead_code)]
+
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -62,10 +65,50 @@ pub fn profiles() -> Vec<Profile> {
         destage_mbps: destage,
     };
     vec![
-        p("none", "no added latency (device-side counters and traces only)", 0, 0, 0, 0, 0, 0, 0),
-        p("nvme", "local NVMe SSD, volatile write cache", 20, 60, 250, 40, 400_000, 2500, 2000),
-        p("sata-ssd", "SATA SSD, ~1.5 ms cache flush", 60, 120, 1500, 1000, 80_000, 500, 400),
-        p("cloud", "cloud virtual disk, 150 MB/s, 15,000 IOPS", 400, 600, 100, 0, 15_000, 150, 0),
+        p(
+            "none",
+            "no added latency (device-side counters and traces only)",
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ),
+        p(
+            "nvme",
+            "local NVMe SSD, volatile write cache",
+            20,
+            60,
+            250,
+            40,
+            400_000,
+            2500,
+            2000,
+        ),
+        p(
+            "sata-ssd",
+            "SATA SSD, ~1.5 ms cache flush",
+            60,
+            120,
+            1500,
+            1000,
+            80_000,
+            500,
+            400,
+        ),
+        p(
+            "cloud",
+            "cloud virtual disk, 150 MB/s, 15,000 IOPS",
+            400,
+            600,
+            100,
+            0,
+            15_000,
+            150,
+            0,
+        ),
     ]
 }
 
@@ -75,7 +118,10 @@ pub fn profile(name: &str) -> Result<Profile> {
         .find(|p| p.name == name)
         .with_context(|| {
             let names: Vec<String> = profiles().into_iter().map(|p| p.name).collect();
-            format!("unknown device profile {name:?} (known: {})", names.join(", "))
+            format!(
+                "unknown device profile {name:?} (known: {})",
+                names.join(", ")
+            )
         })
 }
 
@@ -208,8 +254,10 @@ impl Emulated {
     /// nbdfuse under `work` and attach a loop device to it.
     pub fn start(profile: &Profile, size: u64, work: &Path, trace_cap: u64) -> Result<Emulated> {
         available()?;
-        let filter = build_filter(&work.join("nbd-filter"))?;
-        let dir = TempPath::new(work.join(format!("emu-{}", std::process::id())));
+        let filter = build_filter(&std::env::temp_dir().join("commitfs-nbd-filter"))?;
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = TempPath::new(work.join(format!("emu-{}-{seq}", std::process::id())));
         std::fs::create_dir_all(dir.path.join("mnt"))?;
         let sock = dir.path.join("nbd.sock");
         // The counters (and the trace ring) live in shared memory when possible,
@@ -219,7 +267,10 @@ impl Emulated {
             shm.join(format!(
                 "commitfs-bench-{}-{}.stats",
                 std::process::id(),
-                dir.path.file_name().map(|s| s.to_string_lossy()).unwrap_or_default()
+                dir.path
+                    .file_name()
+                    .map(|s| s.to_string_lossy())
+                    .unwrap_or_default()
             ))
         } else {
             dir.path.join("stats")
@@ -230,7 +281,8 @@ impl Emulated {
             .arg(&sock)
             .arg(format!("--filter={}", filter.display()))
             .args(["memory", &size.to_string()])
-            .arg(format!("profile={}", profile.name))
+            // Every parameter is passed explicitly: the Rust table is the truth.
+            .arg("profile=none")
             .arg(format!("stats={}", stats_path.display()))
             .arg(format!("trace={trace_cap}"))
             .arg(format!("lat-write={}", profile.lat_write_us))
@@ -251,7 +303,10 @@ impl Emulated {
             &nbdkit,
             &log,
         )?;
-        let stats = File::open(&stats_path)?;
+        let stats = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&stats_path)?;
         let file = dir.path.join("mnt/disk");
         let mut cmd = sys::command("nbdfuse");
         cmd.arg(&file)
@@ -302,6 +357,27 @@ impl Emulated {
     /// The device's counters now.
     pub fn counters(&self) -> Result<EmuCounters> {
         read_counters(&self.stats)
+    }
+
+    /// Change the latency model while the device runs (the filter reads it from
+    /// the shared file at every request).
+    pub fn set_model(&mut self, p: &Profile) -> Result<()> {
+        let vals = [
+            p.lat_write_us,
+            p.lat_read_us,
+            p.lat_flush_us,
+            p.lat_fua_us,
+            p.iops,
+            p.bw_mbps * 1_000_000,
+            p.destage_mbps * 1_000_000,
+        ];
+        let mut b = Vec::with_capacity(vals.len() * 8);
+        for v in vals {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        self.stats.write_all_at(&b, 16 * 8)?;
+        self.profile = p.clone();
+        Ok(())
     }
 
     /// A second handle on the counters (for a sampling thread).
@@ -404,7 +480,10 @@ fn wait_for(
         }
         if child.exited() {
             let msg = std::fs::read_to_string(log).unwrap_or_default();
-            bail!("{what}: the process exited before it was ready: {}", msg.trim());
+            bail!(
+                "{what}: the process exited before it was ready: {}",
+                msg.trim()
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
     }

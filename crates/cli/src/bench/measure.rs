@@ -154,9 +154,8 @@ pub fn peak(s: &[(f64, DevCounters)]) -> Peak {
         iops.push((ios(&s[j].1) - ios(&s[i].1)) / w);
         mbps.push((bytes(&s[j].1) - bytes(&s[i].1)) / w / 1e6);
     }
-    let sort = |v: &mut Vec<f64>| {
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal))
-    };
+    let sort =
+        |v: &mut Vec<f64>| v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
     sort(&mut iops);
     sort(&mut mbps);
     Peak {

@@ -32,7 +32,6 @@ pub trait Api: Sync {
     fn close(&self, f: Fh) -> io::Result<()>;
     fn unlink(&self, rel: &str) -> io::Result<()>;
     fn fsync_dir(&self, rel: &str) -> io::Result<()>;
-    fn rename(&self, from: &str, to: &str) -> io::Result<()>;
     /// Make everything durable (between measurements).
     fn sync(&self) -> io::Result<()>;
 }
@@ -97,9 +96,6 @@ impl Api for Posix {
     }
     fn fsync_dir(&self, rel: &str) -> io::Result<()> {
         File::open(self.root.join(rel))?.sync_all()
-    }
-    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
-        std::fs::rename(self.root.join(from), self.root.join(to))
     }
     fn sync(&self) -> io::Result<()> {
         // syncfs(2) on the mount.
@@ -181,7 +177,10 @@ impl Api for Lib<'_> {
             }
         };
         self.fs.open_inode(a.ino).map_err(err)?;
-        Ok(Fh::Lib { ino: a.ino, size: 0 })
+        Ok(Fh::Lib {
+            ino: a.ino,
+            size: 0,
+        })
     }
     fn open(&self, rel: &str, _write: bool) -> io::Result<Fh> {
         let (p, n) = self.split(rel)?;
@@ -232,13 +231,6 @@ impl Api for Lib<'_> {
     fn fsync_dir(&self, rel: &str) -> io::Result<()> {
         let d = self.dir_ino(rel)?;
         self.fs.fsyncdir(d).map_err(err)
-    }
-    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
-        let (p, n) = self.split(from)?;
-        let (q, m) = self.split(to)?;
-        self.fs
-            .rename(p, n.as_bytes(), q, m.as_bytes(), Default::default())
-            .map_err(err)
     }
     fn sync(&self) -> io::Result<()> {
         self.fs.sync().map_err(err)

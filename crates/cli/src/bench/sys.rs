@@ -12,6 +12,9 @@
 //! This file is also compiled into `tests/bench_device.rs` (via `#[path]`), so it
 //! depends on std, libc and anyhow only.
 
+// Shared with tests/bench_device.rs, which uses a different subset.
+#![allow(dead_code)]
+
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -194,7 +197,11 @@ impl ChildGuard {
 fn is_zombie(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
-        .and_then(|s| s.rsplit(')').next().map(|r| r.trim_start().starts_with('Z')))
+        .and_then(|s| {
+            s.rsplit(')')
+                .next()
+                .map(|r| r.trim_start().starts_with('Z'))
+        })
         .unwrap_or(true)
 }
 
@@ -237,6 +244,16 @@ pub fn is_mounted(dir: &Path) -> bool {
     let d = dir.to_string_lossy();
     // /proc/self/mounts escapes spaces as \040; our paths have none.
     m.lines().any(|l| l.split_whitespace().nth(1) == Some(&d))
+}
+
+/// A mount point at or below `dir`, if any.
+pub fn mounted_below(dir: &Path) -> Option<String> {
+    let m = std::fs::read_to_string("/proc/self/mounts").ok()?;
+    let d = dir.to_string_lossy().to_string();
+    m.lines()
+        .filter_map(|l| l.split_whitespace().nth(1))
+        .find(|p| *p == d || p.starts_with(&format!("{d}/")))
+        .map(str::to_string)
 }
 
 /// Unmount `dir`, retrying while busy; lazily detach as a last resort.
@@ -354,6 +371,15 @@ impl TempPath {
             path,
             _cleanup: Cleanup::new(format!("remove {}", p.display()), move || {
                 if p.is_dir() {
+                    // Never recurse into something still mounted below it.
+                    if let Some(m) = mounted_below(&p) {
+                        eprintln!(
+                            "commitfs bench: not removing {}: {} is still mounted",
+                            p.display(),
+                            m
+                        );
+                        return;
+                    }
                     let _ = std::fs::remove_dir_all(&p);
                 } else {
                     let _ = std::fs::remove_file(&p);

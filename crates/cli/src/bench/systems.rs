@@ -128,13 +128,6 @@ pub struct Mounted {
 }
 
 impl Mounted {
-    /// CPU seconds of the file system's own process/thread, if it has one.
-    pub fn fs_cpu_secs(&self) -> Option<f64> {
-        self.daemon_pid
-            .or(self.kthread_pid)
-            .and_then(measure::proc_cpu_secs)
-    }
-
     /// Unmount; for FUSE systems also wait until the daemon has written
     /// everything and exited (the device is quiet afterwards).
     pub fn unmount(mut self) -> Result<()> {
@@ -189,10 +182,10 @@ impl System {
 
     pub fn mkfs_desc(&self) -> String {
         match &self.kind {
-            SysKind::KernelExt4 { features } => format!("mkfs.ext4 -O {features}"),
+            SysKind::KernelExt4 { features } => format!("mkfs.ext4 -O {features} {NOLAZY}"),
             SysKind::Xfs => "mkfs.xfs -f".into(),
-            SysKind::Fuse2fs => "mkfs.ext4 -O ^fast_commit".into(),
-            SysKind::Commitfs(m) => format!("mkfs.ext4 -O {}", m.mkfs_features),
+            SysKind::Fuse2fs => format!("mkfs.ext4 -O ^fast_commit {NOLAZY}"),
+            SysKind::Commitfs(m) => format!("mkfs.ext4 -O {} {NOLAZY}", m.mkfs_features),
         }
     }
 
@@ -321,15 +314,36 @@ impl System {
         if !out.status.success() {
             let tail: Vec<&str> = text.lines().rev().take(8).collect();
             let tail: Vec<&str> = tail.into_iter().rev().collect();
-            bail!("{prog} {}: {}: {}", args.join(" "), out.status, tail.join(" | "));
+            bail!(
+                "{prog} {}: {}: {}",
+                args.join(" "),
+                out.status,
+                tail.join(" | ")
+            );
         }
         Ok(format!("{prog} {}: clean", args.join(" ")))
     }
 }
 
+/// Inode tables and the journal are zeroed at mkfs time: the kernel's lazy init
+/// thread would otherwise write in the background of the first measurements.
 fn ext4_mkfs(dev: &str, features: &str) -> Result<()> {
-    sys::run("mkfs.ext4", &["-q", "-F", "-O", features, dev]).map(drop)
+    sys::run(
+        "mkfs.ext4",
+        &[
+            "-q",
+            "-F",
+            "-O",
+            features,
+            "-E",
+            "lazy_itable_init=0,lazy_journal_init=0",
+            dev,
+        ],
+    )
+    .map(drop)
 }
+
+const NOLAZY: &str = "-E lazy_itable_init=0,lazy_journal_init=0";
 
 fn kernel_fs(name: &str) -> Result<()> {
     let f = std::fs::read_to_string("/proc/filesystems").unwrap_or_default();
@@ -369,10 +383,7 @@ fn find_daemon(comm: &str, mountpoint: &str) -> Option<u32> {
             continue;
         }
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if cmd
-            .split(|b| *b == 0)
-            .any(|a| a == mountpoint.as_bytes())
-        {
+        if cmd.split(|b| *b == 0).any(|a| a == mountpoint.as_bytes()) {
             return Some(pid);
         }
     }
@@ -387,7 +398,7 @@ fn ext4_regions(dev: &Path) -> Result<Regions> {
         hdr.lines()
             .find(|l| l.starts_with(name))
             .and_then(|l| l.split(':').nth(1))
-            .and_then(|v| v.trim().split_whitespace().next().map(str::to_string))
+            .and_then(|v| v.split_whitespace().next().map(str::to_string))
             .and_then(|v| v.parse().ok())
     };
     let bs = field("Block size").context("dumpe2fs: block size")?;
@@ -486,10 +497,7 @@ mod tests {
     #[test]
     fn extents_are_parsed() {
         let s = "Inode: 8 ...\nEXTENTS:\n(0-1023):1000-2023, (1024-2047):5000-6023\n";
-        assert_eq!(
-            parse_extents(s),
-            vec![(0, 1023, 1000), (1024, 2047, 5000)]
-        );
+        assert_eq!(parse_extents(s), vec![(0, 1023, 1000), (1024, 2047, 5000)]);
         assert!(parse_extents("no extents here").is_empty());
     }
 

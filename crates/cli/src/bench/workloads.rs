@@ -216,7 +216,7 @@ fn timed_fsync_dir(api: &dyn Api, dir: &str, lat: &mut Vec<f64>) -> io::Result<(
     Ok(())
 }
 
-const DATA: [u8; 65536] = [0x5a; 65536];
+static DATA: [u8; 65536] = [0x5a; 65536];
 
 fn ctx<T>(r: io::Result<T>, what: &str) -> Result<T> {
     r.map_err(|e| anyhow!("{what}: {e}"))
@@ -481,7 +481,11 @@ fn postmark_like(api: &dyn Api, p: &Point, prep: Prepared, pol: Policy) -> Resul
 
 /// Make the directory an external tool works in (not measured).
 pub fn prepare_external(root: &Path, p: &Point, tag: &str) -> Result<std::path::PathBuf> {
-    let d = root.join(format!("{}-{}-{tag}", p.workload, p.variant.replace('=', "")));
+    let d = root.join(format!(
+        "{}-{}-{tag}",
+        p.workload,
+        p.variant.replace('=', "")
+    ));
     std::fs::create_dir_all(&d)?;
     Ok(d)
 }
@@ -504,9 +508,12 @@ pub fn external_available(id: &str) -> Result<()> {
 }
 
 fn dbench_loadfile() -> Option<&'static str> {
-    ["/usr/share/dbench/client.txt", "/usr/local/share/client.txt"]
-        .into_iter()
-        .find(|p| Path::new(p).exists())
+    [
+        "/usr/share/dbench/client.txt",
+        "/usr/local/share/client.txt",
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).exists())
 }
 
 /// Run an external tool with a time limit; its output.
@@ -558,8 +565,14 @@ fn run_tool(
         bail!("timed out after {} s", limit.as_secs());
     }
     if !out.status.success() {
-        let tail: Vec<&str> = text.lines().rev().take(5).collect();
-        bail!("exit {}: {}", out.status, tail.into_iter().rev().collect::<Vec<_>>().join(" | "));
+        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        let head = lines
+            .iter()
+            .take(3)
+            .copied()
+            .collect::<Vec<_>>()
+            .join(" | ");
+        bail!("{}: {head}", out.status);
     }
     Ok((text, secs))
 }
@@ -568,9 +581,15 @@ fn run_tool(
 pub fn execute_external(p: &Point, dir: &Path) -> Result<WorkResult> {
     match p.workload.as_str() {
         "fsmark" => {
+            // fs_mark wants directory names shorter than 40 bytes: run it in
+            // the parent with a relative name; its log goes nowhere.
             let mut c = sys::command("fs_mark");
-            c.arg("-d")
-                .arg(dir)
+            if let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) {
+                c.current_dir(parent).arg("-d").arg(name);
+            } else {
+                c.arg("-d").arg(dir);
+            }
+            c.args(["-l", "/dev/null"])
                 .args(["-t", &p.threads.to_string()])
                 .args(["-n", &p.n.to_string()])
                 .args(["-s", "4096", "-S", "1", "-L", "1", "-k"]);
@@ -600,8 +619,7 @@ pub fn execute_external(p: &Point, dir: &Path) -> Result<WorkResult> {
                 .arg(dir)
                 .args(["-t", &format!("{}", p.secs as u64)])
                 .args(["-c", load, &p.threads.to_string()]);
-            let (out, secs) =
-                run_tool(c, None, Duration::from_secs_f64(p.secs * 4.0 + 120.0))?;
+            let (out, secs) = run_tool(c, None, Duration::from_secs_f64(p.secs * 4.0 + 120.0))?;
             let mbps = out
                 .lines()
                 .find(|l| l.trim_start().starts_with("Throughput"))
@@ -685,11 +703,17 @@ mod tests {
             Some(16)
         );
         assert_eq!(
-            plan("fsmark", q).iter().map(|p| p.threads).collect::<Vec<_>>(),
+            plan("fsmark", q)
+                .iter()
+                .map(|p| p.threads)
+                .collect::<Vec<_>>(),
             vec![1, 4, 16]
         );
         assert_eq!(
-            plan("dbench", q).iter().map(|p| p.threads).collect::<Vec<_>>(),
+            plan("dbench", q)
+                .iter()
+                .map(|p| p.threads)
+                .collect::<Vec<_>>(),
             vec![1, 10]
         );
         for w in ALL {

@@ -674,7 +674,7 @@ fn largedir_adds_second_interior_level() {
         m.insert(name, t);
         i += 1;
         tick(&fs, i as usize);
-        if i % 1000 == 0 && dir_index_state(&fs, d).1.unwrap().0 == 2 {
+        if i.is_multiple_of(1000) && dir_index_state(&fs, d).1.unwrap().0 == 2 {
             break;
         }
         assert!(i < 100_000, "no second level");
