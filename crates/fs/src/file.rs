@@ -304,9 +304,8 @@ impl Inner {
         let r = self.fallocate_in(&h, ino, &mut i, off, end, flags);
         let t = now();
         if r.is_ok() {
-            if flags.punch_hole || flags.zero_range {
-                i.mtime = t;
-            }
+            // The kernel stamps mtime and ctime on every successful fallocate.
+            i.mtime = t;
             i.ctime = t;
             if !flags.keep_size && end > i.size {
                 i.size = end;

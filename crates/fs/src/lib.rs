@@ -412,7 +412,11 @@ impl Fs {
     }
 
     pub fn getxattr(&self, ino: Ino, name: &[u8]) -> Result<Vec<u8>> {
-        self.inner.lock().xattr_get(ino, name)
+        let mut g = self.inner.lock();
+        if name.starts_with(b"user.") && !g.user_xattr_allowed(ino)? {
+            return Err(FsError::NoData);
+        }
+        g.xattr_get(ino, name)
     }
 
     pub fn listxattr(&self, ino: Ino) -> Result<Vec<Vec<u8>>> {
@@ -421,6 +425,9 @@ impl Fs {
 
     pub fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
         self.retry_nospace(|g| {
+            if name.starts_with(b"user.") && !g.user_xattr_allowed(ino)? {
+                return Err(FsError::Permission("user xattrs on a special file"));
+            }
             let h = g.start(8)?;
             g.fc_ineligible(fc::FcReason::Xattr, h.tid());
             let r = g.xattr_set(&h, ino, name, value, flags);
@@ -431,6 +438,9 @@ impl Fs {
 
     pub fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()> {
         let mut g = self.inner.lock();
+        if name.starts_with(b"user.") && !g.user_xattr_allowed(ino)? {
+            return Err(FsError::Permission("user xattrs on a special file"));
+        }
         let h = g.start(8)?;
         g.fc_ineligible(fc::FcReason::Xattr, h.tid());
         let r = g.xattr_remove(&h, ino, name);

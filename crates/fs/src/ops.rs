@@ -73,6 +73,13 @@ impl Inner {
         Ok(i)
     }
 
+    /// `user.*` attributes exist only on regular files and directories (the VFS
+    /// answers EPERM to writes and ENODATA to reads on other inodes).
+    pub fn user_xattr_allowed(&mut self, ino: u32) -> Result<bool> {
+        let i = self.live_inode(ino)?;
+        Ok(i.is_reg() || i.is_dir())
+    }
+
     pub fn getattr(&mut self, ino: u32) -> Result<Attr> {
         let i = self.live_inode(ino)?;
         self.attr_of(ino, &i)
@@ -141,21 +148,23 @@ impl Inner {
         gid: u32,
         symlink: Option<&[u8]>,
     ) -> Result<Attr> {
+        // Errors in the kernel's order: empty target, parent walk, name length,
+        // existing name, then the target length.
+        if symlink.is_some_and(|t| t.is_empty()) {
+            return Err(FsError::NotFound);
+        }
+        let pdir = self.dir_for_update(parent)?;
         check_name(name)?;
+        if self.dir_lookup(parent, name)?.is_some() {
+            return Err(FsError::Exists);
+        }
         if self.read_only {
             return Err(FsError::ReadOnly);
         }
         if let Some(t) = symlink {
-            if t.is_empty() {
-                return Err(FsError::NotFound);
-            }
             if t.len() >= self.bs || t.len() > 4095 {
                 return Err(FsError::NameTooLong);
             }
-        }
-        let pdir = self.dir_for_update(parent)?;
-        if self.dir_lookup(parent, name)?.is_some() {
-            return Err(FsError::Exists);
         }
         let is_dir = mode & fi::S_IFMT == fi::S_IFDIR;
         let h = self.start(32)?;
@@ -273,7 +282,11 @@ impl Inner {
     }
 
     pub fn link(&mut self, ino: u32, new_parent: u32, new_name: &[u8]) -> Result<Attr> {
+        self.dir_for_update(new_parent)?;
         check_name(new_name)?;
+        if self.dir_lookup(new_parent, new_name)?.is_some() {
+            return Err(FsError::Exists);
+        }
         let mut i = self.live_inode(ino)?;
         if i.is_dir() {
             return Err(FsError::Permission("hard link to a directory"));
@@ -283,10 +296,6 @@ impl Inner {
         }
         if i.links_count >= EXT4_LINK_MAX {
             return Err(FsError::TooManyLinks);
-        }
-        self.dir_for_update(new_parent)?;
-        if self.dir_lookup(new_parent, new_name)?.is_some() {
-            return Err(FsError::Exists);
         }
         let h = self.start(16)?;
         let r = (|| {
@@ -400,9 +409,9 @@ impl Inner {
         if name == b"." || name == b".." {
             return Err(FsError::Invalid("rename of . or .."));
         }
-        check_name(new_name)?;
         let src = self.lookup_ino(parent, name)?;
         self.dir_for_update(new_parent)?;
+        check_name(new_name)?;
         let src_i = self.read_inode(src)?;
         let dst = self.dir_lookup(new_parent, new_name)?.map(|x| x.0);
         if flags.noreplace && dst.is_some() {
@@ -411,6 +420,16 @@ impl Inner {
         }
         if parent == new_parent && name == new_name {
             return Ok(());
+        }
+        // The kernel's lock_rename traps: the source may not be an ancestor of the
+        // target (EINVAL), nor the target an ancestor of the source (ENOTEMPTY).
+        if src_i.is_dir() && parent != new_parent && self.is_descendant(new_parent, src)? {
+            return Err(FsError::Invalid("rename into own subdirectory"));
+        }
+        if let Some(d) = dst {
+            if !flags.exchange && d != src && self.read_inode(d)?.is_dir() && self.is_descendant(parent, d)? {
+                return Err(FsError::NotEmpty);
+            }
         }
         if flags.exchange {
             let Some(dst) = dst else {
