@@ -418,6 +418,9 @@ impl Inner {
             // Checked before "same name": the kernel answers EEXIST even then.
             return Err(FsError::Exists);
         }
+        if flags.exchange && dst.is_none() {
+            return Err(FsError::NotFound);
+        }
         if parent == new_parent && name == new_name {
             return Ok(());
         }
