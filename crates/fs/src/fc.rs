@@ -11,6 +11,10 @@
 
 use std::collections::BTreeMap;
 
+use std::borrow::Cow;
+
+use commitfs_format::fast_commit::{Dentry, FcPacker, Tlv};
+
 use crate::error::Result;
 use crate::inner::Inner;
 
@@ -71,28 +75,26 @@ pub enum DentryOp {
     Unlink { parent: u32, ino: u32, name: Vec<u8> },
 }
 
-/// One logical log record, before TLV encoding.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FcRecord {
-    AddRange {
-        ino: u32,
-        lblk: u32,
-        len: u32,
-        pblk: u64,
-        unwritten: bool,
-    },
-    DelRange {
-        ino: u32,
-        lblk: u32,
-        len: u32,
-    },
-    Dentry(DentryOp),
-    /// `128 + i_extra_isize` bytes of the current on-disk inode.
-    Inode { ino: u32, raw: Vec<u8> },
-}
+/// One logical log record: a fast-commit TLV (ext4-format.md §9.3).
+pub type FcRecord = Tlv<'static>;
 
 /// A changed logical range `[start, end)`, if any.
 type LblkRange = Option<(u32, u64)>;
+
+impl DentryOp {
+    fn to_tlv(&self) -> FcRecord {
+        let d = |parent: &u32, ino: &u32, name: &[u8]| Dentry {
+            parent: *parent,
+            ino: *ino,
+            name: Cow::Owned(name.to_vec()),
+        };
+        match self {
+            DentryOp::Creat { parent, ino, name } => Tlv::Creat(d(parent, ino, name)),
+            DentryOp::Link { parent, ino, name } => Tlv::Link(d(parent, ino, name)),
+            DentryOp::Unlink { parent, ino, name } => Tlv::Unlink(d(parent, ino, name)),
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 struct Tracked {
@@ -252,7 +254,7 @@ impl Inner {
                     }
                 }
             }
-            records.push(FcRecord::Dentry(d.clone()));
+            records.push(d.to_tlv());
         }
         let inos: Vec<(u32, LblkRange, u64)> = self
             .fc
@@ -305,7 +307,10 @@ impl Inner {
         i.serialize(&mut buf, ino, &self.csum);
         let n = (128 + i.extra_isize as usize).min(buf.len());
         buf.truncate(n);
-        Ok(FcRecord::Inode { ino, raw: buf })
+        Ok(Tlv::Inode {
+            ino,
+            raw: Cow::Owned(buf),
+        })
     }
 
     /// ADD_RANGE for mapped runs and DEL_RANGE for holes in `[start, end)` (§9.4
@@ -314,7 +319,7 @@ impl Inner {
         let i = self.read_inode(ino)?;
         let end = end.min(1u64 << 32);
         if i.links_count == 0 || i.mode == 0 {
-            out.push(FcRecord::DelRange {
+            out.push(Tlv::DelRange {
                 ino,
                 lblk: start,
                 len: (end - start as u64).min(u32::MAX as u64) as u32,
@@ -331,7 +336,7 @@ impl Inner {
                     let mut done = 0;
                     while done < len {
                         let n = (len - done).min(max);
-                        out.push(FcRecord::AddRange {
+                        out.push(Tlv::AddRange {
                             ino,
                             lblk: lb + done,
                             len: n,
@@ -349,7 +354,7 @@ impl Inner {
                         .unwrap_or(end)
                         .min(end)
                         .max(l + 1);
-                    out.push(FcRecord::DelRange {
+                    out.push(Tlv::DelRange {
                         ino,
                         lblk: lb,
                         len: (next - l).min(u32::MAX as u64) as u32,
@@ -379,43 +384,9 @@ pub fn pack(
     block_size: usize,
     free: u32,
 ) -> Option<Vec<Vec<u8>>> {
-    use commitfs_format::fast_commit::{Dentry, FcPacker, Tlv};
-    use std::borrow::Cow;
     let mut p = FcPacker::new(block_size, tid, need_head).ok()?;
     for r in records {
-        let d = |parent: u32, ino: u32, name: &[u8]| Dentry {
-            parent,
-            ino,
-            name: Cow::Owned(name.to_vec()),
-        };
-        let tlv = match r {
-            FcRecord::AddRange {
-                ino,
-                lblk,
-                len,
-                pblk,
-                unwritten,
-            } => Tlv::AddRange {
-                ino: *ino,
-                lblk: *lblk,
-                len: *len,
-                pblk: *pblk,
-                unwritten: *unwritten,
-            },
-            FcRecord::DelRange { ino, lblk, len } => Tlv::DelRange {
-                ino: *ino,
-                lblk: *lblk,
-                len: *len,
-            },
-            FcRecord::Dentry(DentryOp::Creat { parent, ino, name }) => Tlv::Creat(d(*parent, *ino, name)),
-            FcRecord::Dentry(DentryOp::Link { parent, ino, name }) => Tlv::Link(d(*parent, *ino, name)),
-            FcRecord::Dentry(DentryOp::Unlink { parent, ino, name }) => Tlv::Unlink(d(*parent, *ino, name)),
-            FcRecord::Inode { ino, raw } => Tlv::Inode {
-                ino: *ino,
-                raw: Cow::Borrowed(raw),
-            },
-        };
-        p.push(&tlv).ok()?;
+        p.push(r).ok()?;
         if p.blocks_when_finished() as u32 > free {
             return None;
         }
