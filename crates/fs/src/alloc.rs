@@ -52,7 +52,7 @@ impl Inner {
     }
 
     /// Make sure group `g`'s block bitmap is initialised on disk.
-    fn init_block_bitmap(&mut self, h: &Handle, g: u32) -> Result<()> {
+    pub(crate) fn init_block_bitmap(&mut self, h: &Handle, g: u32) -> Result<()> {
         let gd = self.gds[g as usize];
         if !gd.has_flag(BG_BLOCK_UNINIT) {
             return Ok(());
@@ -67,7 +67,7 @@ impl Inner {
     }
 
     /// Make sure group `g`'s inode bitmap is initialised (§3.2 rules 3-4).
-    fn init_inode_bitmap(&mut self, h: &Handle, g: u32) -> Result<()> {
+    pub(crate) fn init_inode_bitmap(&mut self, h: &Handle, g: u32) -> Result<()> {
         let gd = self.gds[g as usize];
         if !gd.has_flag(BG_INODE_UNINIT) {
             return Ok(());

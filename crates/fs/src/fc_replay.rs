@@ -646,7 +646,7 @@ impl Inner {
             let g = self.block_group(b);
             let gfirst = self.sb.group_first_block(g);
             let gend = (gfirst + self.sb.blocks_in_group(g) as u64).min(end);
-            self.fc_init_block_bitmap(h, g)?;
+            self.init_block_bitmap(h, g)?;
             let gd = self.gds[g as usize];
             let cpg = self.sb.clusters_per_group();
             let csum = self.csum;
@@ -688,42 +688,6 @@ impl Inner {
         Ok(flipped)
     }
 
-    /// Initialise a BLOCK_UNINIT group's bitmap (§3.2 rule 1), as `alloc.rs` does.
-    fn fc_init_block_bitmap(&mut self, h: &Handle, g: u32) -> Result<()> {
-        let gd = self.gds[g as usize];
-        if !gd.has_flag(BG_BLOCK_UNINIT) {
-            return Ok(());
-        }
-        let mut bm = vec![0u8; self.bs];
-        let first = self.sb.group_first_block(g);
-        let n = self.sb.blocks_in_group(g) as u64;
-        let mut mark = |b: u64| {
-            if b >= first && b < first + n {
-                bitmap::set_bit(&mut bm, (b - first) as usize);
-            }
-        };
-        if self.sb.group_has_super(g) {
-            for i in 0..1 + self.sb.gdt_blocks() + self.sb.reserved_gdt_blocks() as u64 {
-                mark(first + i);
-            }
-        }
-        let itb = (self.ipg as u64 * self.inode_size as u64).div_ceil(self.bs as u64);
-        for other in &self.gds {
-            mark(other.block_bitmap);
-            mark(other.inode_bitmap);
-            for i in 0..itb {
-                mark(other.inode_table + i);
-            }
-        }
-        bitmap::set_padding(&mut bm, n as usize);
-        let c = bitmap::checksum(&bm, self.sb.clusters_per_group(), &self.csum);
-        self.new_meta(h, gd.block_bitmap, |d| d.copy_from_slice(&bm))?;
-        let gdm = &mut self.gds[g as usize];
-        gdm.flags &= !BG_BLOCK_UNINIT;
-        gdm.block_bitmap_csum = if self.csum.enabled { c } else { 0 };
-        self.write_gd(h, g)
-    }
-
     /// The kernel's `ext4_mark_inode_used`: set the inode's bit, initialising an
     /// INODE_UNINIT group and moving `bg_itable_unused` past it (§3.2).
     fn fc_mark_inode_used(&mut self, h: &Handle, ino: u32, is_dir: bool) -> Result<()> {
@@ -734,7 +698,7 @@ impl Inner {
         let bit = ((ino - 1) % self.ipg) as usize;
         let ipg = self.ipg;
         let csum = self.csum;
-        self.fc_init_block_bitmap(h, g)?;
+        self.init_block_bitmap(h, g)?;
         let gd = self.gds[g as usize];
         if gd.has_flag(BG_INODE_UNINIT) {
             let mut bm = vec![0u8; self.bs];
