@@ -240,7 +240,8 @@ impl Inner {
             return;
         }
         let j = self.journal.clone();
-        self.pending_free.retain(|_, (_, tid)| !j.is_committed(*tid));
+        self.pending_free
+            .retain(|_, (_, tid)| !j.is_committed(*tid));
     }
 
     /// Free `count` blocks starting at `start` (may cross groups). Freed blocks are

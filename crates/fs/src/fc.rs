@@ -70,9 +70,21 @@ impl FcReason {
 /// A directory-entry operation, replayed in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DentryOp {
-    Creat { parent: u32, ino: u32, name: Vec<u8> },
-    Link { parent: u32, ino: u32, name: Vec<u8> },
-    Unlink { parent: u32, ino: u32, name: Vec<u8> },
+    Creat {
+        parent: u32,
+        ino: u32,
+        name: Vec<u8>,
+    },
+    Link {
+        parent: u32,
+        ino: u32,
+        name: Vec<u8>,
+    },
+    Unlink {
+        parent: u32,
+        ino: u32,
+        name: Vec<u8>,
+    },
 }
 
 /// One logical log record: a fast-commit TLV (ext4-format.md §9.3).
@@ -231,11 +243,7 @@ impl Inner {
         }
         // Anything tracked under another tid was not pruned, so it belongs to a
         // transaction still committing: let a full commit order things.
-        if self
-            .fc
-            .inodes
-            .values()
-            .any(|t| t.tid != tid)
+        if self.fc.inodes.values().any(|t| t.tid != tid)
             || self.fc.dentries.iter().any(|(t, _)| *t != tid)
         {
             return Ok(FcPlan::Full(FcReason::NoFullCommitYet));
@@ -315,7 +323,12 @@ impl Inner {
 
     /// ADD_RANGE for mapped runs and DEL_RANGE for holes in `[start, end)` (§9.4
     /// step 4), split to the extent length limits.
-    fn fc_range_records(&mut self, ino: u32, (start, end): (u32, u64), out: &mut Vec<FcRecord>) -> Result<()> {
+    fn fc_range_records(
+        &mut self,
+        ino: u32,
+        (start, end): (u32, u64),
+        out: &mut Vec<FcRecord>,
+    ) -> Result<()> {
         let i = self.read_inode(ino)?;
         let end = end.min(1u64 << 32);
         if i.links_count == 0 || i.mode == 0 {
@@ -395,5 +408,11 @@ pub fn pack(
     if packed.nblocks as u32 > free {
         return None;
     }
-    Some(packed.blocks.chunks(block_size).map(|c| c.to_vec()).collect())
+    Some(
+        packed
+            .blocks
+            .chunks(block_size)
+            .map(|c| c.to_vec())
+            .collect(),
+    )
 }

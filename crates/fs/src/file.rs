@@ -217,7 +217,12 @@ impl Inner {
 
     fn set_size_in(&mut self, h: &Handle, ino: u32, i: &mut Inode, size: u64) -> Result<()> {
         let bs = self.bs as u64;
-        let range = (size < i.size).then(|| (size.div_ceil(bs).min(u32::MAX as u64) as u32, i.size.div_ceil(bs).max(1)));
+        let range = (size < i.size).then(|| {
+            (
+                size.div_ceil(bs).min(u32::MAX as u64) as u32,
+                i.size.div_ceil(bs).max(1),
+            )
+        });
         self.fc_track_inode(ino, h.tid(), range);
         if size < i.size {
             // Zero the tail of the new last block so a later extension reads zeros.

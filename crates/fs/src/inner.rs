@@ -226,8 +226,13 @@ impl Inner {
     /// Superblock and log contents of the journal, without replaying it.
     pub fn inspect_journal(
         &mut self,
-    ) -> Result<Option<(commitfs_format::jbd2::JournalSuperblock, commitfs_journal::RecoveryReport, u32)>>
-    {
+    ) -> Result<
+        Option<(
+            commitfs_format::jbd2::JournalSuperblock,
+            commitfs_journal::RecoveryReport,
+            u32,
+        )>,
+    > {
         if !self.sb.has_compat(sbf::COMPAT_HAS_JOURNAL) || self.sb.journal_inum() == 0 {
             return Ok(None);
         }

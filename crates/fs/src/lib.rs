@@ -192,8 +192,13 @@ impl Fs {
     /// `None` when the image has no journal.
     pub fn inspect_journal(
         dev: DeviceRef,
-    ) -> Result<Option<(commitfs_format::jbd2::JournalSuperblock, commitfs_journal::RecoveryReport, u32)>>
-    {
+    ) -> Result<
+        Option<(
+            commitfs_format::jbd2::JournalSuperblock,
+            commitfs_journal::RecoveryReport,
+            u32,
+        )>,
+    > {
         let opts = MountOptions {
             read_only: true,
             ..Default::default()
@@ -208,7 +213,11 @@ impl Fs {
         Stats {
             device: self.dev.stats().snapshot(),
             journal: j.stats(),
-            journal_mode: if j.has_log() { "jbd2-ordered" } else { "write-home" },
+            journal_mode: if j.has_log() {
+                "jbd2-ordered"
+            } else {
+                "write-home"
+            },
         }
     }
 

@@ -430,7 +430,11 @@ impl Inner {
             return Err(FsError::Invalid("rename into own subdirectory"));
         }
         if let Some(d) = dst {
-            if !flags.exchange && d != src && self.read_inode(d)?.is_dir() && self.is_descendant(parent, d)? {
+            if !flags.exchange
+                && d != src
+                && self.read_inode(d)?.is_dir()
+                && self.is_descendant(parent, d)?
+            {
                 return Err(FsError::NotEmpty);
             }
         }
@@ -661,7 +665,15 @@ impl Inner {
 
     /// Track a LINK or UNLINK of a regular file for fast commits; other inode
     /// types make the transaction ineligible.
-    fn fc_link_ops(&mut self, h: &Handle, parent: u32, ino: u32, name: &[u8], link: bool, i: &Inode) {
+    fn fc_link_ops(
+        &mut self,
+        h: &Handle,
+        parent: u32,
+        ino: u32,
+        name: &[u8],
+        link: bool,
+        i: &Inode,
+    ) {
         if !i.is_reg() {
             self.fc_ineligible(FcReason::SpecialInode, h.tid());
             return;
@@ -710,7 +722,9 @@ impl Inner {
             return Ok(());
         }
         let freed = self.ext_remove(h, ino, &mut i, first as u32, 1u64 << 32)?;
-        let b = i.blocks_512(self.bs).saturating_sub(freed * (self.bs as u64 / 512));
+        let b = i
+            .blocks_512(self.bs)
+            .saturating_sub(freed * (self.bs as u64 / 512));
         i.set_blocks_512(b, self.bs);
         self.write_inode(h, ino, &i)
     }

@@ -53,7 +53,10 @@ impl Inner {
         let mut done = 0;
         let mut cur = self.sb.last_orphan();
         while cur != 0 {
-            if cur < self.sb.first_ino() || cur > self.sb.inodes_count() || done > self.sb.inodes_count() {
+            if cur < self.sb.first_ino()
+                || cur > self.sb.inodes_count()
+                || done > self.sb.inodes_count()
+            {
                 tracing::warn!("orphan list points at invalid inode {cur}; dropping the rest");
                 break;
             }

@@ -120,7 +120,9 @@ impl Drop for KernelMount {
             for _ in 0..200 {
                 let out = Command::new("losetup").arg("-j").arg(img).output();
                 match out {
-                    Ok(o) if !o.stdout.is_empty() => std::thread::sleep(std::time::Duration::from_millis(10)),
+                    Ok(o) if !o.stdout.is_empty() => {
+                        std::thread::sleep(std::time::Duration::from_millis(10))
+                    }
                     _ => break,
                 }
             }
@@ -322,7 +324,10 @@ fn open_unlinked_file_is_freed_after_crash() {
         let fs = Fs::open_path(&by_us.path, MountOptions::default()).unwrap();
         assert!(fs.lookup(ROOT_INO, b"victim").is_err());
         let after = fs.statfs().unwrap();
-        assert_eq!(after.blocks_free, before.blocks_free, "orphan's blocks freed");
+        assert_eq!(
+            after.blocks_free, before.blocks_free,
+            "orphan's blocks freed"
+        );
         assert_eq!(after.files_free, before.files_free, "orphan inode freed");
         fs.unmount().unwrap();
     }
@@ -416,11 +421,23 @@ fn kernel_judges_50_commitfs_crash_images() {
             match i % 6 {
                 1 => fs.unlink(d.ino, format!("f{}", i - 1).as_bytes()).unwrap(),
                 2 => fs
-                    .rename(d.ino, name.as_bytes(), ROOT_INO, format!("top{i}").as_bytes(), RenameFlags::default())
+                    .rename(
+                        d.ino,
+                        name.as_bytes(),
+                        ROOT_INO,
+                        format!("top{i}").as_bytes(),
+                        RenameFlags::default(),
+                    )
                     .unwrap(),
                 3 => {
-                    fs.setattr(f.ino, &SetAttr { size: Some(700), ..Default::default() })
-                        .unwrap();
+                    fs.setattr(
+                        f.ino,
+                        &SetAttr {
+                            size: Some(700),
+                            ..Default::default()
+                        },
+                    )
+                    .unwrap();
                 }
                 4 => {
                     fs.mkdir(d.ino, format!("sub{i}").as_bytes(), 0o700, 0, 0)
@@ -438,13 +455,23 @@ fn kernel_judges_50_commitfs_crash_images() {
         for (expected, us, k) in copies {
             {
                 let fs = Fs::open_path(&us.path, MountOptions::default()).unwrap();
-                assert_eq!(lib_tree(&fs), expected, "commitfs recovery of {}", us.path.display());
+                assert_eq!(
+                    lib_tree(&fs),
+                    expected,
+                    "commitfs recovery of {}",
+                    us.path.display()
+                );
                 fs.unmount().unwrap();
             }
             assert_fsck_clean(&us.path);
             {
                 let m = KernelMount::new(&k.path);
-                assert_eq!(host_tree(&m.dir), expected, "kernel recovery of {}", k.path.display());
+                assert_eq!(
+                    host_tree(&m.dir),
+                    expected,
+                    "kernel recovery of {}",
+                    k.path.display()
+                );
             }
             assert_fsck_clean(&k.path);
             images += 1;
@@ -497,7 +524,12 @@ fn commitfs_judges_50_kernel_crash_images() {
             assert_fsck_clean(&theirs.path);
             {
                 let fs = Fs::open_path(&ours.path, MountOptions::default()).unwrap();
-                assert_eq!(lib_tree(&fs), expected, "commitfs recovery of {}", ours.path.display());
+                assert_eq!(
+                    lib_tree(&fs),
+                    expected,
+                    "commitfs recovery of {}",
+                    ours.path.display()
+                );
                 fs.unmount().unwrap();
             }
             assert_fsck_clean(&ours.path);

@@ -509,7 +509,8 @@ impl Journal {
         let mut st = l.lock();
         st.fc_write(&*self.dev, blocks, flush_first)?;
         self.fc_commits.fetch_add(1, Ordering::Relaxed);
-        self.fc_blocks.fetch_add(blocks.len() as u64, Ordering::Relaxed);
+        self.fc_blocks
+            .fetch_add(blocks.len() as u64, Ordering::Relaxed);
         Ok(true)
     }
 

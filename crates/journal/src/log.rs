@@ -206,7 +206,11 @@ impl LogState {
             last_commit_sec: 0,
             fc_first,
             // Never let a fast commit end in the last block (§9.6): keep it unused.
-            fc_end: if use_fc { jsb.maxlen.saturating_sub(1) } else { fc_first },
+            fc_end: if use_fc {
+                jsb.maxlen.saturating_sub(1)
+            } else {
+                fc_first
+            },
             fc_off: 0,
             full_commits: 0,
             checkpoint: BTreeMap::new(),
@@ -450,7 +454,12 @@ impl LogState {
     /// Write one fast commit (`blocks`, the last holding the TAIL) into the area.
     /// `flush_first`: issue a flush before the tail block (data or earlier blocks
     /// must be durable first); the tail always goes out with FUA.
-    pub fn fc_write(&mut self, dev: &dyn BlockDevice, blocks: &[Vec<u8>], flush_first: bool) -> Result<()> {
+    pub fn fc_write(
+        &mut self,
+        dev: &dyn BlockDevice,
+        blocks: &[Vec<u8>],
+        flush_first: bool,
+    ) -> Result<()> {
         let n = blocks.len() as u32;
         if n == 0 || self.fc_first + self.fc_off + n > self.fc_end {
             return Err(JournalError::BadJournal("fast-commit area full".into()));
@@ -461,10 +470,9 @@ impl LogState {
         let mut i = 0;
         while i < body.len() {
             let j0 = start + i as u32;
-            let p0 = self
-                .map
-                .phys(j0)
-                .ok_or_else(|| JournalError::BadJournal(format!("journal block {j0} not mapped")))?;
+            let p0 = self.map.phys(j0).ok_or_else(|| {
+                JournalError::BadJournal(format!("journal block {j0} not mapped"))
+            })?;
             let mut run = body[i].clone();
             let mut k = i + 1;
             while k < body.len() && self.map.phys(start + k as u32) == Some(p0 + (k - i) as u64) {

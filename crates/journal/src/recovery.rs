@@ -122,7 +122,12 @@ pub(crate) fn log_end(jsb: &JournalSuperblock, fs_fast_commit: bool) -> u32 {
 
 /// PASS_SCAN (§8.12): walk the live log from `s_start` and return the first tid
 /// that is not validly committed; records in `report` why the scan stopped early.
-fn scan_log(rd: &LogReader<'_>, f: &LogFormat, jsb: &JournalSuperblock, report: &mut RecoveryReport) -> Result<u32> {
+fn scan_log(
+    rd: &LogReader<'_>,
+    f: &LogFormat,
+    jsb: &JournalSuperblock,
+    report: &mut RecoveryReport,
+) -> Result<u32> {
     let bs = rd.bs;
     let f = *f;
     let mut buf = vec![0u8; bs];
@@ -196,7 +201,12 @@ fn scan_log(rd: &LogReader<'_>, f: &LogFormat, jsb: &JournalSuperblock, report: 
 }
 
 /// What is in a journal, without replaying anything (for `commitfs info`).
-pub fn scan(dev: &dyn BlockDevice, map: &JournalMap, bs: usize, fs_fast_commit: bool) -> Result<(JournalSuperblock, RecoveryReport)> {
+pub fn scan(
+    dev: &dyn BlockDevice,
+    map: &JournalMap,
+    bs: usize,
+    fs_fast_commit: bool,
+) -> Result<(JournalSuperblock, RecoveryReport)> {
     let (jsb, _) = read_superblock(dev, map, bs)?;
     let mut report = RecoveryReport::default();
     if jsb.start == 0 {

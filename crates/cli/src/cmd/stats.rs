@@ -137,7 +137,10 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
-    println!("journal mode: {}", v["journal_mode"].as_str().unwrap_or("?"));
+    println!(
+        "journal mode: {}",
+        v["journal_mode"].as_str().unwrap_or("?")
+    );
     println!(
         "device: data {} B, metadata {} B, journal {} B, fast-commit {} B written; {} flushes, {} FUA writes",
         v["data_bytes"], v["metadata_bytes"], v["journal_bytes"], v["fast_commit_bytes"], v["flushes"], v["fua_writes"]
