@@ -25,6 +25,10 @@ pub struct CrashtestArgs {
     /// its last sector: ext4 cannot survive that without e2fsck).
     #[arg(long)]
     pub torn_superblock: bool,
+    /// Make the test image with the fast_commit feature (fsync writes fast
+    /// commits where it can; recovery replays them).
+    #[arg(long)]
+    pub fast_commit: bool,
     /// Save each failing crash image (before recovery) and a description here.
     #[arg(long, value_name = "DIR")]
     pub save_failures: Option<PathBuf>,
@@ -55,6 +59,7 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
         block_size: a.block_size,
         workers: a.jobs,
         torn_superblock: a.torn_superblock,
+        fast_commit: a.fast_commit,
     };
     let summary = commitfs_crashtest::run(&cfg).map_err(anyhow::Error::msg)?;
     for f in summary.failures.iter().take(10) {
@@ -74,7 +79,11 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
     }
     println!("{summary}");
     if !summary.failures.is_empty() {
-        bail!("{} of {} crash states failed", summary.failures.len(), summary.states);
+        bail!(
+            "{} of {} crash states failed",
+            summary.failures.len(),
+            summary.states
+        );
     }
     Ok(())
 }

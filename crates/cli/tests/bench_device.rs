@@ -49,13 +49,20 @@ fn model(flush_us: u64) -> Profile {
     }
 }
 
-fn start(tag: &str, size: u64) -> (Emulated, sys::TempPath) {
+/// The device and its work directory; fields drop in order, so the device (and
+/// its nbdfuse mount inside the directory) goes before the directory.
+struct Dev {
+    e: Emulated,
+    w: sys::TempPath,
+}
+
+fn start(tag: &str, size: u64) -> Dev {
     if let Err(e) = emu::available() {
         panic!("emulated device unavailable: {e} (apt-get install nbdkit nbdkit-plugin-dev libnbd-bin gcc)");
     }
     let w = work_dir(tag);
     let e = Emulated::start(&model(0), size, &w.path, 4096).expect("start the emulated device");
-    (e, w)
+    Dev { e, w }
 }
 
 /// A 4 KiB-aligned buffer for O_DIRECT.
@@ -94,7 +101,8 @@ impl Drop for Aligned {
 
 #[test]
 fn counters_match_the_io_given() {
-    let (e, _w) = start("counters", 64 * MIB);
+    let d = start("counters", 64 * MIB);
+    let e = &d.e;
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -172,7 +180,6 @@ fn counters_match_the_io_given() {
         assert_eq!(chunk[8], OP_FLUSH, "batch {i}");
     }
     drop(f);
-    e.stop();
 }
 
 /// Median fsync latency (µs) of `n` x (create, write 4 KiB, fsync) under `dir`,
@@ -244,7 +251,8 @@ fn mount_dir(w: &Path, tag: &str) -> PathBuf {
 
 #[test]
 fn latency_model_shows_in_fsync_latency() {
-    let (mut e, w) = start("latency", 256 * MIB);
+    let mut d = start("latency", 256 * MIB);
+    let (e, w) = (&mut d.e, &d.w);
     let dev = e.dev.clone();
 
     // Kernel ext4.
@@ -256,7 +264,7 @@ fn latency_model_shows_in_fsync_latency() {
     )
     .expect("mount ext4");
     let guard = sys::MountGuard::adopt(&mnt);
-    check_model(&mut e, &mnt, "kernel ext4");
+    check_model(e, &mnt, "kernel ext4");
     guard.unmount().expect("umount ext4");
 
     // commitfs (FUSE) on the same device.
@@ -279,7 +287,7 @@ fn latency_model_shows_in_fsync_latency() {
         .ok()
         .and_then(|s| s.trim().parse().ok())
         .expect("commitfs pid file");
-    check_model(&mut e, &mnt, "commitfs");
+    check_model(e, &mnt, "commitfs");
     guard.unmount().expect("umount commitfs");
     assert!(
         sys::wait_pid_gone(pid, Duration::from_secs(60)),
@@ -294,5 +302,4 @@ fn latency_model_shows_in_fsync_latency() {
         "e2fsck after commitfs: {}",
         String::from_utf8_lossy(&fsck.stdout)
     );
-    e.stop();
 }

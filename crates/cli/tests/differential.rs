@@ -1648,6 +1648,7 @@ fn env_u64(name: &str) -> Option<u64> {
 /// Run the sequence on the kernel mount and on `other`, comparing every result.
 /// Panics at the first mismatch, or (COMMITFS_DIFF_KEEP_GOING=1) returns them all
 /// so the caller can still compare the final trees before failing.
+#[allow(clippy::too_many_arguments)]
 fn run_sequence(
     case: &Case,
     seed: u64,

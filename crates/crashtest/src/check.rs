@@ -121,8 +121,7 @@ pub fn check_image_reusing(
 ) -> (Result<Pass, String>, Option<Vec<u8>>) {
     let dev = Arc::new(MemDevice::from_vec(img));
     let r = (|| {
-        let fs =
-            Fs::open(dev.clone(), mount_opts()).map_err(|e| format!("mount/recovery: {e}"))?;
+        let fs = Fs::open(dev.clone(), mount_opts()).map_err(|e| format!("mount/recovery: {e}"))?;
         let obs = observe::observe(&fs, rec.max_file_size).map_err(|e| format!("(b) {e}"))?;
         let j = match_tree(rec, &obs, lo, hi, content_hi)?;
         fs.unmount()
@@ -242,14 +241,11 @@ fn check_content(rec: &Recording, obs: &Observed, j: usize, hi: usize) -> Result
             for s in &rec.snaps[j..=hi] {
                 if let Some(i) = s.inodes.get(id) {
                     let v = i.block(b);
-                    if !versions
-                        .iter()
-                        .any(|w| match (w, v) {
-                            (Some(a), Some(c)) => Arc::ptr_eq(a, c),
-                            (None, None) => true,
-                            _ => false,
-                        })
-                    {
+                    if !versions.iter().any(|w| match (w, v) {
+                        (Some(a), Some(c)) => Arc::ptr_eq(a, c),
+                        (None, None) => true,
+                        _ => false,
+                    }) {
                         versions.push(v);
                     }
                 }
@@ -262,7 +258,9 @@ fn check_content(rec: &Recording, obs: &Observed, j: usize, hi: usize) -> Result
             }
             // Mixed versions inside one block are legal (separate writes); each byte
             // must still come from some version.
-            if let Some(i) = (0..n).find(|&i| !versions.iter().any(|v| view(v, &zeros, n)[i] == chunk[i])) {
+            if let Some(i) =
+                (0..n).find(|&i| !versions.iter().any(|v| view(v, &zeros, n)[i] == chunk[i]))
+            {
                 let off = b * bs + i;
                 let all_zero = versions.iter().all(|v| view(v, &zeros, n)[i] == 0);
                 let origin = find_origin(rec, chunk);

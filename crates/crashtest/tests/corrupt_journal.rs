@@ -78,8 +78,16 @@ fn damaged_log(damage: Damage, workload: &str, seed: u64, bs: u32) {
     let mut img = rec.log.full_image(k);
     let blocks = journal_blocks(&rec.log, bsz, k);
     let live = live_transactions(&rec, &blocks);
-    assert!(live.len() >= 6, "need a log with several transactions, got {live:?}");
-    let jsb_off = blocks.iter().rev().find(|b| b.is_superblock()).unwrap().offset;
+    assert!(
+        live.len() >= 6,
+        "need a log with several transactions, got {live:?}"
+    );
+    let jsb_off = blocks
+        .iter()
+        .rev()
+        .find(|b| b.is_superblock())
+        .unwrap()
+        .offset;
     let f = log_format(&img, jsb_off, bsz).unwrap();
     let logged = |tids: &[u32]| -> BTreeSet<u64> {
         tids.iter()
@@ -161,7 +169,9 @@ fn damaged_log(damage: Damage, workload: &str, seed: u64, bs: u32) {
     );
     match damage {
         Damage::DescriptorChecksum => assert!(
-            msg.contains("stopped early") && msg.contains(&format!("transaction {tid}")) && msg.contains("checksum"),
+            msg.contains("stopped early")
+                && msg.contains(&format!("transaction {tid}"))
+                && msg.contains("checksum"),
             "{msg}"
         ),
         Damage::CommitChecksum => assert!(

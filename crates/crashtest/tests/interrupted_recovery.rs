@@ -58,7 +58,13 @@ fn mask_block(block: &mut [u8], block_off: usize, jsb_offsets: &[u64], counts: b
 
 /// Blocks (with their first differing byte offsets) where `a` and `b` differ
 /// beyond the masked fields.
-fn diff_masked(a: &[u8], b: &[u8], bs: usize, jsbs: &[u64], counts: bool) -> Vec<(usize, Vec<usize>)> {
+fn diff_masked(
+    a: &[u8],
+    b: &[u8],
+    bs: usize,
+    jsbs: &[u64],
+    counts: bool,
+) -> Vec<(usize, Vec<usize>)> {
     let mut out = Vec::new();
     for (i, (x, y)) in a.chunks(bs).zip(b.chunks(bs)).enumerate() {
         if x == y {
@@ -78,10 +84,7 @@ fn diff_masked(a: &[u8], b: &[u8], bs: usize, jsbs: &[u64], counts: bool) -> Vec
 }
 
 fn same_tree(a: &Observed, b: &Observed) -> bool {
-    a.canonical() == b.canonical()
-        && a.paths
-            .keys()
-            .all(|p| a.content(p) == b.content(p))
+    a.canonical() == b.canonical() && a.paths.keys().all(|p| a.content(p) == b.content(p))
 }
 
 fn interrupted_recovery(workload: &str, seed: u64, bs: u32) {
@@ -154,7 +157,10 @@ fn interrupted_recovery(workload: &str, seed: u64, bs: u32) {
                 rlog.len(),
             );
             let tree = observe(&fs, rec.max_file_size).unwrap();
-            assert!(same_tree(&tree, &ref_tree), "tree differs after crash at {k2}");
+            assert!(
+                same_tree(&tree, &ref_tree),
+                "tree differs after crash at {k2}"
+            );
             fs.unmount().unwrap();
             drop(fs);
             let fin = dev.contents();

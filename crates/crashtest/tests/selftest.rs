@@ -24,9 +24,11 @@ fn dropping_a_committed_commit_block_is_reported() {
         let (lo, hi) = rec.window(k);
         assert_eq!(lo, s.model_idx);
         // The commit block this fsync wrote (none if it had nothing to commit).
-        let Some(commit) = blocks.iter().rev().find(|b| {
-            b.blocktype == BLOCKTYPE_COMMIT && b.log_idx >= s.start_idx && b.log_idx < k
-        }) else {
+        let Some(commit) = blocks
+            .iter()
+            .rev()
+            .find(|b| b.blocktype == BLOCKTYPE_COMMIT && b.log_idx >= s.start_idx && b.log_idx < k)
+        else {
             continue;
         };
         // Only a transaction that changed the tree makes a visible difference.
@@ -130,7 +132,10 @@ fn foreign_stale_and_nonzero_data_are_reported() {
         .iter()
         .find_map(|(_, _, blk)| {
             // A run of 64 zeros is a zeroed range, not chance zeros in the data.
-            let z = blk.data.windows(64).position(|w| w.iter().all(|&x| x == 0))?;
+            let z = blk
+                .data
+                .windows(64)
+                .position(|w| w.iter().all(|&x| x == 0))?;
             let nz = blk.data.iter().filter(|&&x| x != 0).count();
             (nz > bs / 4).then(|| (locate(&img, &blk.data).expect("on disk"), z + 32))
         })
@@ -153,6 +158,9 @@ fn a_state_outside_the_window_is_reported() {
     let old = last / 2;
     let err = check_image(&rec, img, 0, old, old, &scratch)
         .expect_err("a tree newer than the window must be reported");
-    assert!(err.starts_with("(b)") && err.contains("it equals snapshot"), "{err}");
+    assert!(
+        err.starts_with("(b)") && err.contains("it equals snapshot"),
+        "{err}"
+    );
     println!("outside the window: {}", &err[..err.len().min(200)]);
 }

@@ -488,7 +488,10 @@ mod tests {
         assert_eq!(blk(&img, 3), &[0; BS][..]);
         assert_eq!(blk(&img, 4), &[4; BS][..]);
         assert_eq!(cl.full_image(6), d.contents());
-        assert_eq!(MemDevice::from_vec(cl.full_image(6)).into_vec(), d.contents());
+        assert_eq!(
+            MemDevice::from_vec(cl.full_image(6)).into_vec(),
+            d.contents()
+        );
         // A filtered image may break the rules on purpose: drop a flushed write.
         let img = cl.image_filtered(6, |i, _| i != 0);
         assert_eq!(blk(&img, 1), &[0; BS][..]);
@@ -532,7 +535,8 @@ mod tests {
         }
         assert!(torn_seen);
         // Writes overlapping an atomic range never tear.
-        let cl = cl.with_atomic(vec![1024..2048]);
+        let sb: std::ops::Range<u64> = 1024..2048;
+        let cl = cl.with_atomic(vec![sb]);
         for seed in 0..100 {
             assert!(!matches!(
                 cl.fates(&spec(1, seed, 128, true))[0],

@@ -383,8 +383,9 @@ impl Journal {
         self.tx.running.lock().buffers.remove(&blocknr);
         let cached = self.cache.lock().remove(&blocknr);
         if let Some(b) = &cached {
+            // Its committed version (if any) stays: until this free commits, a
+            // checkpoint must still write it home (log.rs `forget`).
             b.dirty.store(false, Ordering::Release);
-            b.committed.lock().take();
         }
         if let Some(l) = &self.log {
             // Its logged copy must never be replayed over the block's next use.
@@ -754,6 +755,42 @@ mod log_tests {
         assert_eq!(home(&d, 22), 2);
         assert_eq!(home(&d, 21), 0, "revoked block must not be replayed");
         assert!(r.blocks_revoked >= 1);
+    }
+
+    /// A block freed by the running transaction is still in use on disk until that
+    /// transaction commits: a checkpoint in between (the log filled up) must write
+    /// its committed version home before emptying the log, or a crash then leaves
+    /// it with whatever was there before (found by the crash harness: a directory
+    /// created, fsynced, removed, then a checkpoint; the crash state's directory
+    /// block was stale file data).
+    #[test]
+    fn checkpoint_before_a_free_commits_still_writes_the_block_home() {
+        let dev = fresh_device();
+        let map = JournalMap::contiguous(JSTART, JLEN);
+        let j = Journal::open_log(dev.clone(), BS, map.clone(), opts()).unwrap();
+        write_tx(&j, &[(40, 7)]);
+        j.commit().unwrap();
+        assert_eq!(home(&dev, 40), 0, "only in the log so far");
+        let h = j.start(1).unwrap();
+        j.forget(&h, 40);
+        j.stop(h).unwrap();
+        j.checkpoint().unwrap();
+        // Crash here: the free did not commit, so block 40 must hold version 7.
+        let crash = MemDevice::from_vec(dev.contents());
+        recover(&crash, &map, BS, false).unwrap();
+        assert_eq!(home(&crash, 40), 7);
+        // Once the free commits, later checkpoints leave the block alone (it may
+        // hold new data by then).
+        j.commit().unwrap();
+        dev.write_at(40 * BS as u64, &[9u8; BS], IoCategory::Data, false)
+            .unwrap();
+        write_tx(&j, &[(41, 1)]);
+        j.commit().unwrap();
+        j.checkpoint().unwrap();
+        assert_eq!(home(&dev, 40), 9, "a freed block was written back");
+        let crash = MemDevice::from_vec(dev.contents());
+        recover(&crash, &map, BS, false).unwrap();
+        assert_eq!(home(&crash, 40), 9);
     }
 
     #[test]

@@ -249,16 +249,13 @@ impl LogState {
         }
     }
 
-    /// A freed block: drop its pending checkpoint. Returns whether its committed
-    /// copy is still in the live log (so the caller must revoke it).
-    pub fn forget(&mut self, blocknr: u64) -> bool {
-        match self.checkpoint.remove(&blocknr) {
-            Some(b) => {
-                b.committed.lock().take();
-                true
-            }
-            None => false,
-        }
+    /// A freed block. Returns whether its committed copy is still only in the live
+    /// log (so the caller must revoke it). Its pending checkpoint stays until the
+    /// freeing transaction commits (see [`LogState::commit`]): a checkpoint before
+    /// that must still write it home, because on disk the block stays in use until
+    /// the free is durable, and the checkpoint empties the log that held its copy.
+    pub fn forget(&self, blocknr: u64) -> bool {
+        self.checkpoint.contains_key(&blocknr)
     }
 
     fn write_sb(
@@ -392,6 +389,14 @@ impl LogState {
             // flush).
             self.fc_off = 0;
             self.zero_fc_head(dev)?;
+        }
+        // This transaction's frees are durable now: the revoke records keep replay
+        // from restoring the freed blocks, and a checkpoint must no longer write
+        // them (they may be reused).
+        for blk in revokes {
+            if let Some(b) = self.checkpoint.remove(blk) {
+                b.committed.lock().take();
+            }
         }
         for (b, data) in frozen {
             *b.committed.lock() = Some(data.clone());

@@ -76,14 +76,29 @@ pub struct BenchArgs {
 pub enum BenchCmd {
     /// Compare two runs (directories with results.json, or the files).
     Compare { a: PathBuf, b: PathBuf },
+    /// Rewrite report.md and the plots of a run from its results.json.
+    Report { dir: PathBuf },
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
-    if let Some(BenchCmd::Compare { a: x, b: y }) = &a.cmd {
-        let ra = report::load(x)?;
-        let rb = report::load(y)?;
-        print!("{}", report::compare(&ra, &rb, x, y));
-        return Ok(());
+    match &a.cmd {
+        Some(BenchCmd::Compare { a: x, b: y }) => {
+            let ra = report::load(x)?;
+            let rb = report::load(y)?;
+            print!("{}", report::compare(&ra, &rb, x, y));
+            return Ok(());
+        }
+        Some(BenchCmd::Report { dir }) => {
+            let r = report::load(dir)?;
+            let plots = plot::all(&r, dir);
+            std::fs::write(dir.join("report.md"), report::markdown(&r, &plots))?;
+            eprintln!(
+                "commitfs bench: rewrote {}",
+                dir.join("report.md").display()
+            );
+            return Ok(());
+        }
+        None => {}
     }
     let out = a
         .out

@@ -22,6 +22,9 @@ pub struct PlotOut {
 
 type DynErr = Box<dyn std::error::Error>;
 
+/// ((system, pass), points) of one line.
+type Series = ((String, String), Vec<(f64, f64)>);
+
 const FONTS: &[&str] = &[
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
     "/usr/share/fonts/TTF/DejaVuSans.ttf",
@@ -120,7 +123,7 @@ fn line_panel<DB: DrawingBackend>(
     title: &str,
     xdesc: &str,
     ydesc: &str,
-    data: &[((String, String), Vec<(f64, f64)>)],
+    data: &[Series],
     logy: bool,
 ) -> Result<(), DynErr>
 where
@@ -148,7 +151,7 @@ fn draw_lines<'a, DB, Y>(
     r: &Results,
     xdesc: &str,
     ydesc: &str,
-    data: &[((String, String), Vec<(f64, f64)>)],
+    data: &[Series],
     floor: f64,
 ) -> Result<(), DynErr>
 where
@@ -162,6 +165,8 @@ where
         .y_desc(ydesc)
         .x_label_formatter(&|v| num(*v))
         .y_label_formatter(&|v| num(*v))
+        .light_line_style(RGBColor(235, 235, 235))
+        .x_labels(8)
         .label_style(("sans-serif", 12))
         .draw()?;
     for ((sys, pass), pts) in data {
@@ -256,7 +261,7 @@ pub fn all(r: &Results, dir: &Path) -> Vec<PlotOut> {
     if r.runs.iter().any(|x| x.ok() && x.pass == "mount") {
         v.push(out(
             "cost.png",
-            "Provisioning cost per 1,000 application ops/s",
+            "Provisioning cost per 1,000 application ops/s, relative to kernel ext4 (JBD2)",
             cost(r, &dir.join("cost.png")),
         ));
     }
@@ -294,7 +299,7 @@ fn fc_micro(r: &Results, path: &Path) -> Result<(), DynErr> {
         }),
     ];
     for (area, (title, ydesc, get)) in panels.iter().zip(defs.iter()) {
-        let data: Vec<((String, String), Vec<(f64, f64)>)> = s
+        let data: Vec<Series> = s
             .iter()
             .map(|(k, v)| {
                 (
@@ -339,7 +344,7 @@ fn throughput(r: &Results, path: &Path) -> Result<(), DynErr> {
         ("dbench", "dbench", "clients", "MB/s"),
     ];
     for (area, (title, w, xd, yd)) in panels.iter().zip(defs.iter()) {
-        let data: Vec<((String, String), Vec<(f64, f64)>)> = series(r, w)
+        let data: Vec<Series> = series(r, w)
             .into_iter()
             .map(|(k, v)| (k, v.iter().map(|x| (x.x, x.result.throughput)).collect()))
             .collect();
@@ -403,6 +408,7 @@ fn cdf(r: &Results, path: &Path) -> Result<(), DynErr> {
             .configure_mesh()
             .x_desc("fsync latency (µs)")
             .x_label_formatter(&|v| num(*v))
+            .light_line_style(RGBColor(235, 235, 235))
             .y_desc("fraction of fsyncs")
             .label_style(("sans-serif", 12))
             .draw()?;
@@ -434,26 +440,37 @@ fn cdf(r: &Results, path: &Path) -> Result<(), DynErr> {
 }
 
 fn cost(r: &Results, path: &Path) -> Result<(), DynErr> {
-    // One group per workload (its largest point), one bar per system.
-    let mut groups: Vec<(String, Vec<&Run>)> = Vec::new();
+    // One group per workload (its point with the most sync pressure), one bar
+    // per system: provisioning cost per 1,000 app ops/s relative to the
+    // reference system (kernel ext4 with JBD2, as in the paper).
+    let reference = if r.runs.iter().any(|x| x.system == "ext4") {
+        "ext4".to_string()
+    } else {
+        r.runs.first().map(|x| x.system.clone()).unwrap_or_default()
+    };
+    let mut groups: Vec<(String, Vec<&Run>, f64)> = Vec::new();
     let mut seen: Vec<&str> = Vec::new();
     for x in r.runs.iter().filter(|x| x.pass == "mount" && x.ok()) {
         if seen.contains(&x.workload.as_str()) {
             continue;
         }
         seen.push(&x.workload);
-        let maxx = r
+        let Some(v) = super::report::cost_variant(r, &x.workload) else {
+            continue;
+        };
+        let runs: Vec<&Run> = r
             .runs
             .iter()
-            .filter(|y| y.pass == "mount" && y.ok() && y.workload == x.workload)
-            .map(|y| y.x)
-            .fold(f64::MIN, f64::max);
-        let v: Vec<&Run> = r
-            .runs
-            .iter()
-            .filter(|y| y.pass == "mount" && y.ok() && y.workload == x.workload && y.x == maxx)
+            .filter(|y| y.pass == "mount" && y.ok() && y.workload == x.workload && y.variant == v)
             .collect();
-        groups.push((format!("{} {}", x.workload, v[0].variant), v));
+        let base = runs
+            .iter()
+            .find(|y| y.system == reference)
+            .map(|y| y.cost.per_kops_usd)
+            .unwrap_or(0.0);
+        if base > 0.0 {
+            groups.push((format!("{} {}", x.workload, v), runs, base));
+        }
     }
     let systems: Vec<String> = r
         .systems
@@ -467,22 +484,25 @@ fn cost(r: &Results, path: &Path) -> Result<(), DynErr> {
         .collect();
     let ymax = groups
         .iter()
-        .flat_map(|(_, v)| v.iter().map(|x| x.cost.per_kops_usd))
-        .fold(0.01, f64::max)
+        .flat_map(|(_, v, base)| v.iter().map(move |x| x.cost.per_kops_usd / base))
+        .fold(1.0, f64::max)
         * 1.15;
     let root = BitMapBackend::new(path, (1400, 620)).into_drawing_area();
     root.fill(&WHITE)?;
     let ng = groups.len().max(1);
     let mut chart = ChartBuilder::on(&root)
         .caption(
-            "Provisioned IOPS + bandwidth cost per 1,000 application ops/s (USD/month, p95, each workload's largest point)",
+            format!(
+                "Provisioned IOPS + MB/s cost per 1,000 application ops/s, relative to {}",
+                label(r, &reference, "mount")
+            ),
             ("sans-serif", 18),
         )
         .margin(10)
         .x_label_area_size(40)
         .y_label_area_size(64)
         .build_cartesian_2d(0f64..ng as f64, 0f64..ymax)?;
-    let names: Vec<String> = groups.iter().map(|(n, _)| n.clone()).collect();
+    let names: Vec<String> = groups.iter().map(|(n, _, _)| n.clone()).collect();
     chart
         .configure_mesh()
         .disable_x_mesh()
@@ -495,9 +515,14 @@ fn cost(r: &Results, path: &Path) -> Result<(), DynErr> {
                 String::new()
             }
         })
-        .y_desc("USD / month per 1,000 ops/s")
+        .y_label_formatter(&|v| format!("{v:.1}x"))
+        .y_desc("cost relative to the reference (1.0)")
         .label_style(("sans-serif", 11))
         .draw()?;
+    chart.draw_series(std::iter::once(PathElement::new(
+        vec![(0.0, 1.0), (ng as f64, 1.0)],
+        BLACK.stroke_width(1),
+    )))?;
     let ns = systems.len().max(1) as f64;
     let bw = 0.8 / ns;
     for (si, sys) in systems.iter().enumerate() {
@@ -505,11 +530,11 @@ fn cost(r: &Results, path: &Path) -> Result<(), DynErr> {
         let bars: Vec<Rectangle<(f64, f64)>> = groups
             .iter()
             .enumerate()
-            .filter_map(|(gi, (_, v))| {
+            .filter_map(|(gi, (_, v, base))| {
                 v.iter().find(|x| &x.system == sys).map(|x| {
                     let x0 = gi as f64 + 0.1 + si as f64 * bw;
                     Rectangle::new(
-                        [(x0, 0.0), (x0 + bw * 0.9, x.cost.per_kops_usd)],
+                        [(x0, 0.0), (x0 + bw * 0.9, x.cost.per_kops_usd / base)],
                         c.filled(),
                     )
                 })
