@@ -30,7 +30,7 @@ enum Cmd {
         /// Mount point.
         dir: PathBuf,
         /// Mount options: ro, rw, commit=N, writeback_cache, allow_other,
-        /// nofast_commit, fc_data_csum (comma-separated; may be repeated).
+        /// fast_commit, nofast_commit, fc_data_csum (comma-separated; may be repeated).
         #[arg(short = 'o', value_name = "OPTS")]
         options: Vec<String>,
         /// Stay in the foreground instead of daemonizing.

@@ -154,8 +154,10 @@ pub struct MountOptions {
     pub read_only: bool,
     /// Seconds between automatic commits (`-o commit=N`).
     pub commit_interval: u32,
-    /// Use fast commits on images with the `fast_commit` feature (`-o
-    /// nofast_commit` turns them off).
+    /// Write fast commits on images with the `fast_commit` feature (`-o
+    /// fast_commit`). Off by default until the crash harness passes with fast
+    /// commits: a known bug can lose an fsync (see the fast-commit issue notes).
+    /// Replaying fast commits found at mount is always on.
     pub fast_commit: bool,
 }
 
@@ -164,7 +166,7 @@ impl Default for MountOptions {
         MountOptions {
             read_only: false,
             commit_interval: 5,
-            fast_commit: true,
+            fast_commit: false,
         }
     }
 }

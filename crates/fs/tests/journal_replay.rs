@@ -344,7 +344,11 @@ fn open_unlinked_file_is_freed_after_crash() {
 fn fc_crash_kernel_replay(bs: &str) {
     let _k = kernel_lock();
     let img = mkfs("fcreplay", 64, &["-b", bs, "-O", "fast_commit"]);
-    let fs = Fs::open_path(&img.path, MountOptions::default()).unwrap();
+    let opts = MountOptions {
+        fast_commit: true,
+        ..Default::default()
+    };
+    let fs = Fs::open_path(&img.path, opts).unwrap();
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap();
     fs.fsync(d.ino, false).unwrap(); // full commit (mkdir is ineligible)
     for i in 0..40u32 {

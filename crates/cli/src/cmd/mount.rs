@@ -27,6 +27,8 @@ pub struct MountCmdOptions {
     pub allow_other: bool,
     /// `nofast_commit`: full JBD2 commits only, even on `fast_commit` images.
     pub no_fast_commit: bool,
+    /// `fast_commit`: write fast commits (off by default for now, see README).
+    pub fast_commit: bool,
     /// `fc_data_csum`: accepted; takes effect with the fast-commit writer.
     pub fc_data_csum: bool,
 }
@@ -39,6 +41,7 @@ impl Default for MountCmdOptions {
             writeback_cache: false,
             allow_other: false,
             no_fast_commit: false,
+            fast_commit: false,
             fc_data_csum: false,
         }
     }
@@ -59,6 +62,7 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             "writeback_cache" => o.writeback_cache = true,
             "allow_other" => o.allow_other = true,
             "nofast_commit" => o.no_fast_commit = true,
+            "fast_commit" => o.fast_commit = true,
             "fc_data_csum" => o.fc_data_csum = true,
             // Always on / the default anyway.
             "defaults" | "default_permissions" | "async" | "dev" | "suid" | "exec" => {}
@@ -76,7 +80,7 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                 } else {
                     bail!(
                         "unknown mount option {opt:?} (supported: ro, rw, commit=N, \
-                         writeback_cache, allow_other, nofast_commit, fc_data_csum)"
+                         writeback_cache, allow_other, fast_commit, nofast_commit, fc_data_csum)"
                     );
                 }
             }
@@ -171,7 +175,7 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         MountOptions {
             read_only: o.read_only,
             commit_interval: o.commit,
-            fast_commit: !o.no_fast_commit,
+            fast_commit: o.fast_commit && !o.no_fast_commit,
         },
     )
     .map_err(|e| anyhow!("cannot mount {}: {e}", req.image.display()))?;
