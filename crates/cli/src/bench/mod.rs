@@ -504,9 +504,12 @@ impl Bench {
             commitfs::device::FileDevice::open(&dev.dev, false)
                 .map_err(|e| anyhow!("library pass: open {}: {e}", dev.dev.display()))?,
         );
-        let fs = commitfs::Fs::open(d, commitfs::MountOptions::default())
+        let opts = commitfs::MountOptions {
+            fast_commit: mode.mount_opts.split(',').any(|o| o == "fast_commit"),
+            ..Default::default()
+        };
+        let fs = commitfs::Fs::open(d, opts)
             .map_err(|e| anyhow!("library pass: mount: {e}"))?;
-        let _ = mode; // mount options of the mode map to MountOptions when they exist
         for w in wl.iter().filter(|w| workloads::builtin(w)) {
             for p in workloads::plan(w, self.scale) {
                 self.pb

@@ -41,7 +41,7 @@ pub fn commitfs_modes() -> Vec<CommitfsMode> {
             id: "commitfs-fc",
             label: "commitfs (fast_commit)",
             mkfs_features: "fast_commit",
-            mount_opts: "",
+            mount_opts: "fast_commit",
             expects_fast_commit: true,
         },
     ]
