@@ -508,8 +508,7 @@ impl Bench {
             fast_commit: mode.mount_opts.split(',').any(|o| o == "fast_commit"),
             ..Default::default()
         };
-        let fs = commitfs::Fs::open(d, opts)
-            .map_err(|e| anyhow!("library pass: mount: {e}"))?;
+        let fs = commitfs::Fs::open(d, opts).map_err(|e| anyhow!("library pass: mount: {e}"))?;
         for w in wl.iter().filter(|w| workloads::builtin(w)) {
             for p in workloads::plan(w, self.scale) {
                 self.pb
