@@ -112,7 +112,22 @@ impl KernelMount {
 
 impl Drop for KernelMount {
     fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.dir).status();
+        // Retry a busy umount, then detach lazily: a mount must never outlive the test.
+        let mut ok = false;
+        for _ in 0..20 {
+            if Command::new("umount")
+                .arg(&self.dir)
+                .status()
+                .is_ok_and(|s| s.success())
+            {
+                ok = true;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        if !ok {
+            let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+        }
         let _ = std::fs::remove_dir(&self.dir);
         // The loop device detaches asynchronously after umount; wait for it so a
         // following e2fsck does not see the image as mounted.
