@@ -253,9 +253,13 @@ impl Inner {
         let dentries: Vec<DentryOp> = self.fc.dentries.iter().map(|(_, d)| d.clone()).collect();
         for d in &dentries {
             if let DentryOp::Creat { ino, .. } = d {
-                // Kernel order (§9.4 step 3): INODE, its ranges, then the dentry.
+                // Kernel order (§9.4 step 3): INODE, then the dentry — before
+                // *every* CREAT, not only the first one of an inode: a number freed
+                // and reused within one fast commit (unlink f1; create f2 gets the
+                // same ino; unlink f2; create f3) is dropped by the UNLINK replay
+                // and must be brought back before the next CREAT can link it.
+                records.push(self.fc_inode_record(*ino)?);
                 if created.insert(*ino) {
-                    records.push(self.fc_inode_record(*ino)?);
                     let range = self.fc.inodes.get(ino).and_then(|t| t.range);
                     if let Some(r) = range {
                         self.fc_range_records(*ino, r, &mut records)?;

@@ -154,11 +154,15 @@ pub struct MountOptions {
     pub read_only: bool,
     /// Seconds between automatic commits (`-o commit=N`).
     pub commit_interval: u32,
-    /// Write fast commits on images with the `fast_commit` feature (`-o
-    /// fast_commit`). Off by default until the crash harness passes with fast
-    /// commits: a known bug can lose an fsync (see the fast-commit issue notes).
-    /// Replaying fast commits found at mount is always on.
+    /// Write fast commits on images with the `fast_commit` feature (on by
+    /// default, like the kernel; `-o nofast_commit` turns it off). Replaying fast
+    /// commits found at mount is always on.
     pub fast_commit: bool,
+    /// `-o fc_data_csum` (commitfs extension, docs/FORMAT.md): fast commits carry
+    /// CRC32C checksums of the data ranges they map, so data and log go out under
+    /// one flush. While mounted this way the image carries an incompat feature bit
+    /// the kernel does not know, so it refuses such logs; a clean unmount clears it.
+    pub fc_data_csum: bool,
 }
 
 impl Default for MountOptions {
@@ -166,7 +170,8 @@ impl Default for MountOptions {
         MountOptions {
             read_only: false,
             commit_interval: 5,
-            fast_commit: false,
+            fast_commit: true,
+            fc_data_csum: false,
         }
     }
 }

@@ -505,7 +505,7 @@ impl Bench {
                 .map_err(|e| anyhow!("library pass: open {}: {e}", dev.dev.display()))?,
         );
         let opts = commitfs::MountOptions {
-            fast_commit: mode.mount_opts.split(',').any(|o| o == "fast_commit"),
+            fast_commit: !mode.mount_opts.split(',').any(|o| o == "nofast_commit"),
             ..Default::default()
         };
         let fs = commitfs::Fs::open(d, opts).map_err(|e| anyhow!("library pass: mount: {e}"))?;
