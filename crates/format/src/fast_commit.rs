@@ -36,6 +36,22 @@ pub const TAG_TAIL: u16 = 0x0008;
 /// `EXT4_FC_TAG_HEAD`.
 pub const TAG_HEAD: u16 = 0x0009;
 
+/// commitfs extension `DATA_CSUM` (docs/FORMAT.md, `-o fc_data_csum`): CRC32C of
+/// the data in `pblk..pblk+len` (file blocks `lblk..`) as the fsync left it. Only
+/// valid on images with [`crate::superblock::INCOMPAT_COMMITFS_FC_DATA_CSUM`]; the
+/// kernel's scan rejects the tag, which is why that incompat bit exists.
+pub const TAG_DATA_CSUM: u16 = 0x8001;
+/// Value length of DATA_CSUM: `ino`, `lblk`, `len`, `pblk` (u64), `crc`.
+pub const DATA_CSUM_LEN: usize = 24;
+
+/// CRC32C of data blocks for DATA_CSUM: register seeded with `!0`, as the ext4
+/// metadata checksums (ext4-format.md §1.3), over the bytes of the whole range.
+pub fn data_crc(crc: u32, bytes: &[u8]) -> u32 {
+    crc32c_raw(crc, bytes)
+}
+/// Seed of [`data_crc`].
+pub const DATA_CRC_SEED: u32 = !0;
+
 /// Tag + length header of every TLV (`EXT4_FC_TAG_BASE_LEN`, §9.2).
 pub const TL_LEN: usize = 4;
 /// Value length of ADD_RANGE: `fc_ino` + a 12-byte `ext4_extent`.
@@ -114,6 +130,15 @@ pub enum Tlv<'a> {
         lblk: u32,
         len: u32,
     },
+    /// commitfs extension [`TAG_DATA_CSUM`]: the data of `pblk..pblk+len` (mapped
+    /// at `lblk..` of `ino`) has CRC `crc` ([`data_crc`] from [`DATA_CRC_SEED`]).
+    DataCsum {
+        ino: u32,
+        lblk: u32,
+        len: u32,
+        pblk: u64,
+        crc: u32,
+    },
     Creat(Dentry<'a>),
     Link(Dentry<'a>),
     Unlink(Dentry<'a>),
@@ -143,6 +168,7 @@ impl<'a> Tlv<'a> {
             Tlv::Head { .. } => TAG_HEAD,
             Tlv::AddRange { .. } => TAG_ADD_RANGE,
             Tlv::DelRange { .. } => TAG_DEL_RANGE,
+            Tlv::DataCsum { .. } => TAG_DATA_CSUM,
             Tlv::Creat(_) => TAG_CREAT,
             Tlv::Link(_) => TAG_LINK,
             Tlv::Unlink(_) => TAG_UNLINK,
@@ -158,6 +184,7 @@ impl<'a> Tlv<'a> {
             Tlv::Head { .. } => HEAD_LEN,
             Tlv::AddRange { .. } => ADD_RANGE_LEN,
             Tlv::DelRange { .. } => DEL_RANGE_LEN,
+            Tlv::DataCsum { .. } => DATA_CSUM_LEN,
             Tlv::Creat(d) | Tlv::Link(d) | Tlv::Unlink(d) => DENTRY_FIXED_LEN + d.name.len(),
             Tlv::Inode { raw, .. } => INODE_FIXED_LEN + raw.len(),
             Tlv::Pad { len } => *len as usize,
@@ -173,7 +200,10 @@ impl<'a> Tlv<'a> {
     /// The inode the record is about (0 for HEAD, PAD, TAIL).
     pub fn ino(&self) -> u32 {
         match self {
-            Tlv::AddRange { ino, .. } | Tlv::DelRange { ino, .. } | Tlv::Inode { ino, .. } => *ino,
+            Tlv::AddRange { ino, .. }
+            | Tlv::DelRange { ino, .. }
+            | Tlv::DataCsum { ino, .. }
+            | Tlv::Inode { ino, .. } => *ino,
             Tlv::Creat(d) | Tlv::Link(d) | Tlv::Unlink(d) => d.ino,
             _ => 0,
         }
@@ -197,6 +227,19 @@ impl<'a> Tlv<'a> {
                 unwritten,
             },
             Tlv::DelRange { ino, lblk, len } => Tlv::DelRange { ino, lblk, len },
+            Tlv::DataCsum {
+                ino,
+                lblk,
+                len,
+                pblk,
+                crc,
+            } => Tlv::DataCsum {
+                ino,
+                lblk,
+                len,
+                pblk,
+                crc,
+            },
             Tlv::Creat(d) => Tlv::Creat(d.into_owned()),
             Tlv::Link(d) => Tlv::Link(d.into_owned()),
             Tlv::Unlink(d) => Tlv::Unlink(d.into_owned()),
@@ -286,6 +329,20 @@ impl<'a> Tlv<'a> {
                 put_le32(v, 4, *lblk);
                 put_le32(v, 8, *len);
             }
+            Tlv::DataCsum {
+                ino,
+                lblk,
+                len,
+                pblk,
+                crc,
+            } => {
+                put_le32(v, 0, *ino);
+                put_le32(v, 4, *lblk);
+                put_le32(v, 8, *len);
+                put_le32(v, 12, *pblk as u32);
+                put_le32(v, 16, (*pblk >> 32) as u32);
+                put_le32(v, 20, *crc);
+            }
             Tlv::Creat(d) | Tlv::Link(d) | Tlv::Unlink(d) => {
                 put_le32(v, 0, d.parent);
                 put_le32(v, 4, d.ino);
@@ -343,6 +400,20 @@ pub fn decode(buf: &[u8], inode_size: usize) -> Result<(Tlv<'_>, usize), FcError
             need: TL_LEN + len,
             have: buf.len(),
         });
+    }
+    if tag == TAG_DATA_CSUM {
+        if len != DATA_CSUM_LEN {
+            return Err(FcError::BadLength { tag, len });
+        }
+        let v = &buf[TL_LEN..TL_LEN + len];
+        let tlv = Tlv::DataCsum {
+            ino: le32(v, 0),
+            lblk: le32(v, 4),
+            len: le32(v, 8),
+            pblk: le32(v, 12) as u64 | (le32(v, 16) as u64) << 32,
+            crc: le32(v, 20),
+        };
+        return Ok((tlv, TL_LEN + len));
     }
     if !value_len_valid(tag, len, inode_size) {
         return Err(if (TAG_ADD_RANGE..=TAG_HEAD).contains(&tag) {
@@ -611,11 +682,62 @@ impl FcScan {
         }
     }
 
-    /// Records that change the file system (no HEAD, PAD, TAIL).
+    /// Records that change the file system (no HEAD, PAD, TAIL, DATA_CSUM).
     pub fn replayable(&self) -> impl Iterator<Item = &Tlv<'static>> {
-        self.tags
+        self.tags.iter().filter(|t| {
+            !matches!(
+                t,
+                Tlv::Head { .. } | Tlv::Pad { .. } | Tlv::Tail { .. } | Tlv::DataCsum { .. }
+            )
+        })
+    }
+
+    /// Index in [`Self::tags`] where the last valid commit starts.
+    fn last_commit_start(&self) -> usize {
+        let tails: Vec<usize> = self
+            .tags
             .iter()
-            .filter(|t| !matches!(t, Tlv::Head { .. } | Tlv::Pad { .. } | Tlv::Tail { .. }))
+            .enumerate()
+            .filter(|(_, t)| matches!(t, Tlv::Tail { .. }))
+            .map(|(i, _)| i)
+            .collect();
+        match tails.len() {
+            0 => self.tags.len(),
+            1 => 0,
+            n => tails[n - 2] + 1,
+        }
+    }
+
+    /// DATA_CSUM records of the last valid commit. Only those need checking: a later
+    /// commit is written after the earlier one's flush completed, so its presence
+    /// proves the earlier data durable (docs/FORMAT.md, fc_data_csum).
+    pub fn last_commit_data_csums(&self) -> Vec<(u64, u32, u32)> {
+        self.tags[self.last_commit_start()..]
+            .iter()
+            .filter_map(|t| match t {
+                Tlv::DataCsum { pblk, len, crc, .. } => Some((*pblk, *len, *crc)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Forget the last valid commit (its data did not all reach the disk, so the
+    /// fsync that wrote it never returned). Recomputes [`Self::in_use`].
+    pub fn drop_last_commit(&mut self) {
+        if self.commits == 0 {
+            return;
+        }
+        let start = self.last_commit_start();
+        self.tags.truncate(start);
+        self.commits -= 1;
+        self.in_use = self
+            .tags
+            .iter()
+            .filter_map(|t| match t {
+                Tlv::AddRange { pblk, len, .. } => Some((*pblk, *len)),
+                _ => None,
+            })
+            .collect();
     }
 }
 
@@ -632,6 +754,10 @@ pub struct FcScanner {
     pending_ranges: Vec<(u64, u32)>,
     scan: FcScan,
     done: bool,
+    /// Accept commitfs's DATA_CSUM records (the image has
+    /// `INCOMPAT_COMMITFS_FC_DATA_CSUM`); otherwise they end the scan like any tag
+    /// the kernel does not know.
+    data_csum: bool,
 }
 
 impl FcScanner {
@@ -653,7 +779,14 @@ impl FcScanner {
                 end: ScanEnd::AreaExhausted,
             },
             done: false,
+            data_csum: false,
         }
+    }
+
+    /// Accept DATA_CSUM records (see [`TAG_DATA_CSUM`]).
+    pub fn with_data_csum(mut self, on: bool) -> FcScanner {
+        self.data_csum = on;
+        self
     }
 
     fn stop(&mut self, end: ScanEnd) -> bool {
@@ -690,6 +823,13 @@ impl FcScanner {
                 }
             };
             let bytes = &block[cur..cur + total];
+            if matches!(tlv, Tlv::DataCsum { .. }) && !self.data_csum {
+                return self.stop(ScanEnd::BadRecord {
+                    block: off,
+                    offset: cur,
+                    error: FcError::UnknownTag(TAG_DATA_CSUM),
+                });
+            }
             match tlv {
                 Tlv::Head { features, tid } => {
                     if features & !SUPPORTED_FEATURES != 0 {

@@ -102,6 +102,12 @@ pub const INCOMPAT_LARGEDIR: u32 = 0x4000;
 pub const INCOMPAT_INLINE_DATA: u32 = 0x8000;
 pub const INCOMPAT_ENCRYPT: u32 = 0x10000;
 pub const INCOMPAT_CASEFOLD: u32 = 0x20000;
+/// commitfs extension (docs/FORMAT.md): the fast-commit area may hold commits whose
+/// data went out under the same flush as the log, guarded by DATA_CSUM records the
+/// kernel does not know. Set while mounted with `-o fc_data_csum`, cleared by a clean
+/// unmount, so the kernel and e2fsck refuse the image until commitfs has replayed it.
+/// The top bit keeps clear of the kernel's allocations, which grow from the bottom.
+pub const INCOMPAT_COMMITFS_FC_DATA_CSUM: u32 = 0x8000_0000;
 
 // Read-only compat features.
 pub const RO_COMPAT_SPARSE_SUPER: u32 = 0x0001;
@@ -160,6 +166,11 @@ pub const FEATURE_NAMES: &[(FeatureKind, u32, &str)] = &[
     (FeatureKind::Incompat, INCOMPAT_INLINE_DATA, "inline_data"),
     (FeatureKind::Incompat, INCOMPAT_ENCRYPT, "encrypt"),
     (FeatureKind::Incompat, INCOMPAT_CASEFOLD, "casefold"),
+    (
+        FeatureKind::Incompat,
+        INCOMPAT_COMMITFS_FC_DATA_CSUM,
+        "commitfs_fc_data_csum",
+    ),
     (
         FeatureKind::RoCompat,
         RO_COMPAT_SPARSE_SUPER,

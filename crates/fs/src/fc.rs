@@ -34,14 +34,17 @@ pub enum FcReason {
     NonRegularSetattr,
     /// Unlink of an open file: the orphan list is not expressible.
     Orphan,
-    /// A single tag larger than a block, or the fast-commit area is full.
+    /// A single tag larger than a block, or a log larger than the whole area.
     LogTooBig,
+    /// The fast-commit area has no room left for this log (kernel: the area
+    /// fills and `jbd2_fc_get_buf` fails): a full commit empties it.
+    AreaFull,
     /// No full commit since the journal was opened (§8.9 rule 4).
     NoFullCommitYet,
 }
 
 impl FcReason {
-    pub const ALL: [FcReason; 9] = [
+    pub const ALL: [FcReason; 10] = [
         FcReason::Xattr,
         FcReason::CrossRename,
         FcReason::RenameDir,
@@ -50,6 +53,7 @@ impl FcReason {
         FcReason::NonRegularSetattr,
         FcReason::Orphan,
         FcReason::LogTooBig,
+        FcReason::AreaFull,
         FcReason::NoFullCommitYet,
     ];
     pub fn name(self) -> &'static str {
@@ -62,6 +66,7 @@ impl FcReason {
             FcReason::NonRegularSetattr => "non_regular_setattr",
             FcReason::Orphan => "orphan",
             FcReason::LogTooBig => "log_too_big",
+            FcReason::AreaFull => "area_full",
             FcReason::NoFullCommitYet => "no_full_commit_yet",
         }
     }
@@ -126,6 +131,9 @@ pub struct FcStats {
     pub ineligible: BTreeMap<&'static str, u64>,
     /// Fast commits skipped because a full commit had covered them meanwhile.
     pub skipped: u64,
+    /// `fc_data_csum`: empty fast commits written before an in-place overwrite of
+    /// a block the last commit's DATA_CSUM covers.
+    pub confirms: u64,
 }
 
 #[derive(Default)]
@@ -136,6 +144,21 @@ pub struct FcTracker {
     dentries: Vec<(u32, DentryOp)>,
     next_version: u64,
     pub stats: FcStats,
+    protect: FcProtect,
+}
+
+/// `fc_data_csum`: file blocks named by DATA_CSUM records of the fast commit that
+/// is (or is about to become) the last one in the log. Recovery checks that
+/// commit's data against its checksums, so those blocks must not be overwritten in
+/// place until a later commit follows it in the log (docs/FORMAT.md).
+#[derive(Default)]
+struct FcProtect {
+    /// Transaction of the protecting fast commits; once it has fully committed the
+    /// fast-commit area is stale and nothing is protected.
+    tid: u32,
+    /// `(ino, lblk, len, serial)`; `serial` numbers the fast commit.
+    ranges: Vec<(u32, u32, u32, u64)>,
+    next_serial: u64,
 }
 
 /// What an fsync should do.
@@ -157,6 +180,8 @@ pub enum FcPlan {
 pub struct FcLogged {
     inodes: Vec<(u32, u64)>,
     dentries: usize,
+    /// Serial of its DATA_CSUM protection (`fc_data_csum`), if any.
+    serial: Option<u64>,
 }
 
 impl FcTracker {
@@ -290,9 +315,15 @@ impl Inner {
             }
             records.push(self.fc_inode_record(*ino)?);
         }
+        let serial = if self.fc_data_csum {
+            Some(self.fc_add_data_csums(tid, &mut records)?)
+        } else {
+            None
+        };
         let logged = FcLogged {
             inodes: inos.iter().map(|(i, _, v)| (*i, *v)).collect(),
             dentries: dentries.len(),
+            serial,
         };
         Ok(FcPlan::Fast {
             tid,
@@ -304,6 +335,11 @@ impl Inner {
     /// A fast commit covering `logged` is durable: forget those changes (later
     /// fast commits of the same transaction carry only what changed since).
     pub fn fc_logged(&mut self, logged: &FcLogged) {
+        if let Some(s) = logged.serial {
+            // This commit now follows every earlier one in the log: their data is
+            // proven durable by its presence, only its own blocks stay protected.
+            self.fc.protect.ranges.retain(|r| r.3 >= s);
+        }
         for (ino, v) in &logged.inodes {
             if self.fc.inodes.get(ino).is_some_and(|t| t.version == *v) {
                 self.fc.inodes.remove(ino);
@@ -313,12 +349,79 @@ impl Inner {
         self.fc.dentries.drain(..n);
     }
 
+    /// Append a DATA_CSUM record for every written ADD_RANGE in `records` (CRC of
+    /// the blocks as they are on the device now: data is written at `write` time)
+    /// and protect those blocks under a new serial, which is returned.
+    fn fc_add_data_csums(&mut self, tid: u32, records: &mut Vec<FcRecord>) -> Result<u64> {
+        let mut csums = Vec::new();
+        let mut ranges = Vec::new();
+        for r in records.iter() {
+            if let Tlv::AddRange {
+                ino,
+                lblk,
+                len,
+                pblk,
+                unwritten: false,
+            } = r
+            {
+                let crc = commitfs_journal::data_range_crc(&*self.dev, self.bs, *pblk, *len)?
+                    .ok_or_else(|| crate::error::FsError::corrupt("ADD_RANGE beyond the device"))?;
+                csums.push(Tlv::DataCsum {
+                    ino: *ino,
+                    lblk: *lblk,
+                    len: *len,
+                    pblk: *pblk,
+                    crc,
+                });
+                ranges.push((*ino, *lblk, *len));
+            }
+        }
+        records.extend(csums);
+        let p = &mut self.fc.protect;
+        if p.tid != tid {
+            p.ranges.clear();
+            p.tid = tid;
+        }
+        p.next_serial += 1;
+        let s = p.next_serial;
+        p.ranges
+            .extend(ranges.into_iter().map(|(i, l, n)| (i, l, n, s)));
+        Ok(s)
+    }
+
+    /// `fc_data_csum`: the transaction whose last fast commit protects a block of
+    /// `ino` in `lo..hi` (file blocks), if any — writing there in place first needs
+    /// [`Self::fc_protect_confirmed`] after a confirming commit.
+    pub fn fc_protect_hit(&mut self, ino: u32, lo: u64, hi: u64) -> Option<u32> {
+        let p = &mut self.fc.protect;
+        if p.ranges.is_empty() {
+            return None;
+        }
+        if self.journal.is_committed(p.tid) {
+            p.ranges.clear();
+            return None;
+        }
+        p.ranges
+            .iter()
+            .any(|&(i, l, n, _)| i == ino && (l as u64) < hi && lo < l as u64 + n as u64)
+            .then_some(p.tid)
+    }
+
+    /// Every fast commit written so far is followed by a later commit (or a full
+    /// commit): nothing is protected any more.
+    pub fn fc_protect_confirmed(&mut self) {
+        self.fc.protect.ranges.clear();
+    }
+
     fn fc_inode_record(&mut self, ino: u32) -> Result<FcRecord> {
         let i = self.read_inode(ino)?;
+        // The whole on-disk inode, in-inode xattr area included (the kernel's
+        // writer stops at 128 + i_extra_isize; both replayers accept up to
+        // s_inode_size and copy what the record holds). With the short form a
+        // reused inode number got back the in-inode xattrs of the freed inode that
+        // last had it: replay copies the record over the stale on-disk inode.
         let mut buf = vec![0u8; self.inode_size];
         i.serialize(&mut buf, ino, &self.csum);
-        let n = (128 + i.extra_isize as usize).min(buf.len());
-        buf.truncate(n);
         Ok(Tlv::Inode {
             ino,
             raw: Cow::Owned(buf),

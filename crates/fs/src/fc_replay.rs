@@ -126,13 +126,15 @@ impl Inner {
         }
         let dev = self.dev.clone();
         commitfs_journal::hold_log_for_fast_commits(&*dev, map, self.bs, end_tid)?;
-        let scan = commitfs_journal::read_fast_commits(
+        let scan = commitfs_journal::read_fast_commits_with(
             &*dev,
             map,
             self.bs,
             before,
             self.inode_size,
             end_tid,
+            self.sb
+                .has_incompat(commitfs_format::superblock::INCOMPAT_COMMITFS_FC_DATA_CSUM),
         )?
         .ok_or_else(|| FsError::corrupt("fast-commit area vanished"))?;
         if scan.kernel_error() {
@@ -247,7 +249,7 @@ impl Inner {
             Tlv::Creat(d) => self.fc_creat(h, st, d),
             Tlv::Link(d) => self.fc_link_tag(h, d),
             Tlv::Unlink(d) => self.fc_unlink(h, d),
-            Tlv::Head { .. } | Tlv::Pad { .. } | Tlv::Tail { .. } => Ok(()),
+            Tlv::Head { .. } | Tlv::Pad { .. } | Tlv::Tail { .. } | Tlv::DataCsum { .. } => Ok(()),
         }
     }
 

@@ -38,7 +38,8 @@ const SUPPORTED_INCOMPAT: u32 = sbf::INCOMPAT_FILETYPE
     | sbf::INCOMPAT_64BIT
     | sbf::INCOMPAT_FLEX_BG
     | sbf::INCOMPAT_CSUM_SEED
-    | sbf::INCOMPAT_LARGEDIR;
+    | sbf::INCOMPAT_LARGEDIR
+    | sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM;
 /// Read-only compat features we maintain correctly when writing.
 const SUPPORTED_RO_COMPAT: u32 = sbf::RO_COMPAT_SPARSE_SUPER
     | sbf::RO_COMPAT_LARGE_FILE
@@ -78,6 +79,8 @@ pub(crate) struct Inner {
     /// Fast-commit tracking (`fc.rs`); `fc_enabled` once the log writes fast commits.
     pub fc: crate::fc::FcTracker,
     pub fc_enabled: bool,
+    /// `-o fc_data_csum` in effect (fast commits on, read-write).
+    pub fc_data_csum: bool,
     /// File data was written since the last flush we know of (selective flushing).
     pub data_dirty: std::sync::atomic::AtomicBool,
     /// Per-group hint: first inode bit that may be free.
@@ -186,6 +189,7 @@ impl Inner {
             pending_free: Default::default(),
             fc: Default::default(),
             fc_enabled: false,
+            fc_data_csum: false,
             data_dirty: Default::default(),
             inode_hint: vec![0; groups as usize],
             last_dir_group: 0,
@@ -209,6 +213,15 @@ impl Inner {
                 // (§2.4, §8.11).
                 sb.set_feature_incompat(sb.feature_incompat() | sbf::INCOMPAT_RECOVER);
             }
+            // fc_data_csum logs may exist exactly while mounted with the option
+            // (recovery above already replayed any left by a crash): the kernel and
+            // e2fsck must refuse the image meanwhile (docs/FORMAT.md).
+            let f = sb.feature_incompat() & !sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM;
+            sb.set_feature_incompat(if inner.fc_data_csum {
+                f | sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM
+            } else {
+                f
+            });
             sb.set_mnt_count(sb.mnt_count().wrapping_add(1));
             sb.set_mtime(coarse_secs());
             inner.sb = sb;
@@ -314,6 +327,7 @@ impl Inner {
         };
         self.journal = Arc::new(Journal::open_log(self.dev.clone(), self.bs, map, opts)?);
         self.fc_enabled = opts.use_fast_commit;
+        self.fc_data_csum = self.fc_enabled && self.opts.fc_data_csum;
         Ok(())
     }
 
@@ -536,8 +550,10 @@ impl Inner {
         // needs_recovery in the home superblock (§8.11 clean unmount).
         self.sync()?;
         self.journal.close()?;
-        self.sb
-            .set_feature_incompat(self.sb.feature_incompat() & !sbf::INCOMPAT_RECOVER);
+        self.sb.set_feature_incompat(
+            self.sb.feature_incompat()
+                & !(sbf::INCOMPAT_RECOVER | sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM),
+        );
         self.refresh_super_counts();
         self.write_super_direct()
     }

@@ -124,8 +124,19 @@ impl Fs {
 
     /// Run `f`; on ENOSPC while blocks freed by uncommitted transactions exist,
     /// commit (making them reusable) and retry once, like ext4's retry-alloc.
-    fn retry_nospace<T>(&self, mut f: impl FnMut(&mut Inner) -> Result<T>) -> Result<T> {
-        let first = f(&mut self.inner.lock());
+    fn retry_nospace<T>(&self, f: impl FnMut(&mut Inner) -> Result<T>) -> Result<T> {
+        self.retry_nospace_guarded(None, f)
+    }
+
+    /// [`Self::retry_nospace`] for an operation that may overwrite data of
+    /// `guard.0` in place at file blocks `guard.1(inner)` (`fc_data_csum`: see
+    /// [`Self::lock_guarded`]).
+    fn retry_nospace_guarded<T>(
+        &self,
+        guard: Option<(Ino, &dyn Fn(&mut Inner) -> Result<(u64, u64)>)>,
+        mut f: impl FnMut(&mut Inner) -> Result<T>,
+    ) -> Result<T> {
+        let first = f(&mut *self.lock_guarded(guard)?);
         if !matches!(first, Err(FsError::NoSpace)) {
             return first;
         }
@@ -137,7 +148,59 @@ impl Fs {
             g.journal.clone()
         };
         j.commit()?;
-        f(&mut self.inner.lock())
+        f(&mut *self.lock_guarded(guard)?)
+    }
+
+    /// Lock the file system for an operation that may overwrite blocks of `ino`
+    /// in place in the file-block span `span(inner)`. With `fc_data_csum`, a block
+    /// named by a DATA_CSUM record of the last fast commit must keep its content
+    /// until a later commit follows (recovery verifies the last commit's data, and
+    /// a mismatch would drop a commit whose fsync returned): append a confirming
+    /// empty fast commit first. The check and the operation run under one lock
+    /// hold, so no fast commit can protect the span in between.
+    fn lock_guarded(
+        &self,
+        guard: Option<(Ino, &dyn Fn(&mut Inner) -> Result<(u64, u64)>)>,
+    ) -> Result<parking_lot::MutexGuard<'_, Inner>> {
+        loop {
+            let mut g = self.inner.lock();
+            let Some((ino, span)) = guard else {
+                return Ok(g);
+            };
+            if !g.fc_data_csum {
+                return Ok(g);
+            }
+            let (lo, hi) = span(&mut g)?;
+            let Some(tid) = g.fc_protect_hit(ino, lo, hi) else {
+                return Ok(g);
+            };
+            drop(g);
+            self.fc_confirm(tid)?;
+        }
+    }
+
+    /// Make every fast commit of `tid` written so far non-final (see
+    /// [`Self::lock_guarded`]): a lone TAIL with FUA in the fast-commit area, or a
+    /// full commit when the area is full or `tid` is already committing.
+    fn fc_confirm(&self, tid: u32) -> Result<()> {
+        // No fast commit is between plan and write while this is held.
+        let _fcl = self.fc_lock.lock();
+        let (j, bs) = {
+            let g = self.inner.lock();
+            (g.journal.clone(), g.bs)
+        };
+        if !j.is_committed(tid) {
+            let tail = commitfs_format::fast_commit::FcPacker::new(bs, tid, false)
+                .map_err(|e| FsError::corrupt(format!("fast-commit packer: {e}")))?
+                .finish();
+            if j.fc_confirm(tid, &tail.blocks)? {
+                self.inner.lock().fc.stats.confirms += 1;
+            } else {
+                self.sync()?;
+            }
+        }
+        self.inner.lock().fc_protect_confirmed();
+        Ok(())
     }
 
     /// Commit early when the running transaction has grown large.
@@ -280,7 +343,17 @@ impl Fs {
     }
 
     pub fn setattr(&self, ino: Ino, set: &SetAttr) -> Result<Attr> {
-        let a = self.inner.lock().setattr(ino, set)?;
+        let a = match set.size {
+            // A truncate zeroes the tail of the new last block in place.
+            Some(new) => {
+                let span = move |g: &mut Inner| -> Result<(u64, u64)> {
+                    let size = g.read_inode(ino)?.size;
+                    Ok((new.min(size) / g.bs64(), u64::MAX))
+                };
+                self.lock_guarded(Some((ino, &span)))?.setattr(ino, set)?
+            }
+            None => self.inner.lock().setattr(ino, set)?,
+        };
         self.maybe_commit()?;
         Ok(a)
     }
@@ -410,13 +483,23 @@ impl Fs {
     }
 
     pub fn write(&self, ino: Ino, offset: u64, data: &[u8]) -> Result<usize> {
-        let n = self.retry_nospace(|g| g.write(ino, offset, data))?;
+        let end = offset.saturating_add(data.len() as u64);
+        let span = move |g: &mut Inner| -> Result<(u64, u64)> {
+            let size = g.read_inode(ino)?.size;
+            Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
+        };
+        let n = self.retry_nospace_guarded(Some((ino, &span)), |g| g.write(ino, offset, data))?;
         self.maybe_commit()?;
         Ok(n)
     }
 
     pub fn fallocate(&self, ino: Ino, offset: u64, len: u64, flags: FallocFlags) -> Result<()> {
-        self.retry_nospace(|g| g.fallocate(ino, offset, len, flags))?;
+        let end = offset.saturating_add(len);
+        let span = move |g: &mut Inner| -> Result<(u64, u64)> {
+            let size = g.read_inode(ino)?.size;
+            Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
+        };
+        self.retry_nospace_guarded(Some((ino, &span)), |g| g.fallocate(ino, offset, len, flags))?;
         self.maybe_commit()
     }
 
@@ -501,19 +584,29 @@ impl Fs {
                         .filter(|s| s.0 == tid)
                         .and_then(|(_, head, free)| fc::pack(&records, tid, head, g.bs, free));
                     let Some(blocks) = packed else {
-                        g.fc_count_ineligible(fc::FcReason::LogTooBig);
-                        g.fc_ineligible(fc::FcReason::LogTooBig, tid);
+                        // Would it fit an empty area? Then the area is just full.
+                        let r = match fc::pack(&records, tid, true, g.bs, g.journal.fc_capacity()) {
+                            Some(_) => fc::FcReason::AreaFull,
+                            None => fc::FcReason::LogTooBig,
+                        };
+                        g.fc_count_ineligible(r);
+                        g.fc_ineligible(r, tid);
                         drop(g);
                         return self.sync();
                     };
                     let data = g
                         .data_dirty
                         .swap(false, std::sync::atomic::Ordering::Relaxed);
-                    (g.journal.clone(), tid, blocks, data, logged)
+                    let mode = if g.fc_data_csum {
+                        commitfs_journal::FcFlush::Together
+                    } else {
+                        commitfs_journal::FcFlush::Ordered { flush_first: data }
+                    };
+                    (g.journal.clone(), tid, blocks, mode, logged)
                 }
             }
         };
-        let wrote = j.fast_commit(tid, &blocks, flush)?;
+        let wrote = j.fast_commit_mode(tid, &blocks, flush)?;
         let mut g = self.inner.lock();
         let st = &mut g.fc.stats;
         if wrote {

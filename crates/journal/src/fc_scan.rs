@@ -24,7 +24,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use commitfs_device::{BlockDevice, IoCategory};
 use commitfs_format::bytes::put_be32;
-use commitfs_format::fast_commit::{FcScan, FcScanner};
+use commitfs_format::fast_commit::{self, FcScan, FcScanner};
 use commitfs_format::jbd2::{self, JournalSuperblock};
 use commitfs_format::jbd2_log::{self, Tag, TAG_ESCAPE};
 
@@ -69,10 +69,28 @@ pub fn read_fast_commits(
     inode_size: usize,
     expected_tid: u32,
 ) -> Result<Option<FcScan>> {
+    read_fast_commits_with(dev, map, bs, jsb, inode_size, expected_tid, false)
+}
+
+/// [`read_fast_commits`] on an image with commitfs's `fc_data_csum` incompat bit
+/// (`data_csum`): DATA_CSUM records are accepted, and the last valid commit is
+/// dropped when the data it names does not match its checksums — its data and log
+/// went out under one flush that never completed, so its fsync never returned.
+/// Earlier commits need no check: each later commit was written only after the
+/// earlier one's flush completed.
+pub fn read_fast_commits_with(
+    dev: &dyn BlockDevice,
+    map: &JournalMap,
+    bs: usize,
+    jsb: &JournalSuperblock,
+    inode_size: usize,
+    expected_tid: u32,
+    data_csum: bool,
+) -> Result<Option<FcScan>> {
     let Some(area) = fc_area(jsb) else {
         return Ok(None);
     };
-    let mut scanner = FcScanner::new(inode_size, expected_tid);
+    let mut scanner = FcScanner::new(inode_size, expected_tid).with_data_csum(data_csum);
     let mut buf = vec![0u8; bs];
     for off in 0..area.blocks {
         let j = area.first + off;
@@ -84,7 +102,51 @@ pub fn read_fast_commits(
             break;
         }
     }
-    Ok(Some(scanner.finish()))
+    let mut scan = scanner.finish();
+    if data_csum {
+        for (pblk, len, want) in scan.last_commit_data_csums() {
+            let got = data_range_crc(dev, bs, pblk, len)?;
+            if got != Some(want) {
+                tracing::warn!(
+                    "fast commit {} of tid {expected_tid}: data blocks {pblk}+{len} do not \
+                     match their DATA_CSUM (crc {got:?}, logged {want:#010x}); the commit's \
+                     fsync never completed, dropping it",
+                    scan.commits
+                );
+                scan.drop_last_commit();
+                break;
+            }
+        }
+    }
+    Ok(Some(scan))
+}
+
+/// [`commitfs_format::fast_commit::data_crc`] of device blocks `pblk..pblk+len`;
+/// `None` when the range is outside the device (a corrupt record: never matches).
+pub fn data_range_crc(
+    dev: &dyn BlockDevice,
+    bs: usize,
+    pblk: u64,
+    len: u32,
+) -> Result<Option<u32>> {
+    let end = pblk
+        .checked_add(len as u64)
+        .and_then(|e| e.checked_mul(bs as u64));
+    if end.is_none_or(|e| e > dev.size()) {
+        return Ok(None);
+    }
+    let mut crc = fast_commit::DATA_CRC_SEED;
+    let mut buf = vec![0u8; bs * 64];
+    let mut b = pblk;
+    let end_blk = pblk + len as u64;
+    while b < end_blk {
+        let n = ((end_blk - b) as usize).min(64);
+        let chunk = &mut buf[..n * bs];
+        dev.read_at(b * bs as u64, chunk, IoCategory::Data)?;
+        crc = fast_commit::data_crc(crc, chunk);
+        b += n as u64;
+    }
+    Ok(Some(crc))
 }
 
 fn write_jsb(

@@ -35,10 +35,10 @@ use commitfs_format::FormatError;
 use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub use fc_scan::{
-    commit_fast_commit_replay, fc_area, finish_fast_commit_recovery, hold_log_for_fast_commits,
-    read_fast_commits, FcArea,
+    commit_fast_commit_replay, data_range_crc, fc_area, finish_fast_commit_recovery,
+    hold_log_for_fast_commits, read_fast_commits, read_fast_commits_with, FcArea,
 };
-pub use log::{JournalMap, LogOptions};
+pub use log::{FcFlush, JournalMap, LogOptions};
 pub use recovery::{read_superblock, recover, scan, RecoveryReport};
 
 /// Errors of the journal layer.
@@ -496,10 +496,20 @@ impl Journal {
         l.lock().fc_slot()
     }
 
+    /// Blocks of the whole fast-commit area (0 without one).
+    pub fn fc_capacity(&self) -> u32 {
+        self.log.as_ref().map_or(0, |l| l.lock().fc_capacity())
+    }
+
     /// Write a fast commit built for transaction `tid` (TLV blocks, the last one
     /// holding the TAIL). Returns `false` without writing when `tid` is no longer
     /// running: a full commit has made everything it described durable already.
     pub fn fast_commit(&self, tid: u32, blocks: &[Vec<u8>], flush_first: bool) -> Result<bool> {
+        self.fast_commit_mode(tid, blocks, FcFlush::Ordered { flush_first })
+    }
+
+    /// [`Self::fast_commit`] with an explicit flush discipline (see [`FcFlush`]).
+    pub fn fast_commit_mode(&self, tid: u32, blocks: &[Vec<u8>], mode: FcFlush) -> Result<bool> {
         let Some(l) = &self.log else {
             return Err(JournalError::BadJournal("no journal log".into()));
         };
@@ -508,10 +518,32 @@ impl Journal {
             return Ok(false);
         }
         let mut st = l.lock();
-        st.fc_write(&*self.dev, blocks, flush_first)?;
+        st.fc_write(&*self.dev, blocks, mode)?;
         self.fc_commits.fetch_add(1, Ordering::Relaxed);
         self.fc_blocks
             .fetch_add(blocks.len() as u64, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// `fc_data_csum`: make the last fast commit of `tid` (whose data checksums
+    /// recovery would verify) final before one of its data blocks is overwritten in
+    /// place, by appending an empty fast commit (a lone TAIL) with FUA. No-op when a
+    /// full commit has superseded `tid` or nothing is in the area. Returns whether
+    /// it wrote.
+    pub fn fc_confirm(&self, tid: u32, block: &[u8]) -> Result<bool> {
+        let Some(l) = &self.log else {
+            return Ok(false);
+        };
+        let _c = self.commit_lock.lock();
+        if self.tx.running.lock().tid != tid {
+            return Ok(false);
+        }
+        let mut st = l.lock();
+        if !st.fc_has_room(1) || !st.fc_started() {
+            return Ok(false);
+        }
+        st.fc_write(&*self.dev, &[block.to_vec()], FcFlush::Fua)?;
+        self.fc_blocks.fetch_add(1, Ordering::Relaxed);
         Ok(true)
     }
 

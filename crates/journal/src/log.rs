@@ -463,7 +463,7 @@ impl LogState {
         &mut self,
         dev: &dyn BlockDevice,
         blocks: &[Vec<u8>],
-        flush_first: bool,
+        mode: FcFlush,
     ) -> Result<()> {
         let n = blocks.len() as u32;
         if n == 0 || self.fc_first + self.fc_off + n > self.fc_end {
@@ -487,17 +487,48 @@ impl LogState {
             dev.write_at(p0 * self.bs as u64, &run, IoCategory::FastCommit, false)?;
             i = k;
         }
-        if flush_first || !body.is_empty() {
-            dev.flush()?;
-        }
         let jt = start + n - 1;
         let pt = self
             .map
             .phys(jt)
             .ok_or_else(|| JournalError::BadJournal(format!("journal block {jt} not mapped")))?;
-        dev.write_at(pt * self.bs as u64, &tail[0], IoCategory::FastCommit, true)?;
+        match mode {
+            FcFlush::Ordered { flush_first } => {
+                // Data and earlier blocks durable before the TAIL block (§9.4): a
+                // flush only when there is something to order, then the TAIL as FUA.
+                if flush_first || !body.is_empty() {
+                    dev.flush()?;
+                }
+                dev.write_at(pt * self.bs as u64, &tail[0], IoCategory::FastCommit, true)?;
+            }
+            FcFlush::Fua => {
+                dev.write_at(pt * self.bs as u64, &tail[0], IoCategory::FastCommit, true)?;
+            }
+            FcFlush::Together => {
+                // fc_data_csum: DATA_CSUM records let recovery tell a complete
+                // commit from one whose data was lost, so data, body and TAIL need
+                // no order among themselves: one flush makes them all durable.
+                dev.write_at(pt * self.bs as u64, &tail[0], IoCategory::FastCommit, false)?;
+                dev.flush()?;
+            }
+        }
         self.fc_off += n;
         Ok(())
+    }
+
+    /// Blocks of the whole fast-commit area.
+    pub fn fc_capacity(&self) -> u32 {
+        self.fc_end.saturating_sub(self.fc_first)
+    }
+
+    /// Whether `n` more blocks fit the fast-commit area.
+    pub fn fc_has_room(&self, n: u32) -> bool {
+        self.fc_first + self.fc_off + n <= self.fc_end
+    }
+
+    /// Whether the area holds a fast commit since the last full commit.
+    pub fn fc_started(&self) -> bool {
+        self.fc_off > 0
     }
 
     /// Clean close: checkpoint and leave `s_start = 0`, `s_sequence` past every tid
@@ -513,4 +544,16 @@ impl LogState {
         let seq = next_tid.max(self.next_tid).wrapping_add(1);
         self.write_sb(dev, 0, seq, true)
     }
+}
+
+/// How a fast commit reaches stable storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FcFlush {
+    /// The kernel's discipline: flush first (when data was written since the last
+    /// flush, or the commit has more than one block), then the TAIL block with FUA.
+    Ordered { flush_first: bool },
+    /// The TAIL block with FUA and no flush (everything it depends on is durable).
+    Fua,
+    /// Every block without FUA, then a single flush (`fc_data_csum`).
+    Together,
 }

@@ -76,6 +76,7 @@ pub fn stats_json(fs: &Fs) -> Value {
             "single_block_fraction": if fc.commits == 0 { 0.0 } else { fc.single_block as f64 / fc_commits },
             "avg_commit_us": if fc.commits == 0 { 0.0 } else { fc.total_ns as f64 / fc_commits / 1000.0 },
             "skipped": fc.skipped,
+            "data_csum_confirms": fc.confirms,
             "ineligible": fc.ineligible,
         },
     })

@@ -1,0 +1,364 @@
+//! `-o fc_data_csum` (docs/FORMAT.md): fast commits carry CRC32C of the data they
+//! map, data and log go out under one flush, the image carries an incompat bit the
+//! kernel refuses while such logs may exist, and recovery drops a last commit whose
+//! data did not reach the disk — but never one whose fsync returned, even when its
+//! blocks were overwritten in place afterwards.
+
+use std::process::Command;
+use std::sync::Arc;
+
+use commitfs_device::{BlockDevice, DeviceRef, IoCategory, MemDevice};
+use commitfs_format::superblock::{self as sbf, Superblock};
+use commitfs_fs::testutil::{assert_fsck_clean, fsck, mkfs};
+use commitfs_fs::{Fs, MountOptions, ROOT_INO};
+
+const BS: usize = 4096;
+
+fn csum_opts() -> MountOptions {
+    MountOptions {
+        commit_interval: 0,
+        fc_data_csum: true,
+        ..Default::default()
+    }
+}
+
+/// A fresh 4 KiB-block fast_commit image in memory.
+fn fresh() -> Arc<MemDevice> {
+    // A 256-block fast-commit area, so the fsync loops below never fill it.
+    let img = mkfs(
+        "fcdc",
+        64,
+        &[
+            "-b",
+            "4096",
+            "-O",
+            "fast_commit",
+            "-J",
+            "size=16,fast_commit_size=1",
+        ],
+    );
+    Arc::new(MemDevice::from_file(&img.path).unwrap())
+}
+
+/// Fast commits need a full commit since mount (ext4-format.md §8.9): make one.
+fn prime(fs: &Fs) {
+    fs.mkdir(ROOT_INO, b"primer", 0o755, 0, 0).unwrap();
+    fs.sync().unwrap();
+}
+
+fn incompat(image: &[u8]) -> u32 {
+    let mut raw = [0u8; sbf::SUPERBLOCK_SIZE];
+    let off = sbf::SUPERBLOCK_OFFSET as usize;
+    raw.copy_from_slice(&image[off..off + sbf::SUPERBLOCK_SIZE]);
+    Superblock::parse(&raw).unwrap().feature_incompat()
+}
+
+/// Mount a crash image with defaults (recovery), list `(name, size, content)` of
+/// the root's regular files, unmount cleanly, and return the final image.
+fn recover(image: Vec<u8>) -> (Vec<(String, u64, Vec<u8>)>, Vec<u8>) {
+    let mem = Arc::new(MemDevice::from_vec(image));
+    let dev: DeviceRef = mem.clone();
+    let fs = Fs::open(
+        dev,
+        MountOptions {
+            commit_interval: 0,
+            ..Default::default()
+        },
+    )
+    .expect("recovery mount");
+    let mut names = Vec::new();
+    fs.readdir(ROOT_INO, 0, |e| {
+        names.push((e.name.clone(), e.ino));
+        true
+    })
+    .unwrap();
+    let mut files = Vec::new();
+    for (name, ino) in names {
+        let a = fs.getattr(ino).unwrap();
+        if a.kind != commitfs_fs::FileType::Regular {
+            continue;
+        }
+        let mut buf = vec![0u8; a.size as usize];
+        let n = fs.read(ino, 0, &mut buf).unwrap();
+        buf.truncate(n);
+        files.push((String::from_utf8_lossy(&name).into_owned(), a.size, buf));
+    }
+    files.sort();
+    fs.unmount().unwrap();
+    drop(fs);
+    (files, mem.contents())
+}
+
+fn write_image(tag: &str, image: &[u8]) -> commitfs_fs::testutil::TempImage {
+    let t = mkfs(tag, 1, &[]);
+    std::fs::write(&t.path, image).unwrap();
+    t
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| seed.wrapping_add((i % 251) as u8))
+        .collect()
+}
+
+#[test]
+fn one_flush_per_fsync_and_incompat_bit_while_mounted() {
+    let mem = fresh();
+    let dev: DeviceRef = mem.clone();
+    let fs = Fs::open(dev, csum_opts()).unwrap();
+    // While mounted with fc_data_csum the on-disk superblock carries the bit.
+    assert_ne!(
+        incompat(&mem.contents()) & sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM,
+        0,
+        "incompat bit not set on disk while mounted with fc_data_csum"
+    );
+    prime(&fs);
+    let n = 32;
+    let before = mem.stats().snapshot();
+    let fc0 = fs.fc_stats();
+    for i in 0..n {
+        let a = fs
+            .create(ROOT_INO, format!("f{i}").as_bytes(), 0o644, 0, 0)
+            .unwrap();
+        fs.write(a.ino, 0, &pattern(i as u8, BS)).unwrap();
+        fs.fsync(a.ino, false).unwrap();
+    }
+    let d = mem.stats().snapshot().since(&before);
+    let fc = fs.fc_stats();
+    assert_eq!(
+        fc.commits - fc0.commits,
+        n as u64,
+        "every fsync a fast commit: {fc:?}"
+    );
+    assert!(
+        fc.ineligible.values().sum::<u64>() == 0,
+        "{:?}",
+        fc.ineligible
+    );
+    assert_eq!(d.flushes, n as u64, "exactly one flush per fsync: {d:?}");
+    let fua: u64 = IoCategory::ALL
+        .iter()
+        .map(|c| d.category(*c).fua_writes)
+        .sum();
+    assert_eq!(fua, 0, "no FUA writes with fc_data_csum: {d:?}");
+    assert_eq!(d.journal.writes, 0, "no full commit: {d:?}");
+    assert_eq!(d.fast_commit.writes, n as u64, "one log block per fsync");
+    fs.unmount().unwrap();
+    drop(fs);
+    let img = mem.contents();
+    assert_eq!(
+        incompat(&img) & sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM,
+        0,
+        "a clean unmount clears the incompat bit"
+    );
+    let t = write_image("fcdc-clean", &img);
+    assert_fsck_clean(&t.path);
+}
+
+#[test]
+fn crash_image_is_refused_by_e2fsck_then_replayed_by_commitfs() {
+    let mem = fresh();
+    let dev: DeviceRef = mem.clone();
+    let fs = Fs::open(dev, csum_opts()).unwrap();
+    prime(&fs);
+    let a = fs.create(ROOT_INO, b"kept", 0o644, 0, 0).unwrap();
+    fs.write(a.ino, 0, &pattern(7, 3 * BS + 100)).unwrap();
+    fs.fsync(a.ino, false).unwrap();
+    assert_eq!(fs.fc_stats().commits, 1);
+    // Crash: every write so far reached the disk, nothing else happens.
+    let crash = mem.contents();
+    drop(fs);
+    assert_ne!(incompat(&crash) & sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM, 0);
+    let t = write_image("fcdc-crash", &crash);
+    let r = fsck(&t.path);
+    assert_ne!(
+        r.code, 0,
+        "e2fsck must refuse an image with fc_data_csum logs:\n{}",
+        r.output
+    );
+    assert!(
+        r.output.contains("unsupported feature") || r.output.contains("FEATURE_I31"),
+        "e2fsck should name the unsupported feature:\n{}",
+        r.output
+    );
+    let (files, after) = recover(crash);
+    assert_eq!(
+        files,
+        vec![(
+            "kept".to_string(),
+            3 * BS as u64 + 100,
+            pattern(7, 3 * BS + 100)
+        )]
+    );
+    assert_eq!(incompat(&after) & sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM, 0);
+    let t = write_image("fcdc-recovered", &after);
+    assert_fsck_clean(&t.path);
+}
+
+/// Find the device block holding `needle` (a whole block of file data).
+fn find_block(image: &[u8], needle: &[u8]) -> usize {
+    image
+        .chunks(BS)
+        .position(|c| c == needle)
+        .expect("data block on the device")
+}
+
+#[test]
+fn lost_data_drops_the_last_commit_only() {
+    let mem = fresh();
+    let dev: DeviceRef = mem.clone();
+    let fs = Fs::open(dev, csum_opts()).unwrap();
+    prime(&fs);
+    let a = fs.create(ROOT_INO, b"first", 0o644, 0, 0).unwrap();
+    fs.write(a.ino, 0, &pattern(1, BS)).unwrap();
+    fs.fsync(a.ino, false).unwrap();
+    let b = fs.create(ROOT_INO, b"second", 0o644, 0, 0).unwrap();
+    fs.write(b.ino, 0, &pattern(2, BS)).unwrap();
+    fs.fsync(b.ino, false).unwrap();
+    assert_eq!(fs.fc_stats().commits, 2);
+    let mut crash = mem.contents();
+    drop(fs);
+    // The second commit's data write "did not make it" (same flush as its log).
+    let blk2 = find_block(&crash, &pattern(2, BS));
+    crash[blk2 * BS..(blk2 + 1) * BS].fill(0);
+    let (files, after) = recover(crash.clone());
+    assert_eq!(
+        files,
+        vec![("first".to_string(), BS as u64, pattern(1, BS))],
+        "the second fast commit must be dropped, the first kept"
+    );
+    let t = write_image("fcdc-lost", &after);
+    assert_fsck_clean(&t.path);
+    // The first commit's data is never checked: a later commit proves it durable.
+    let blk1 = find_block(&crash, &pattern(1, BS));
+    crash[blk2 * BS..(blk2 + 1) * BS].copy_from_slice(&pattern(2, BS));
+    crash[blk1 * BS..(blk1 + 1) * BS].fill(0xEE);
+    let (files, _) = recover(crash);
+    let names: Vec<&str> = files.iter().map(|f| f.0.as_str()).collect();
+    assert_eq!(names, vec!["first", "second"]);
+}
+
+#[test]
+fn overwrite_after_fsync_confirms_first_and_keeps_the_fsync() {
+    let mem = fresh();
+    let dev: DeviceRef = mem.clone();
+    let fs = Fs::open(dev, csum_opts()).unwrap();
+    prime(&fs);
+    let a = fs.create(ROOT_INO, b"wal", 0o644, 0, 0).unwrap();
+    fs.write(a.ino, 0, &[1u8; 100]).unwrap();
+    fs.fsync(a.ino, false).unwrap();
+    // Append into the same block (not fsynced): its checksum in the last commit
+    // no longer matches, so commitfs must confirm the commit before writing.
+    let before = mem.stats().snapshot();
+    fs.write(a.ino, 100, &[2u8; 100]).unwrap();
+    let d = mem.stats().snapshot().since(&before);
+    let confirms = fs.fc_stats().confirms;
+    // A second overwrite needs no new confirmation.
+    fs.write(a.ino, 200, &[3u8; 100]).unwrap();
+    let confirms2 = fs.fc_stats().confirms;
+    let crash = mem.contents();
+    drop(fs);
+    let (files, after) = recover(crash);
+    assert_eq!(files.len(), 1, "the fsynced file survives: {files:?}");
+    assert_eq!(confirms, 1, "one confirming commit");
+    assert_eq!(d.fast_commit.fua_writes, 1, "{d:?}");
+    assert_eq!(confirms2, 1);
+    assert_eq!(files[0].0, "wal");
+    assert!(files[0].1 >= 100, "at least the fsynced 100 bytes");
+    assert_eq!(&files[0].2[..100], &[1u8; 100][..]);
+    let t = write_image("fcdc-wal", &after);
+    assert_fsck_clean(&t.path);
+}
+
+#[test]
+fn truncate_and_punch_of_protected_blocks_confirm_too() {
+    let mem = fresh();
+    let dev: DeviceRef = mem.clone();
+    let fs = Fs::open(dev, csum_opts()).unwrap();
+    prime(&fs);
+    let a = fs.create(ROOT_INO, b"t", 0o644, 0, 0).unwrap();
+    fs.write(a.ino, 0, &pattern(9, 2 * BS)).unwrap();
+    fs.fsync(a.ino, false).unwrap();
+    let set = commitfs_fs::SetAttr {
+        size: Some(BS as u64 + 10),
+        ..Default::default()
+    };
+    fs.setattr(a.ino, &set).unwrap();
+    assert_eq!(fs.fc_stats().confirms, 1);
+    // Rewriting blocks needs no confirmation now (the confirm made every commit so
+    // far non-final), and in-place overwrites of mapped blocks are not checksummed.
+    fs.write(a.ino, 0, &pattern(10, BS + 10)).unwrap();
+    fs.fsync(a.ino, false).unwrap();
+    fs.write(a.ino, 0, &pattern(11, 16)).unwrap();
+    assert_eq!(fs.fc_stats().confirms, 1);
+    // A newly mapped block is checksummed by the next fsync...
+    fs.write(a.ino, 2 * BS as u64, &pattern(12, BS)).unwrap();
+    fs.fsync(a.ino, false).unwrap();
+    // ...so punching inside it (zeroing part of it in place) confirms first.
+    fs.fallocate(
+        a.ino,
+        2 * BS as u64 + 5,
+        10,
+        commitfs_fs::FallocFlags {
+            keep_size: true,
+            punch_hole: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(fs.fc_stats().confirms, 2);
+    let crash = mem.contents();
+    drop(fs);
+    let (files, after) = recover(crash);
+    assert_eq!(files.len(), 1);
+    assert_eq!(files[0].1, 3 * BS as u64, "the fsynced size holds");
+    assert_eq!(&files[0].2[2 * BS..2 * BS + 5], &pattern(12, 5)[..]);
+    let t = write_image("fcdc-trunc", &after);
+    assert_fsck_clean(&t.path);
+}
+
+#[test]
+fn kernel_refuses_to_mount_while_logs_may_exist() {
+    let mem = fresh();
+    let dev: DeviceRef = mem.clone();
+    let fs = Fs::open(dev, csum_opts()).unwrap();
+    prime(&fs);
+    let a = fs.create(ROOT_INO, b"x", 0o644, 0, 0).unwrap();
+    fs.write(a.ino, 0, &pattern(3, BS)).unwrap();
+    fs.fsync(a.ino, false).unwrap();
+    let crash = mem.contents();
+    drop(fs);
+    let t = write_image("fcdc-kernel", &crash);
+    let dir = std::env::temp_dir().join(format!("commitfs-fcdc-mnt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // `mount -o loop` sets up and (on failure) tears down the loop device itself.
+    let out = Command::new("mount")
+        .args(["-t", "ext4", "-o", "loop"])
+        .arg(&t.path)
+        .arg(&dir)
+        .output()
+        .expect("run mount");
+    if out.status.success() {
+        let _ = Command::new("umount").arg(&dir).status();
+        let _ = std::fs::remove_dir(&dir);
+        panic!("the kernel mounted an image with fc_data_csum logs");
+    }
+    let _ = std::fs::remove_dir(&dir);
+    // After commitfs replays it, the kernel accepts it.
+    let (_, after) = recover(crash);
+    let t2 = write_image("fcdc-kernel2", &after);
+    std::fs::create_dir_all(&dir).unwrap();
+    let ok = Command::new("mount")
+        .args(["-t", "ext4", "-o", "loop,ro"])
+        .arg(&t2.path)
+        .arg(&dir)
+        .status()
+        .expect("run mount");
+    let listed = std::fs::read_dir(&dir)
+        .map(|d| d.filter_map(|e| e.ok()).count())
+        .unwrap_or(0);
+    let _ = Command::new("umount").arg(&dir).status();
+    let _ = std::fs::remove_dir(&dir);
+    assert!(ok.success(), "the kernel refused the recovered image");
+    assert!(listed >= 2, "x and lost+found visible to the kernel");
+}
