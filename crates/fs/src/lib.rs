@@ -32,6 +32,10 @@ pub use types::*;
 
 use inner::Inner;
 
+/// An operation that may overwrite data of an inode in place, and the file-block
+/// span `[lo, hi)` it may touch, computed under the lock (`fc_data_csum`).
+type OverwriteGuard<'a> = (Ino, &'a dyn Fn(&mut Inner) -> Result<(u64, u64)>);
+
 /// Counters reported by `commitfs stats`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stats {
@@ -133,7 +137,7 @@ impl Fs {
     /// [`Self::lock_guarded`]).
     fn retry_nospace_guarded<T>(
         &self,
-        guard: Option<(Ino, &dyn Fn(&mut Inner) -> Result<(u64, u64)>)>,
+        guard: Option<OverwriteGuard<'_>>,
         mut f: impl FnMut(&mut Inner) -> Result<T>,
     ) -> Result<T> {
         let first = f(&mut *self.lock_guarded(guard)?);
@@ -160,7 +164,7 @@ impl Fs {
     /// hold, so no fast commit can protect the span in between.
     fn lock_guarded(
         &self,
-        guard: Option<(Ino, &dyn Fn(&mut Inner) -> Result<(u64, u64)>)>,
+        guard: Option<OverwriteGuard<'_>>,
     ) -> Result<parking_lot::MutexGuard<'_, Inner>> {
         loop {
             let mut g = self.inner.lock();

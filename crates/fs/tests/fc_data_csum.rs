@@ -55,7 +55,10 @@ fn incompat(image: &[u8]) -> u32 {
 
 /// Mount a crash image with defaults (recovery), list `(name, size, content)` of
 /// the root's regular files, unmount cleanly, and return the final image.
-fn recover(image: Vec<u8>) -> (Vec<(String, u64, Vec<u8>)>, Vec<u8>) {
+/// `(name, size, content)` of each regular file in the root.
+type Files = Vec<(String, u64, Vec<u8>)>;
+
+fn recover(image: Vec<u8>) -> (Files, Vec<u8>) {
     let mem = Arc::new(MemDevice::from_vec(image));
     let dev: DeviceRef = mem.clone();
     let fs = Fs::open(
