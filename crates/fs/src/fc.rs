@@ -274,17 +274,30 @@ impl Inner {
             return Ok(FcPlan::Full(FcReason::NoFullCommitYet));
         }
         let mut records = Vec::new();
-        let mut created = std::collections::BTreeSet::new();
+        // Inodes whose ranges went out before their CREAT.
+        let mut ranged = std::collections::BTreeSet::new();
         let dentries: Vec<DentryOp> = self.fc.dentries.iter().map(|(_, d)| d.clone()).collect();
         for d in &dentries {
             if let DentryOp::Creat { ino, .. } = d {
+                // An inode freed since (created and unlinked within this window)
+                // gets neither INODE nor CREAT, as the kernel's writer drops the
+                // CREAT of an evicted inode (ext4_fc_del): the kernel's INODE replay
+                // refuses an inode without links (ext4_iget fails after the copy,
+                // recovery aborts with EFSCORRUPTED and the mount fails). Its UNLINK
+                // records stay and find no name to remove.
+                if self.read_inode(*ino)?.links_count == 0 {
+                    continue;
+                }
                 // Kernel order (§9.4 step 3): INODE, then the dentry — before
                 // *every* CREAT, not only the first one of an inode: a number freed
                 // and reused within one fast commit (unlink f1; create f2 gets the
                 // same ino; unlink f2; create f3) is dropped by the UNLINK replay
                 // and must be brought back before the next CREAT can link it.
+                // Its ranges go out once, here, like the kernel (whose range
+                // writer empties the inode's range once written): the per-inode
+                // pass below then logs only its final INODE.
                 records.push(self.fc_inode_record(*ino)?);
-                if created.insert(*ino) {
+                if ranged.insert(*ino) {
                     let range = self.fc.inodes.get(ino).and_then(|t| t.range);
                     if let Some(r) = range {
                         self.fc_range_records(*ino, r, &mut records)?;
@@ -310,8 +323,15 @@ impl Inner {
             if i.links_count == 0 {
                 continue;
             }
-            if let Some(r) = range {
-                self.fc_range_records(*ino, *r, &mut records)?;
+            if i.file_acl != 0 {
+                // The kernel's INODE replay recomputes i_blocks from the extent tree
+                // alone (ext4_ext_replay_set_iblocks), dropping the xattr block from
+                // the count: e2fsck then flags the inode ("i_blocks is N, should be
+                // N+1 block"), with the kernel's own fast commits too.
+                return Ok(FcPlan::Full(FcReason::Xattr));
+            }
+            if let Some(r) = range.filter(|_| !ranged.contains(ino)) {
+                self.fc_range_records(*ino, r, &mut records)?;
             }
             records.push(self.fc_inode_record(*ino)?);
         }
@@ -415,13 +435,26 @@ impl Inner {
 
     fn fc_inode_record(&mut self, ino: u32) -> Result<FcRecord> {
         let i = self.read_inode(ino)?;
-        // The whole on-disk inode, in-inode xattr area included (the kernel's
-        // writer stops at 128 + i_extra_isize; both replayers accept up to
-        // s_inode_size and copy what the record holds). With the short form a
-        // reused inode number got back the in-inode xattrs of the freed inode that
-        // last had it: replay copies the record over the stale on-disk inode.
+        // The kernel's writer logs 128 + i_extra_isize bytes; replay copies the
+        // record over the on-disk inode and keeps the rest (the in-inode xattr
+        // area). That is right when the area replay starts from already holds what
+        // the inode has now, and wrong for a reused inode number: it would get back
+        // the in-inode xattrs of the freed inode that last had it. So: the short
+        // form when every version replay could start from matches, else the whole
+        // on-disk inode (both replayers accept up to s_inode_size).
         let mut buf = vec![0u8; self.inode_size];
         i.serialize(&mut buf, ino, &self.csum);
+        let short = (128 + i.extra_isize as usize).min(buf.len());
+        if short < buf.len() {
+            let (blk, off) = self.inode_location(ino)?;
+            let bases = self.journal.replay_bases(blk)?;
+            let same = bases
+                .iter()
+                .all(|b| b.get(off + short..off + self.inode_size) == Some(&buf[short..]));
+            if same {
+                buf.truncate(short);
+            }
+        }
         Ok(Tlv::Inode {
             ino,
             raw: Cow::Owned(buf),

@@ -320,6 +320,30 @@ impl Journal {
         Ok(b)
     }
 
+    /// The versions of a metadata block that recovery could start from after a
+    /// crash now: the last committed version (if not yet home) and the home copy
+    /// (if the live version differs from it). Fast commits use this to tell which
+    /// bytes replay would leave as they are.
+    pub fn replay_bases(&self, blocknr: u64) -> Result<Vec<Vec<u8>>> {
+        let b = self.bread(blocknr)?;
+        let mut out = Vec::with_capacity(2);
+        if let Some(c) = b.committed.lock().as_ref() {
+            out.push(c.to_vec());
+        }
+        if b.is_dirty() {
+            let mut home = vec![0u8; self.block_size];
+            self.dev.read_at(
+                blocknr * self.block_size as u64,
+                &mut home,
+                IoCategory::Metadata,
+            )?;
+            out.push(home);
+        } else {
+            out.push(b.data().to_vec());
+        }
+        Ok(out)
+    }
+
     /// A buffer for a newly allocated metadata block: zero-filled, never read from
     /// the device (its old content is garbage by definition).
     pub fn getblk_zeroed(&self, blocknr: u64) -> Result<Arc<Buffer>> {
