@@ -600,13 +600,40 @@ impl FcPacker {
 
     /// Append the TAIL (tid, CRC over everything up to and including `fc_tid`) filling
     /// its block, and return the blocks.
-    pub fn finish(mut self) -> PackedCommit {
+    pub fn finish(self) -> PackedCommit {
+        self.finish_with(false)
+    }
+
+    /// Like [`Self::finish`], for a commit that ends in the last block of the
+    /// fast-commit area: a short TAIL (value 8 bytes) followed by a *stopper*, a
+    /// second TAIL whose tid is not the commit's, filling the block. Both
+    /// replayers keep asking for the next block after a valid TAIL and fail reading
+    /// past the area (ext4-format.md §9.6); the stopper ends the scan (and the
+    /// replay pass) inside the last block instead, as a successful stop.
+    pub fn finish_stopped(self) -> PackedCommit {
+        self.finish_with(true)
+    }
+
+    fn finish_with(mut self, stopper: bool) -> PackedCommit {
         let tail_total = TL_LEN + TAIL_LEN;
-        // A 12-byte record always fits a block of at least 64 bytes.
-        let at = self.reserve(tail_total).unwrap_or(0);
+        let reserve = if stopper { 2 * tail_total } else { tail_total };
+        // Two 12-byte records always fit a block of at least 64 bytes.
+        let at = self.reserve(reserve).unwrap_or(0);
         let base = self.buf.len() - self.bs;
         let p = base + at;
-        let fc_len = self.bs - at - TL_LEN;
+        let fc_len = if stopper {
+            TAIL_LEN
+        } else {
+            self.bs - at - TL_LEN
+        };
+        if stopper {
+            let q = p + tail_total;
+            let stop_len = self.bs - at - tail_total - TL_LEN;
+            put_le16(&mut self.buf, q, TAG_TAIL);
+            put_le16(&mut self.buf, q + 2, stop_len as u16);
+            put_le32(&mut self.buf, q + 4, !self.tid);
+            put_le32(&mut self.buf, q + 8, 0);
+        }
         put_le16(&mut self.buf, p, TAG_TAIL);
         put_le16(&mut self.buf, p + 2, fc_len as u16);
         put_le32(&mut self.buf, p + 4, self.tid);

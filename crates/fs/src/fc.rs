@@ -544,7 +544,13 @@ pub fn pack(
             return None;
         }
     }
-    let packed = p.finish();
+    // A commit may end in the area's last block only with a stopper (§9.6).
+    let plain = p.clone().finish();
+    let packed = if (plain.nblocks as u32) < free {
+        plain
+    } else {
+        p.finish_stopped()
+    };
     if packed.nblocks as u32 > free {
         return None;
     }

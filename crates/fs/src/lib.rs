@@ -194,10 +194,17 @@ impl Fs {
             (g.journal.clone(), g.bs)
         };
         if !j.is_committed(tid) {
-            let tail = commitfs_format::fast_commit::FcPacker::new(bs, tid, false)
-                .map_err(|e| FsError::corrupt(format!("fast-commit packer: {e}")))?
-                .finish();
-            if j.fc_confirm(tid, &tail.blocks)? {
+            // A lone TAIL where the next fast commit would go (with a stopper if
+            // that is the area's last block); no room: a full commit instead.
+            let block = match j.fc_slot() {
+                Some((t, false, free)) if t == tid => fc::pack(&[], tid, false, bs, free),
+                _ => None,
+            };
+            let wrote = match block {
+                Some(b) => j.fc_confirm(tid, &b[0])?,
+                None => false,
+            };
+            if wrote {
                 self.inner.lock().fc.stats.confirms += 1;
             } else {
                 self.sync()?;

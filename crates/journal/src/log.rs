@@ -205,12 +205,9 @@ impl LogState {
             fast_commit_bit: incompat & jbd2::INCOMPAT_FAST_COMMIT != 0,
             last_commit_sec: 0,
             fc_first,
-            // Never let a fast commit end in the last block (§9.6): keep it unused.
-            fc_end: if use_fc {
-                jsb.maxlen.saturating_sub(1)
-            } else {
-                fc_first
-            },
+            // The whole area, like the kernel; a commit ending in its last block
+            // carries a stopper (fast_commit::FcPacker::finish_stopped, §9.6).
+            fc_end: if use_fc { jsb.maxlen } else { fc_first },
             fc_off: 0,
             full_commits: 0,
             checkpoint: BTreeMap::new(),
