@@ -29,6 +29,11 @@ pub struct CrashtestArgs {
     /// commits where it can; recovery replays them).
     #[arg(long)]
     pub fast_commit: bool,
+    /// Record the workload mounted with -o fc_data_csum (fast commits carry
+    /// checksums of their data ranges; implies --fast-commit). Recovery mounts
+    /// with the defaults.
+    #[arg(long)]
+    pub fc_data_csum: bool,
     /// Save each failing crash image (before recovery) and a description here.
     #[arg(long, value_name = "DIR")]
     pub save_failures: Option<PathBuf>,
@@ -59,7 +64,8 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
         block_size: a.block_size,
         workers: a.jobs,
         torn_superblock: a.torn_superblock,
-        fast_commit: a.fast_commit,
+        fast_commit: a.fast_commit || a.fc_data_csum,
+        fc_data_csum: a.fc_data_csum,
     };
     let summary = commitfs_crashtest::run(&cfg).map_err(anyhow::Error::msg)?;
     for f in summary.failures.iter().take(10) {

@@ -6,9 +6,12 @@
 //! 2. Crash states are built from the device log ([`plan_states`]): every flush
 //!    boundary, plus random crash points where each write issued since the last
 //!    flush survives or not (optionally torn into 512-byte sectors).
-//! 3. Each state is mounted with commitfs (journal recovery) and checked
-//!    ([`check`]): e2fsck clean, the tree a snapshot within the crash window, no
-//!    stale or foreign data, and the file system still usable.
+//! 3. Each state is mounted with commitfs (journal recovery, then fast-commit
+//!    replay on `fast_commit` images) and checked ([`check`]): e2fsck clean, the
+//!    tree a snapshot within the crash window, no stale or foreign data, and the
+//!    file system still usable. What each state's fast-commit area offered
+//!    recovery is counted ([`jlog::fast_commit_scan`]): states that replayed fast
+//!    commits, and states whose area the kernel's recovery would refuse.
 //!
 //! This crate sits on top of everything; nothing in the file system depends on it.
 
@@ -29,7 +32,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 pub use check::{check_image, ScratchFile};
-pub use workload::{find, record, Recording, WorkloadSpec, WORKLOADS};
+pub use workload::{find, record, record_options, record_with, Recording, WorkloadSpec, WORKLOADS};
 
 /// A fresh image made once per block size and process: 16 MiB with 1 KiB blocks,
 /// 32 MiB with 4 KiB blocks (mkfs.ext4 defaults otherwise).
@@ -143,6 +146,10 @@ pub struct Config {
     pub torn_superblock: bool,
     /// Make the image with `-O fast_commit`.
     pub fast_commit: bool,
+    /// Record the workload mounted with `fc_data_csum` (fast commits carry
+    /// checksums of their data ranges; implies `fast_commit`). Recovery of the
+    /// crash states mounts with the defaults, as after a reboot.
+    pub fc_data_csum: bool,
 }
 
 impl Default for Config {
@@ -157,6 +164,7 @@ impl Default for Config {
             workers: 0,
             torn_superblock: false,
             fast_commit: false,
+            fc_data_csum: false,
         }
     }
 }
@@ -168,6 +176,30 @@ pub struct Failure {
     pub window: (usize, usize),
     pub message: String,
     pub saved: Option<PathBuf>,
+    /// What recovery found in the image's fast-commit area.
+    pub fc: FcFound,
+}
+
+/// What the fast-commit area of a crash image offered recovery
+/// ([`jlog::fast_commit_scan`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FcFound {
+    /// Valid fast commits (replayed by recovery).
+    pub commits: u32,
+    /// The kernel's scan would fail recovery (and the mount) on this area, e.g. a
+    /// HEAD of the expected tid with no valid TAIL after it (ext4-format.md §9.6).
+    /// Never set on `fc_data_csum` images (the kernel refuses those anyway: their
+    /// incompat bit).
+    pub kernel_error: bool,
+}
+
+/// One passed crash state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatePass {
+    /// The snapshot the recovered tree equalled.
+    pub j: usize,
+    /// What recovery found in the fast-commit area.
+    pub fc: FcFound,
 }
 
 /// Outcome of a run.
@@ -183,8 +215,16 @@ pub struct Summary {
     /// Metadata writes to home locations before the final unmount (checkpoints and
     /// the superblock written at mount).
     pub home_writes: usize,
+    /// Fast commits and full commits the recorded run wrote before unmount.
+    pub fast_commits: u64,
+    pub full_commits: u64,
     pub states: usize,
     pub torn_states: usize,
+    /// States whose recovery replayed at least one fast commit.
+    pub fc_replay_states: usize,
+    /// States whose fast-commit area the kernel's recovery would refuse
+    /// ([`FcFound::kernel_error`]; commitfs replays the valid prefix).
+    pub fc_kernel_error_states: usize,
     pub passed: usize,
     pub failures: Vec<Failure>,
     /// Distinct snapshots the recovered trees equalled.
@@ -197,7 +237,7 @@ impl std::fmt::Display for Summary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "crashtest workload={} states={} passed={} failed={} bs={} seed={} torn={} ops={} syncs={} log={} flushes={} home_writes={} snapshots_seen={} record={:.2}s check={:.2}s",
+            "crashtest workload={} states={} passed={} failed={} bs={} seed={} torn={} fc_replay_states={} fc_kernel_error_states={} ops={} syncs={} log={} flushes={} home_writes={} fast_commits={} full_commits={} snapshots_seen={} record={:.2}s check={:.2}s",
             self.workload,
             self.states,
             self.passed,
@@ -205,11 +245,15 @@ impl std::fmt::Display for Summary {
             self.block_size,
             self.seed,
             self.torn_states,
+            self.fc_replay_states,
+            self.fc_kernel_error_states,
             self.ops,
             self.syncs,
             self.log_len,
             self.flushes,
             self.home_writes,
+            self.fast_commits,
+            self.full_commits,
             self.distinct_snapshots,
             self.record_time.as_secs_f64(),
             self.check_time.as_secs_f64()
@@ -230,9 +274,13 @@ pub fn run(cfg: &Config) -> Result<Summary, String> {
                 .join(", ")
         )
     })?;
-    let base = base_image_with(cfg.block_size, cfg.fast_commit)?;
+    let base = base_image_with(cfg.block_size, cfg.fast_commit || cfg.fc_data_csum)?;
     let t0 = Instant::now();
-    let mut rec = record(spec, &base, cfg.seed)?;
+    let opts = commitfs_fs::MountOptions {
+        fc_data_csum: cfg.fc_data_csum,
+        ..record_options()
+    };
+    let mut rec = record_with(spec, &base, cfg.seed, opts)?;
     if cfg.torn_superblock {
         rec.log = rec.log.clone().with_atomic(Vec::new());
     }
@@ -243,13 +291,21 @@ pub fn run(cfg: &Config) -> Result<Summary, String> {
     let check_time = t1.elapsed();
     let mut failures = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
+    let (mut fc_replay_states, mut fc_kernel_error_states) = (0, 0);
     for r in results {
-        match r {
-            Ok(j) => {
-                seen.insert(j);
+        let fc = match r {
+            Ok(p) => {
+                seen.insert(p.j);
+                p.fc
             }
-            Err(f) => failures.push(f),
-        }
+            Err(f) => {
+                let fc = f.fc;
+                failures.push(f);
+                fc
+            }
+        };
+        fc_replay_states += usize::from(fc.commits > 0);
+        fc_kernel_error_states += usize::from(fc.kernel_error);
     }
     Ok(Summary {
         workload: spec.name.into(),
@@ -271,8 +327,12 @@ pub fn run(cfg: &Config) -> Result<Summary, String> {
                 )
             })
             .count(),
+        fast_commits: rec.fast_commits,
+        full_commits: rec.full_commits,
         states: states.len(),
         torn_states: states.iter().filter(|s| s.torn).count(),
+        fc_replay_states,
+        fc_kernel_error_states,
         passed: states.len() - failures.len(),
         failures,
         distinct_snapshots: seen.len(),
@@ -288,7 +348,7 @@ pub fn check_states(
     states: &[CrashSpec],
     workers: usize,
     save: Option<&Path>,
-) -> Vec<Result<usize, Failure>> {
+) -> Vec<Result<StatePass, Failure>> {
     let workers = if workers == 0 {
         std::thread::available_parallelism().map_or(2, |n| n.get())
     } else {
@@ -296,7 +356,8 @@ pub fn check_states(
     }
     .clamp(1, states.len().max(1));
     let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<usize, Failure>>>> = Mutex::new(vec![None; states.len()]);
+    let results: Mutex<Vec<Option<Result<StatePass, Failure>>>> =
+        Mutex::new(vec![None; states.len()]);
     std::thread::scope(|s| {
         for _ in 0..workers {
             s.spawn(|| {
@@ -327,9 +388,18 @@ fn check_one(
     scratch: &ScratchFile,
     buf: &mut Vec<u8>,
     save: Option<&Path>,
-) -> Result<usize, Failure> {
+) -> Result<StatePass, Failure> {
     mat.image_into(spec, buf);
     let img = std::mem::take(buf);
+    // What the fast-commit area offers recovery (for the counts; a scan error is
+    // for the check below to find).
+    let fc = jlog::fast_commit_scan(&img)
+        .ok()
+        .flatten()
+        .map_or(FcFound::default(), |(_, s)| FcFound {
+            commits: s.commits,
+            kernel_error: s.kernel_error() && !jlog::has_fc_data_csum(&img),
+        });
     let (lo, hi) = rec.window(spec.k);
     let keep = save.map(|_| img.clone());
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -348,10 +418,25 @@ fn check_one(
         Err(format!("panic during check: {msg}"))
     });
     match r {
-        Ok(p) => Ok(p.j),
+        Ok(p) => Ok(StatePass { j: p.j, fc }),
         Err(message) => {
             let saved = match (save, keep) {
-                (Some(dir), Some(img)) => save_failure(rec, spec, (lo, hi), &message, dir, &img),
+                (Some(dir), Some(img)) => save_failure(
+                    rec,
+                    spec,
+                    (lo, hi),
+                    &format!(
+                        "{message}\nfast-commit area: {} valid fast commit(s){}",
+                        fc.commits,
+                        if fc.kernel_error {
+                            " (the kernel would refuse it)"
+                        } else {
+                            ""
+                        }
+                    ),
+                    dir,
+                    &img,
+                ),
                 _ => None,
             };
             Err(Failure {
@@ -359,6 +444,7 @@ fn check_one(
                 window: (lo, hi),
                 message,
                 saved,
+                fc,
             })
         }
     }

@@ -266,6 +266,9 @@ pub struct Recording {
     /// Where the final clean unmount started in the log.
     pub unmount_start: usize,
     pub max_file_size: u64,
+    /// Fast commits and full JBD2 commits written before the final unmount.
+    pub fast_commits: u64,
+    pub full_commits: u64,
 }
 
 impl Recording {
@@ -311,18 +314,31 @@ fn lock(m: &std::sync::Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The mount options of a recording: read-write, no periodic commits (every
+/// commit comes from the workload), fast commits on where the image has them.
+pub fn record_options() -> MountOptions {
+    MountOptions {
+        read_only: false,
+        commit_interval: 0,
+        ..Default::default()
+    }
+}
+
 /// Run `spec` with `seed` on a copy of `base` and record everything.
 pub fn record(spec: &'static WorkloadSpec, base: &[u8], seed: u64) -> Result<Recording, String> {
+    record_with(spec, base, seed, record_options())
+}
+
+/// [`record`] with the workload's file system mounted with `opts` (e.g.
+/// `fc_data_csum`); recovery of the crash states always mounts with defaults.
+pub fn record_with(
+    spec: &'static WorkloadSpec,
+    base: &[u8],
+    seed: u64,
+    opts: MountOptions,
+) -> Result<Recording, String> {
     let dev = Arc::new(RecordingDevice::new(base.to_vec()));
-    let fs = Fs::open(
-        dev.clone(),
-        MountOptions {
-            read_only: false,
-            commit_interval: 0,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| format!("mount of the base image: {e}"))?;
+    let fs = Fs::open(dev.clone(), opts).map_err(|e| format!("mount of the base image: {e}"))?;
     let bs = fs.block_size() as usize;
     let root = observe::observe(&fs, u64::MAX)?;
     let root_meta = root.inodes[&ROOT_INO].0.clone();
@@ -398,6 +414,7 @@ pub fn record(spec: &'static WorkloadSpec, base: &[u8], seed: u64) -> Result<Rec
         compare_exact(&sh.model.tree, &obs, bs)
             .map_err(|e| format!("live tree differs from the model before any crash: {e}"))?;
     }
+    let js = fs.stats().journal;
     let unmount_start = dev.op_count();
     fs.unmount().map_err(|e| format!("unmount: {e}"))?;
     let mut sh = shared.into_inner().unwrap_or_else(|e| e.into_inner());
@@ -425,6 +442,8 @@ pub fn record(spec: &'static WorkloadSpec, base: &[u8], seed: u64) -> Result<Rec
         syncs: sh.syncs,
         unmount_start,
         max_file_size,
+        fast_commits: js.fc_commits,
+        full_commits: js.commits,
     })
 }
 

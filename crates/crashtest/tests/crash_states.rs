@@ -15,6 +15,7 @@ fn suite(workload: &str, states: usize, seed: u64, torn: bool, block_size: u32) 
         workers: 0,
         torn_superblock: false,
         fast_commit: false,
+        fc_data_csum: false,
     };
     let s = run(&cfg).unwrap_or_else(|e| panic!("{workload} seed {seed}: {e}"));
     println!("{s}");

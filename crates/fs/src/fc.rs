@@ -277,7 +277,16 @@ impl Inner {
         // Inodes whose ranges went out before their CREAT.
         let mut ranged = std::collections::BTreeSet::new();
         let dentries: Vec<DentryOp> = self.fc.dentries.iter().map(|(_, d)| d.clone()).collect();
-        for d in &dentries {
+        // The last CREAT of each inode number (collect keeps the last index).
+        let last_creat: BTreeMap<u32, usize> = dentries
+            .iter()
+            .enumerate()
+            .filter_map(|(k, d)| match d {
+                DentryOp::Creat { ino, .. } => Some((*ino, k)),
+                _ => None,
+            })
+            .collect();
+        for (k, d) in dentries.iter().enumerate() {
             if let DentryOp::Creat { ino, .. } = d {
                 // An inode freed since (created and unlinked within this window)
                 // gets neither INODE nor CREAT, as the kernel's writer drops the
@@ -293,11 +302,14 @@ impl Inner {
                 // and reused within one fast commit (unlink f1; create f2 gets the
                 // same ino; unlink f2; create f3) is dropped by the UNLINK replay
                 // and must be brought back before the next CREAT can link it.
-                // Its ranges go out once, here, like the kernel (whose range
-                // writer empties the inode's range once written): the per-inode
-                // pass below then logs only its final INODE.
+                // Its ranges go out once, like the kernel (whose range writer
+                // empties the inode's range once written): at its *last* CREAT,
+                // since replaying the UNLINK of an earlier incarnation frees what
+                // the inode maps then (create f2; unlink f2; create f3 reusing the
+                // number: ranges at f2's CREAT were lost, f3 read zeros). The
+                // per-inode pass below then logs only its final INODE.
                 records.push(self.fc_inode_record(*ino)?);
-                if ranged.insert(*ino) {
+                if last_creat.get(ino) == Some(&k) && ranged.insert(*ino) {
                     let range = self.fc.inodes.get(ino).and_then(|t| t.range);
                     if let Some(r) = range {
                         self.fc_range_records(*ino, r, &mut records)?;

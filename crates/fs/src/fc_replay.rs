@@ -38,6 +38,9 @@
 //!   e2fsck does, instead of failing the replay.
 //! * `i_blocks` also counts the xattr block, and is recomputed after the last
 //!   record for every touched inode (the kernel only at INODE records).
+//! * An INODE record shorter than the on-disk inode, for a number free on disk
+//!   (a new inode reusing it), clears the rest of the inode (the dead inode's
+//!   in-inode xattrs, which the kernel would hand to the new file).
 //! * A scan that the kernel would reject (§9.6) still replays its valid prefix.
 
 use std::collections::{BTreeMap, HashSet};
@@ -271,11 +274,22 @@ impl Inner {
             }
         }
         st.touch(ino);
+        // A number free on disk (deleted in a committed transaction or by an
+        // UNLINK replayed just before; the record is a new inode reusing it): the
+        // bytes past a short record are the dead inode's in-inode xattr area. The
+        // kernel keeps them and so resurrects its xattrs on the new file (its own
+        // writer logs 128 + i_extra_isize bytes); here they are cleared. A new
+        // inode never has in-inode xattrs a short record would lose: setting one
+        // makes the transaction ineligible, so the inode would exist on disk.
+        let free_on_disk = !self.fc_inode_bit(ino)?;
         let (blk, off) = self.inode_location(ino)?;
         let isz = self.inode_size;
         let mut rec = self.read_meta(blk)?.data()[off..off + isz].to_vec();
         rec[..I_BLOCK.start].copy_from_slice(&raw[..I_BLOCK.start]);
         rec[I_BLOCK.end..raw.len()].copy_from_slice(&raw[I_BLOCK.end..]);
+        if free_on_disk {
+            rec[raw.len()..].fill(0);
+        }
         let flags = le32(&rec, I_FLAGS);
         if flags & fi::FL_EXTENTS != 0 {
             if le16(&rec, I_BLOCK.start) != EXT_MAGIC {
@@ -688,6 +702,20 @@ impl Inner {
             b = gend;
         }
         Ok(flipped)
+    }
+
+    /// Whether the inode's bit is set in its group's inode bitmap (an
+    /// INODE_UNINIT group has none set).
+    fn fc_inode_bit(&mut self, ino: u32) -> Result<bool> {
+        let g = self.inode_group(ino);
+        let gd = self.gds[g as usize];
+        if gd.has_flag(BG_INODE_UNINIT) {
+            return Ok(false);
+        }
+        let bit = ((ino - 1) % self.ipg) as usize;
+        let b = self.read_meta(gd.inode_bitmap)?;
+        let d = b.data();
+        Ok(bitmap::test_bit(&d, bit))
     }
 
     /// The kernel's `ext4_mark_inode_used`: set the inode's bit, initialising an

@@ -185,6 +185,13 @@ impl Inner {
             }
             if unwritten {
                 self.ext_convert_written(h, ino, i, lblk, covered as u32)?;
+            }
+            // fc_data_csum: data and the fast commit share one flush, so a fast
+            // commit must name (ADD_RANGE, same mapping: a no-op at replay) and
+            // checksum every block written in place too. Otherwise a crash could
+            // keep the commit (its size change, a later append) and lose the
+            // overwritten bytes, e.g. the tail of the old last block on an append.
+            if unwritten || (self.fc_data_csum && !fresh) {
                 self.fc_track_inode(ino, h.tid(), Some((lblk, lblk as u64 + covered as u64)));
             }
             pos += span;

@@ -335,11 +335,15 @@ impl Inner {
         i.ctime = now();
         if i.links_count == 0 {
             if self.open_counts.get(&ino).copied().unwrap_or(0) > 0 {
-                // Still open: keep it, on the orphan list so a crash frees it.
+                // Still open: keep it, on the orphan list so a crash frees it. A
+                // fast commit stays possible, as in the kernel: it carries the
+                // UNLINK of the last name (the caller tracked it), whose replay
+                // drops the last link and frees the inode; the orphan list only
+                // matters to full commits. `fc_plan` logs no INODE or range of an
+                // inode without links (the kernel's replay refuses such an INODE).
                 self.write_inode(h, ino, &i)?;
                 self.orphan_add(h, ino)?;
                 self.unlinked_open.insert(ino);
-                self.fc_ineligible(FcReason::Orphan, h.tid());
                 return Ok(());
             }
             self.fc_track_inode(ino, h.tid(), Some((0, 1u64 << 32)));
@@ -696,7 +700,17 @@ impl Inner {
             return Ok(());
         }
         let h = self.start(64)?;
-        self.fc_ineligible(FcReason::Orphan, h.tid());
+        // Freeing it needs no record: replay of the UNLINK already frees it, or it
+        // is on the committed orphan list, whose cleanup at mount frees it. But a
+        // freed number can be reused at once, and an INODE replay of the new file
+        // overwrites the old record, whose `i_dtime` links the orphan list: if the
+        // committed list may continue past this inode, the chain would be cut and
+        // the rest leaked. The live list holds every committed member not yet
+        // released (releasing one of them earlier took this branch), so while
+        // another inode is on it this transaction must be fully committed.
+        if self.sb.last_orphan() != ino || i.dtime != 0 {
+            self.fc_ineligible(FcReason::Orphan, h.tid());
+        }
         let r = self
             .orphan_del(&h, ino)
             .and_then(|_| self.read_inode(ino))
