@@ -3,10 +3,11 @@
 //!
 //! 1. its counters match the I/O it was given (O_DIRECT writes and reads and
 //!    fsyncs on the block device: exact counts, bytes and offsets);
-//! 2. its latency model shows up in measured fsync latency, for kernel ext4 and
-//!    for commitfs (FUSE mount): raising the flush latency by F raises the median
-//!    fsync latency by (device flushes per fsync) x F, within 30% or 1.5 ms,
-//!    whichever is larger.
+//! 2. its latency model reaches fsync, for kernel ext4 and for commitfs (FUSE
+//!    mount): with flush latency F the device injects >= F per flush (none
+//!    without a model) and the median fsync is no faster than (whole device
+//!    flushes per fsync) x F. These bounds are one-sided so load cannot break
+//!    them; the two-sided comparison is a benchmark (`commitfs bench`).
 //!
 //! Needs root and the packages nbdkit, nbdkit-plugin-dev, libnbd-bin (and gcc).
 
@@ -201,27 +202,43 @@ fn fsync_median(e: &Emulated, dir: &Path, n: usize) -> (f64, f64) {
 }
 
 /// Runs the two measurements (no flush latency, then `FLUSH_US`) on a mounted
-/// file system and checks the difference.
+/// file system and checks what is exact or one-sided, so that machine load
+/// cannot fail it: with no model the device injects no delay; with the model it
+/// injects at least `FLUSH_US` per flush, and since an fsync waits for its
+/// flushes, the median fsync cannot be faster than (whole flushes per fsync) x
+/// `FLUSH_US`. How closely the added latency tracks the model is a timing
+/// question and lives in `commitfs bench` reports, not here.
 fn check_model(e: &mut Emulated, mnt: &Path, who: &str) {
     const FLUSH_US: u64 = 4000;
     const N: usize = 25;
     e.set_model(&model(0)).unwrap();
     fsync_median(e, &mnt.join("warmup"), 5);
+    let c0 = e.counters().unwrap();
     let (base, _) = fsync_median(e, &mnt.join("a"), N);
+    let c1 = e.counters().unwrap();
     e.set_model(&model(FLUSH_US)).unwrap();
+    let c2 = e.counters().unwrap();
     let (slow, flushes) = fsync_median(e, &mnt.join("b"), N);
+    let c3 = e.counters().unwrap();
     e.set_model(&model(0)).unwrap();
     assert!(flushes >= 1.0, "{who}: {flushes} device flushes per fsync");
-    let expected = flushes.round() * FLUSH_US as f64;
-    let got = slow - base;
-    let tol = (0.3 * expected).max(1500.0);
+    let injected_base = c1.delay_ns - c0.delay_ns;
+    let injected = c3.delay_ns - c2.delay_ns;
+    let slow_flushes = c3.flushes - c2.flushes;
     eprintln!(
         "{who}: median fsync {base:.0} µs -> {slow:.0} µs with a {FLUSH_US} µs flush; \
-         {flushes:.2} flushes/fsync; added {got:.0} µs, model {expected:.0} ± {tol:.0} µs"
+         {flushes:.2} flushes/fsync; injected {} µs over {slow_flushes} flushes",
+        injected / 1000
     );
+    assert_eq!(injected_base, 0, "{who}: delay injected with no model");
     assert!(
-        (got - expected).abs() <= tol,
-        "{who}: fsync latency rose by {got:.0} µs; the model says {expected:.0} ± {tol:.0} µs"
+        injected >= slow_flushes * FLUSH_US * 1000,
+        "{who}: {injected} ns injected over {slow_flushes} flushes of {FLUSH_US} µs"
+    );
+    let floor = flushes.floor() * FLUSH_US as f64;
+    assert!(
+        slow >= floor,
+        "{who}: median fsync {slow:.0} µs is below {floor:.0} µs, the flush latency it waits for"
     );
 }
 
