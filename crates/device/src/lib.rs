@@ -189,6 +189,13 @@ impl IoStats {
 pub trait BlockDevice: Send + Sync {
     fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> Result<()>;
     fn write_at(&self, offset: u64, buf: &[u8], cat: IoCategory, fua: bool) -> Result<()>;
+    /// A write of whole 512-byte sectors shorter than a page that should reach
+    /// the device as exactly these bytes, not as the page around them (block
+    /// devices: `O_DIRECT`); durable after a later flush, like `write_at`
+    /// without FUA.
+    fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> Result<()> {
+        self.write_at(offset, buf, cat, false)
+    }
     fn flush(&self) -> Result<()>;
     /// Size in bytes.
     fn size(&self) -> u64;
@@ -206,10 +213,19 @@ fn check_range(offset: u64, len: usize, size: u64) -> Result<()> {
 /// An image file or a raw block device (`/dev/loopN`, `/dev/nvme0n1p3`, ...).
 pub struct FileDevice {
     file: File,
+    /// An `O_DIRECT` handle on a block device, for writes shorter than a page:
+    /// through the page cache a 512-byte write becomes a 4 KiB one on the device
+    /// (the fast-commit area's zeroed first sector, `journal::log`).
+    direct: Option<File>,
     size: u64,
     read_only: bool,
     stats: IoStats,
 }
+
+/// Writes shorter than this go through [`FileDevice::direct`] when they are
+/// sector-aligned.
+const PAGE: usize = 4096;
+const SECTOR: usize = 512;
 
 impl FileDevice {
     pub fn open(path: &Path, read_only: bool) -> Result<Self> {
@@ -225,12 +241,89 @@ impl FileDevice {
             path: path.to_owned(),
             source,
         })?;
+        let direct = if read_only || !is_block_device(&file) {
+            None
+        } else {
+            use std::os::unix::fs::OpenOptionsExt;
+            // Optional: without it sub-page writes still work, only larger.
+            OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(path)
+                .ok()
+        };
         Ok(FileDevice {
             file,
+            direct,
             size,
             read_only,
             stats: IoStats::default(),
         })
+    }
+
+    /// A sector-aligned write shorter than a page, as exactly that many bytes on
+    /// the device. `Ok(false)`: not applicable here, write through the page cache.
+    fn write_direct(&self, offset: u64, buf: &[u8]) -> std::io::Result<bool> {
+        let Some(d) = &self.direct else {
+            return Ok(false);
+        };
+        if buf.is_empty()
+            || buf.len() >= PAGE
+            || !buf.len().is_multiple_of(SECTOR)
+            || !offset.is_multiple_of(SECTOR as u64)
+        {
+            return Ok(false);
+        }
+        let mut a = AlignedBuf::new(buf.len());
+        a.as_mut().copy_from_slice(buf);
+        match d.write_all_at(a.as_ref(), offset) {
+            Ok(()) => Ok(true),
+            // A device with larger logical sectors refuses it: use the page cache.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+fn is_block_device(file: &File) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    file.metadata()
+        .map(|m| m.file_type().is_block_device())
+        .unwrap_or(false)
+}
+
+/// A page-aligned heap buffer (O_DIRECT needs aligned memory).
+struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+impl AlignedBuf {
+    fn layout(len: usize) -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(len.max(1), PAGE).expect("valid layout")
+    }
+    fn new(len: usize) -> AlignedBuf {
+        let layout = Self::layout(len);
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr =
+            std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, len }
+    }
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len initialised (zeroed) bytes while self lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self gives exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in new() with the same layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
     }
 }
 
@@ -281,6 +374,22 @@ impl BlockDevice for FileDevice {
             })?;
         }
         self.stats.record_write(cat, buf.len(), fua);
+        Ok(())
+    }
+    fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> Result<()> {
+        if self.read_only {
+            return Err(DeviceError::ReadOnly);
+        }
+        check_range(offset, buf.len(), self.size)?;
+        let io = |source| DeviceError::Io {
+            offset,
+            len: buf.len(),
+            source,
+        };
+        if !self.write_direct(offset, buf).map_err(io)? {
+            self.file.write_all_at(buf, offset).map_err(io)?;
+        }
+        self.stats.record_write(cat, buf.len(), false);
         Ok(())
     }
     fn flush(&self) -> Result<()> {

@@ -212,6 +212,12 @@ impl LogState {
             full_commits: 0,
             checkpoint: BTreeMap::new(),
         };
+        if use_fc {
+            // Whatever an earlier mount left in the area is stale now (the log is
+            // empty); block 0's HEAD would make e2fsck refuse a later recovery
+            // until our first fast commit overwrites it.
+            st.zero_fc_head(dev)?;
+        }
         st.write_sb(dev, 0, st.next_tid, true)?;
         Ok(st)
     }
@@ -433,11 +439,14 @@ impl LogState {
         Ok(())
     }
 
-    /// Zero fast-commit area block 0.
+    /// Zero the first sector of fast-commit area block 0: a block whose first
+    /// tag is not a HEAD ends the scan of every replayer (kernel, e2fsck,
+    /// ours) with nothing to replay, and one sector costs an eighth of the
+    /// block (issue #4 counts journal bytes against the kernel's).
     fn zero_fc_head(&mut self, dev: &dyn BlockDevice) -> Result<()> {
+        const SECTOR: [u8; 512] = [0u8; 512];
         if let Some(p) = self.map.phys(self.fc_first) {
-            let z = vec![0u8; self.bs];
-            dev.write_at(p * self.bs as u64, &z, IoCategory::FastCommit, false)?;
+            dev.write_sectors(p * self.bs as u64, &SECTOR, IoCategory::FastCommit)?;
         }
         Ok(())
     }
@@ -467,45 +476,81 @@ impl LogState {
             return Err(JournalError::BadJournal("fast-commit area full".into()));
         }
         let start = self.fc_first + self.fc_off;
-        // Non-tail blocks: contiguous runs in one write each.
-        let (body, tail) = blocks.split_at(blocks.len() - 1);
+        // The block written last, after the others (and after the flush in
+        // Ordered mode): normally the TAIL block. For the first fast commit since
+        // the last full commit, in Ordered mode with several blocks, block 0
+        // instead: it holds the HEAD, and the kernel fails recovery (and the mount)
+        // on a HEAD of the expected tid followed by no valid TAIL (§9.6: the scan
+        // returns -EFSBADCRC / -ECANCELED when no TAIL was valid yet), which a
+        // crash between the body and the TAIL would leave. Block 0 was zeroed by
+        // the full commit, so until it is written the area holds no HEAD.
+        let last = if self.fc_off == 0 && n > 1 && matches!(mode, FcFlush::Ordered { .. }) {
+            0
+        } else {
+            blocks.len() - 1
+        };
+        // The other blocks: contiguous runs in one write each.
         let mut i = 0;
-        while i < body.len() {
+        while i < blocks.len() {
+            if i == last {
+                i += 1;
+                continue;
+            }
             let j0 = start + i as u32;
             let p0 = self.map.phys(j0).ok_or_else(|| {
                 JournalError::BadJournal(format!("journal block {j0} not mapped"))
             })?;
-            let mut run = body[i].clone();
+            let mut run = blocks[i].clone();
             let mut k = i + 1;
-            while k < body.len() && self.map.phys(start + k as u32) == Some(p0 + (k - i) as u64) {
-                run.extend_from_slice(&body[k]);
+            while k < blocks.len()
+                && k != last
+                && self.map.phys(start + k as u32) == Some(p0 + (k - i) as u64)
+            {
+                run.extend_from_slice(&blocks[k]);
                 k += 1;
             }
             dev.write_at(p0 * self.bs as u64, &run, IoCategory::FastCommit, false)?;
             i = k;
         }
-        let jt = start + n - 1;
+        let jt = start + last as u32;
         let pt = self
             .map
             .phys(jt)
             .ok_or_else(|| JournalError::BadJournal(format!("journal block {jt} not mapped")))?;
+        let final_block = &blocks[last];
         match mode {
             FcFlush::Ordered { flush_first } => {
-                // Data and earlier blocks durable before the TAIL block (§9.4): a
-                // flush only when there is something to order, then the TAIL as FUA.
-                if flush_first || !body.is_empty() {
+                // Data and the other blocks durable before the last one (§9.4): a
+                // flush only when there is something to order, then the last
+                // block as FUA.
+                if flush_first || n > 1 {
                     dev.flush()?;
                 }
-                dev.write_at(pt * self.bs as u64, &tail[0], IoCategory::FastCommit, true)?;
+                dev.write_at(
+                    pt * self.bs as u64,
+                    final_block,
+                    IoCategory::FastCommit,
+                    true,
+                )?;
             }
             FcFlush::Fua => {
-                dev.write_at(pt * self.bs as u64, &tail[0], IoCategory::FastCommit, true)?;
+                dev.write_at(
+                    pt * self.bs as u64,
+                    final_block,
+                    IoCategory::FastCommit,
+                    true,
+                )?;
             }
             FcFlush::Together => {
                 // fc_data_csum: DATA_CSUM records let recovery tell a complete
                 // commit from one whose data was lost, so data, body and TAIL need
                 // no order among themselves: one flush makes them all durable.
-                dev.write_at(pt * self.bs as u64, &tail[0], IoCategory::FastCommit, false)?;
+                dev.write_at(
+                    pt * self.bs as u64,
+                    final_block,
+                    IoCategory::FastCommit,
+                    false,
+                )?;
                 dev.flush()?;
             }
         }
