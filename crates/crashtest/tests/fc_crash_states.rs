@@ -72,6 +72,13 @@ fn suite(
         "only {} states replayed fast commits (want {min_fc_replays}): {s}",
         s.fc_replay_states
     );
+    // The kernel must accept every default-mode area too (a HEAD of the
+    // expected tid without a valid TAIL fails its recovery): the first fast
+    // commit after a full commit writes its block 0 last.
+    assert_eq!(
+        s.fc_kernel_error_states, 0,
+        "fc_data_csum={fc_data_csum}: states whose area the kernel would refuse: {s}"
+    );
     s
 }
 
