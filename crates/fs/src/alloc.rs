@@ -333,6 +333,11 @@ impl Inner {
         let Some(start_g) = self.pick_inode_group(parent, is_dir) else {
             return Err(FsError::NoSpace);
         };
+        if !self.pending_free_inodes.is_empty() {
+            let j = self.journal.clone();
+            self.pending_free_inodes
+                .retain(|_, tid| !j.is_committed(*tid));
+        }
         for i in 0..self.groups {
             let g = (start_g + i) % self.groups;
             if self.gds[g as usize].free_inodes_count == 0 {
@@ -346,8 +351,18 @@ impl Inner {
             let bit = {
                 let d = buf.data();
                 self.check_bitmap_csum(&d, gd.inode_bitmap_csum, self.ipg, gd.inode_bitmap)?;
-                bitmap::find_zero(&d, hint.min(ipg), ipg)
-                    .or_else(|| bitmap::find_zero(&d, 0, hint.min(ipg)))
+                let base = g * self.ipg + 1;
+                let usable = |from: usize, to: usize| {
+                    let mut b = from;
+                    while let Some(z) = bitmap::find_zero(&d, b, to) {
+                        if !self.pending_free_inodes.contains_key(&(base + z as u32)) {
+                            return Some(z);
+                        }
+                        b = z + 1;
+                    }
+                    None
+                };
+                usable(hint.min(ipg), ipg).or_else(|| usable(0, hint.min(ipg)))
             };
             let Some(bit) = bit else {
                 continue;
@@ -418,6 +433,8 @@ impl Inner {
         if (bit as u32) < self.inode_hint[g as usize] {
             self.inode_hint[g as usize] = bit as u32;
         }
+        self.pending_free_inodes.insert(ino, h.tid());
+        self.orphans_added.remove(&ino);
         self.inodes.remove(&ino);
         Ok(())
     }

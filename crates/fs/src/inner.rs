@@ -76,6 +76,14 @@ pub(crate) struct Inner {
     /// Blocks freed by transactions that are not committed yet: start -> (end, tid).
     /// The allocator skips them (see `alloc.rs`).
     pub pending_free: std::collections::BTreeMap<u64, (u64, u32)>,
+    /// Inode numbers freed by transactions that are not committed yet: ino -> tid.
+    /// Not reused until then (like the kernel's `recently_deleted`): a fast
+    /// commit's INODE record of a reused number would overwrite, at replay, the
+    /// committed record whose `i_dtime` may still link the on-disk orphan list.
+    pub pending_free_inodes: std::collections::BTreeMap<u32, u32>,
+    /// Orphans put on the list by the running transaction: ino -> tid. Not on
+    /// the committed list, so taking them off it needs no full commit.
+    pub orphans_added: HashMap<u32, u32>,
     /// Fast-commit tracking (`fc.rs`); `fc_enabled` once the log writes fast commits.
     pub fc: crate::fc::FcTracker,
     pub fc_enabled: bool,
@@ -187,6 +195,8 @@ impl Inner {
             unlinked_open: HashSet::new(),
             dirs: Default::default(),
             pending_free: Default::default(),
+            pending_free_inodes: Default::default(),
+            orphans_added: HashMap::new(),
             fc: Default::default(),
             fc_enabled: false,
             fc_data_csum: false,

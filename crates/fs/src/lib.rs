@@ -146,7 +146,7 @@ impl Fs {
         }
         let j = {
             let g = self.inner.lock();
-            if g.pending_free.is_empty() {
+            if g.pending_free.is_empty() && g.pending_free_inodes.is_empty() {
                 return first;
             }
             g.journal.clone()

@@ -701,14 +701,19 @@ impl Inner {
         }
         let h = self.start(64)?;
         // Freeing it needs no record: replay of the UNLINK already frees it, or it
-        // is on the committed orphan list, whose cleanup at mount frees it. But a
-        // freed number can be reused at once, and an INODE replay of the new file
-        // overwrites the old record, whose `i_dtime` links the orphan list: if the
-        // committed list may continue past this inode, the chain would be cut and
-        // the rest leaked. The live list holds every committed member not yet
-        // released (releasing one of them earlier took this branch), so while
-        // another inode is on it this transaction must be fully committed.
-        if self.sb.last_orphan() != ino || i.dtime != 0 {
+        // is on the committed orphan list, whose cleanup at mount frees it (its
+        // number is not reused before this transaction commits: alloc.rs). Taking
+        // it off the list rewrites its predecessor's `i_dtime`; if that
+        // predecessor is on the committed list, a later INODE record of it would
+        // carry the shortened chain into replay and leak this inode there, so
+        // then this transaction must be fully committed. The superblock and
+        // orphans added by this transaction are no such risk (neither is
+        // replayed from a fast commit onto the committed list).
+        let eligible = match self.orphan_pred(ino)? {
+            None | Some(0) => true,
+            Some(p) => self.orphans_added.get(&p) == Some(&h.tid()),
+        };
+        if !eligible {
             self.fc_ineligible(FcReason::Orphan, h.tid());
         }
         let r = self

@@ -18,7 +18,30 @@ impl Inner {
         i.dtime = self.sb.last_orphan();
         self.write_inode(h, ino, &i)?;
         self.sb.set_last_orphan(ino);
+        self.orphans_added.insert(ino, h.tid());
         self.write_super(h)
+    }
+
+    /// The list member that links to `ino` (0: the superblock), if `ino` is on
+    /// the list.
+    pub fn orphan_pred(&mut self, ino: u32) -> Result<Option<u32>> {
+        let mut cur = self.sb.last_orphan();
+        if cur == ino {
+            return Ok(Some(0));
+        }
+        let mut steps = 0u32;
+        while cur != 0 {
+            steps += 1;
+            if steps > self.sb.inodes_count() {
+                return Err(FsError::corrupt("orphan list loops"));
+            }
+            let next = self.read_inode(cur)?.dtime;
+            if next == ino {
+                return Ok(Some(cur));
+            }
+            cur = next;
+        }
+        Ok(None)
     }
 
     /// Unlink `ino` from the list (before it is freed).

@@ -639,16 +639,96 @@ fn rename_over_open_file() {
     assert_clean(&fin.path, "rename over open b: after unmount");
 }
 
+/// Under FUSE the kernel sends RELEASE after close() returns, asynchronously, so
+/// `close(a); close(b); unlink(a); unlink(b); fsync(g)` reaches us as unlinks of
+/// open files, with the releases later, maybe after the fsync. None of it may
+/// cost a full commit when the orphans never reached the on-disk list.
+fn async_release_bursts(bs: usize) {
+    let l = live(bs);
+    let fs = &l.fs;
+    fs.create(ROOT_INO, b"w", 0o644, 0, 0).unwrap();
+    fs.sync().unwrap();
+    let before = fs.fc_stats();
+    let mut fsyncs = 0;
+    for round in 0..8u32 {
+        let files: Vec<u32> = (0..4u32)
+            .map(|j| {
+                let name = format!("a{round}-{j}");
+                let a = fs.create(ROOT_INO, name.as_bytes(), 0o644, 0, 0).unwrap();
+                fs.write(a.ino, 0, &pattern(round * 10 + j, bs * (j as usize + 1)))
+                    .unwrap();
+                fs.open_inode(a.ino).unwrap(); // the application's fd, closed below
+                a.ino
+            })
+            .collect();
+        if round % 2 == 1 {
+            fs.fsync(files[0], false).unwrap(); // some of them reach a fast commit
+            fsyncs += 1;
+        }
+        for j in 0..4u32 {
+            fs.unlink(ROOT_INO, format!("a{round}-{j}").as_bytes())
+                .unwrap();
+        }
+        let g = fs
+            .create(ROOT_INO, format!("g{round}").as_bytes(), 0o644, 0, 0)
+            .unwrap();
+        fs.write(g.ino, 0, &pattern(1000 + round, bs + 3)).unwrap();
+        // The releases arrive before or after the fsync.
+        let (early, late) = files.split_at(round as usize % 5);
+        for &ino in early {
+            fs.release(ino).unwrap();
+        }
+        fs.fsync(g.ino, false).unwrap();
+        fsyncs += 1;
+        for &ino in late {
+            fs.release(ino).unwrap();
+        }
+    }
+    let h = fs.create(ROOT_INO, b"h", 0o644, 0, 0).unwrap();
+    fs.fsync(h.ino, false).unwrap();
+    fsyncs += 1;
+    let after = fs.fc_stats();
+    eprintln!(
+        "bs {bs}: {fsyncs} fsyncs, {} fast commits, fallbacks {:?}",
+        after.commits - before.commits,
+        after.ineligible
+    );
+    assert_eq!(after.ineligible, before.ineligible, "no fallback");
+    assert_eq!(after.commits - before.commits, fsyncs);
+    let expected = lib_tree(fs);
+    recover_everywhere(
+        &l.crash_image(),
+        &expected,
+        &[],
+        &format!("bs {bs}, async releases"),
+    );
+    fs.unmount().unwrap();
+    let fin = save(&l.rec.contents(), "final");
+    assert_clean(&fin.path, "async releases: after unmount");
+}
+
+#[test]
+fn async_release_bursts_1k() {
+    async_release_bursts(1024);
+}
+
+#[test]
+fn async_release_bursts_4k() {
+    async_release_bursts(4096);
+}
+
 // -------------------------------------------------------------------------------------
 // (b) orphans that a full commit put on the on-disk list
 // -------------------------------------------------------------------------------------
 
-/// One orphan on the committed list, released afterwards: its number may be reused
-/// by a fast-committed file (replay overwrites the orphan's record; the orphan
-/// cleanup then only truncates it to its size). Two orphans: releasing one while
-/// the other is still listed falls back to a full commit, because an INODE replay
-/// of the released number would cut the committed chain.
-fn committed_orphans(bs: usize, two: bool) {
+/// Orphans on the committed list, released afterwards, then a fast-committed new
+/// file. Releasing the list head (linked from the superblock) stays fast-commit
+/// eligible, with one orphan or with more behind it: the freed number is not
+/// reused before the next full commit, so no INODE replay can overwrite the
+/// record that links the committed chain. Releasing a member behind another
+/// committed orphan (`release_tail`) rewrites that predecessor's link and falls
+/// back to a full commit.
+fn committed_orphans(bs: usize, two: bool, release_tail: bool) {
     let l = live(bs);
     let fs = &l.fs;
     let x = fs.create(ROOT_INO, b"x", 0o644, 0, 0).unwrap();
@@ -664,16 +744,24 @@ fn committed_orphans(bs: usize, two: bool) {
     }
     fs.sync().unwrap(); // the orphans are on the committed list now
     let before = fs.fc_stats();
-    // Release the list head (the last one unlinked).
-    let head = if two { y.ino } else { x.ino };
-    fs.release(head).unwrap();
+    // The list is y -> x with two (the last one unlinked first).
+    let (released, kept) = match (two, release_tail) {
+        (false, _) => (x.ino, None),
+        (true, false) => (y.ino, Some(x.ino)),
+        (true, true) => (x.ino, Some(y.ino)),
+    };
+    fs.release(released).unwrap();
     let n = fs.create(ROOT_INO, b"n", 0o644, 0, 0).unwrap();
     fs.write(n.ino, 0, &pattern(23, 2 * bs + 3)).unwrap();
     fs.fsync(n.ino, false).unwrap();
     let after = fs.fc_stats();
     let orphan_fallbacks = after.ineligible.get("orphan").copied().unwrap_or(0)
         - before.ineligible.get("orphan").copied().unwrap_or(0);
-    if two {
+    assert!(
+        ![x.ino, y.ino].contains(&n.ino),
+        "a number freed by the running transaction was reused"
+    );
+    if release_tail {
         assert_eq!(orphan_fallbacks, 1, "{before:?} -> {after:?}");
     } else {
         assert_eq!(orphan_fallbacks, 0, "{before:?} -> {after:?}");
@@ -692,8 +780,8 @@ fn committed_orphans(bs: usize, two: bool) {
         &gone,
         &format!("bs {bs}, committed orphans, two {two}"),
     );
-    if two {
-        fs.release(x.ino).unwrap();
+    if let Some(k) = kept {
+        fs.release(k).unwrap();
     }
     fs.unmount().unwrap();
     let fin = save(&l.rec.contents(), "final");
@@ -702,12 +790,17 @@ fn committed_orphans(bs: usize, two: bool) {
 
 #[test]
 fn committed_orphan_released_1k() {
-    committed_orphans(1024, false);
+    committed_orphans(1024, false, false);
 }
 
 #[test]
-fn committed_orphans_released_4k() {
-    committed_orphans(4096, true);
+fn committed_orphans_head_released_4k() {
+    committed_orphans(4096, true, false);
+}
+
+#[test]
+fn committed_orphans_tail_released_1k() {
+    committed_orphans(1024, true, true);
 }
 
 // -------------------------------------------------------------------------------------
