@@ -302,9 +302,7 @@ impl Inner {
             // set, whatever this mount's options) may end in a single-flush
             // commit: recovery verifies the last transaction completely.
             let ropts = commitfs_journal::RecoverOptions {
-                verify_last: self
-                    .sb
-                    .has_incompat(sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM),
+                verify_last: self.sb.has_incompat(sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM),
                 inode_size: self.inode_size,
             };
             let report =

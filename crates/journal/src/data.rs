@@ -68,12 +68,7 @@ impl RangeSet {
 
     /// Whether any block of `[s, e)` is in the set.
     pub fn overlaps(&self, s: u64, e: u64) -> bool {
-        s < e
-            && self
-                .0
-                .range(..e)
-                .next_back()
-                .is_some_and(|(_, &pe)| pe > s)
+        s < e && self.0.range(..e).next_back().is_some_and(|(_, &pe)| pe > s)
     }
 
     pub fn union(&mut self, o: &RangeSet) {
