@@ -1047,6 +1047,122 @@ mod log_tests {
         assert_eq!(home(&crash, 40), 9);
     }
 
+    fn verify() -> RecoverOptions {
+        RecoverOptions {
+            verify_last: true,
+            inode_size: 256,
+        }
+    }
+
+    /// Single-flush commits: one flush, no FUA; recovery (verifying) accepts the
+    /// last one only with all its data, earlier ones always; a conflicting
+    /// overwrite is confirmed by a commit of the next transaction when no fast
+    /// commit can be written.
+    #[test]
+    fn single_flush_commits_verify_the_last_transaction() {
+        let dev = fresh_device();
+        let map = JournalMap::contiguous(JSTART, JLEN);
+        let j = Journal::open_log(dev.clone(), BS, map.clone(), opts()).unwrap();
+        j.set_single_flush(true);
+        assert!(j.tracks_data());
+        let data = |b: u64, v: u8| {
+            dev.write_at(b * BS as u64, &[v; BS], IoCategory::Data, false)
+                .unwrap();
+            j.note_data(b, 1);
+        };
+        // T1: block 20 plus data 100..102.
+        write_tx(&j, &[(20, 1)]);
+        data(100, 0xA1);
+        data(101, 0xA2);
+        let before = dev.stats().snapshot();
+        j.commit().unwrap();
+        let d = dev.stats().snapshot().since(&before);
+        assert_eq!(d.flushes, 1, "{d:?}");
+        assert_eq!(d.journal.fua_writes, 0, "{d:?}");
+        let t1 = dev.contents();
+        // Complete: replayed, with or without verification.
+        let c = MemDevice::from_vec(t1.clone());
+        assert_eq!(
+            recover_with(&c, &map, BS, false, verify())
+                .unwrap()
+                .transactions,
+            1
+        );
+        assert_eq!(home(&c, 20), 1);
+        // A data block lost: dropped when verifying (not an error), replayed by
+        // the default rules (which never see such a log: the incompat bit).
+        let mut lost = t1.clone();
+        lost[101 * BS] ^= 1;
+        let c = MemDevice::from_vec(lost.clone());
+        let r = recover_with(&c, &map, BS, false, verify()).unwrap();
+        assert_eq!(r.transactions, 0, "{r:?}");
+        assert!(r.stopped_at.is_some());
+        assert_eq!(home(&c, 20), 0);
+        let c = MemDevice::from_vec(lost);
+        recover(&c, &map, BS, false).unwrap();
+        assert_eq!(home(&c, 20), 1);
+        // A logged metadata block lost: dropped too.
+        let mut torn = t1.clone();
+        let jb = (1..JLEN as usize)
+            .map(|k| (JSTART as usize + k) * BS)
+            .find(|&o| torn[o..o + BS].iter().all(|&x| x == 1))
+            .expect("the logged copy of block 20");
+        torn[jb] = 7;
+        let c = MemDevice::from_vec(torn);
+        assert_eq!(
+            recover_with(&c, &map, BS, false, verify())
+                .unwrap()
+                .transactions,
+            0
+        );
+        assert_eq!(home(&c, 20), 0);
+        // T2 follows: T1 is no longer the last, its data is not checked.
+        write_tx(&j, &[(21, 2)]);
+        data(110, 0xB0);
+        j.commit().unwrap();
+        let mut t2 = dev.contents();
+        t2[100 * BS] ^= 1;
+        let c = MemDevice::from_vec(t2);
+        assert_eq!(
+            recover_with(&c, &map, BS, false, verify())
+                .unwrap()
+                .transactions,
+            2
+        );
+        assert_eq!((home(&c, 20), home(&c, 21)), (1, 2));
+        // Block 110 is guarded while T2 is the last commit; 111 is not.
+        let h = j.start(1).unwrap();
+        let t2_tid = h.tid().wrapping_sub(1);
+        assert_eq!(j.data_conflict(&h, &[(109, 3)]), Some(t2_tid));
+        assert_eq!(j.data_conflict(&h, &[(111, 5)]), None);
+        drop(h);
+        // No fast-commit area here: the confirmation is a commit (empty) of the
+        // next transaction.
+        let commits = j.stats().commits;
+        assert!(!j.confirm_data(t2_tid, &|_, _, _| None).unwrap());
+        assert_eq!(j.stats().commits, commits + 1);
+        let h = j.start(1).unwrap();
+        assert_eq!(j.data_conflict(&h, &[(109, 3)]), None);
+        drop(h);
+        // Overwritten after the confirmation: T2 still replays.
+        dev.write_at(110 * BS as u64, &[0xEE; BS], IoCategory::Data, false)
+            .unwrap();
+        let c = MemDevice::from_vec(dev.contents());
+        let r = recover_with(&c, &map, BS, false, verify()).unwrap();
+        assert_eq!(r.transactions, 3, "{r:?}");
+        assert_eq!(home(&c, 21), 2);
+        // Freed data is not checksummed by the freeing commit.
+        data(120, 0xC0);
+        j.forget_data(120, 1);
+        write_tx(&j, &[(22, 3)]);
+        j.commit().unwrap();
+        dev.write_at(120 * BS as u64, &[0x11; BS], IoCategory::Data, false)
+            .unwrap();
+        let c = MemDevice::from_vec(dev.contents());
+        recover_with(&c, &map, BS, false, verify()).unwrap();
+        assert_eq!(home(&c, 22), 3);
+    }
+
     #[test]
     fn clean_close_leaves_empty_log_with_everything_home() {
         let dev = fresh_device();
