@@ -661,7 +661,7 @@ impl Journal {
             let _c = self.commit_lock.lock();
             let running = {
                 let r = self.tx.running.lock();
-                if !r.data.protected.as_ref().is_some_and(|p| p.0 == tid) {
+                if r.data.protected.as_ref().is_none_or(|p| p.0 != tid) {
                     // Two-flush, confirmed already, or superseded.
                     return Ok(false);
                 }

@@ -385,32 +385,36 @@ impl LogState {
             blocks.extend(datas);
         }
         self.write_log_blocks(dev, &blocks)?;
-        let (mut sec, nsec) = now();
-        sec = sec.max(self.last_commit_sec); // commit times must not go backwards
-        self.last_commit_sec = sec;
+        let cj = self.head;
+        let cp = self
+            .map
+            .phys(cj)
+            .ok_or_else(|| JournalError::BadJournal(format!("journal block {cj} not mapped")))?;
         // Single-flush commit (fc_data_csum, CSUM_V3 only): the commit block
         // carries the CRC32C of every data range the transaction makes reachable
         // that may not be durable yet, and goes out without FUA; one flush then
         // makes superblock pointer, log blocks, commit block and data durable
         // together. Recovery accepts such a transaction as the last one only when
         // every tag checksum and data range verifies (recovery.rs).
-        let ext_commit = match single_flush {
-            Some(ranges) if f.csum_v3() => jbd2_log::build_commit_ext(&f, tid, sec, nsec, ranges),
-            _ => None,
+        let single = match single_flush {
+            Some(ranges) if f.csum_v3() => {
+                let (sec, nsec) = self.commit_time();
+                match jbd2_log::build_commit_ext(&f, tid, sec, nsec, ranges) {
+                    Some(commit) => {
+                        dev.write_at(cp * self.bs as u64, &commit, IoCategory::Journal, false)?;
+                        dev.flush()?;
+                        true
+                    }
+                    None => false,
+                }
+            }
+            _ => false,
         };
-        let cj = self.head;
-        let cp = self
-            .map
-            .phys(cj)
-            .ok_or_else(|| JournalError::BadJournal(format!("journal block {cj} not mapped")))?;
-        let single = ext_commit.is_some();
-        if let Some(commit) = ext_commit {
-            dev.write_at(cp * self.bs as u64, &commit, IoCategory::Journal, false)?;
-            dev.flush()?;
-        } else {
+        if !single {
             // Log blocks, superblock pointer and ordered data durable before the
             // commit.
             dev.flush()?;
+            let (sec, nsec) = self.commit_time();
             let commit = jbd2_log::build_commit(&f, tid, sec, nsec);
             dev.write_at(cp * self.bs as u64, &commit, IoCategory::Journal, true)?;
         }
@@ -442,6 +446,14 @@ impl LogState {
             checkpointed,
             single_flush: single,
         })
+    }
+
+    /// The commit time of a commit block written now (never going backwards).
+    fn commit_time(&mut self) -> (u64, u32) {
+        let (mut sec, nsec) = now();
+        sec = sec.max(self.last_commit_sec);
+        self.last_commit_sec = sec;
+        (sec, nsec)
     }
 
     /// Write every committed version home, flush, then mark the log empty.
