@@ -122,14 +122,19 @@ pub fn fast_commit_scan(img: &[u8]) -> Result<Option<(u32, FcScan)>, String> {
         img,
         stats: IoStats::default(),
     };
-    let (jsb, report) =
-        commitfs_journal::scan(&dev, &map, bs, true).map_err(|e| format!("JBD2 scan: {e}"))?;
+    // An image mounted with fc_data_csum carries DATA_CSUM records, and recovery
+    // drops a last commit whose data does not match them (as the mount does); its
+    // last JBD2 transaction may be a single-flush commit, verified the same way.
+    let data_csum = sb.has_incompat(sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM);
+    let opts = commitfs_journal::RecoverOptions {
+        verify_last: data_csum,
+        inode_size: sb.inode_size() as usize,
+    };
+    let (jsb, report) = commitfs_journal::scan_with(&dev, &map, bs, true, opts)
+        .map_err(|e| format!("JBD2 scan: {e}"))?;
     if !report.needed {
         return Ok(None);
     }
-    // An image mounted with fc_data_csum carries DATA_CSUM records, and recovery
-    // drops a last commit whose data does not match them (as the mount does).
-    let data_csum = sb.has_incompat(sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM);
     let scan = commitfs_journal::read_fast_commits_with(
         &dev,
         &map,

@@ -257,6 +257,9 @@ impl Inner {
         for b in start..end {
             self.journal.forget(h, b);
         }
+        // Single-flush commits (fc_data_csum): the freeing commit does not
+        // checksum these blocks' data any more.
+        self.journal.forget_data(start, count);
         self.pending_free.insert(start, (end, h.tid()));
         let mut b = start;
         while b < end {

@@ -261,7 +261,11 @@ impl Inner {
         }
         let map = self.journal_map()?;
         let fc = self.sb.has_compat(sbf::COMPAT_FAST_COMMIT);
-        let (jsb, report) = commitfs_journal::scan(&*self.dev, &map, self.bs, fc)?;
+        let ropts = commitfs_journal::RecoverOptions {
+            verify_last: self.sb.has_incompat(sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM),
+            inode_size: self.inode_size,
+        };
+        let (jsb, report) = commitfs_journal::scan_with(&*self.dev, &map, self.bs, fc, ropts)?;
         Ok(Some((jsb, report, map.len())))
     }
 
@@ -304,7 +308,15 @@ impl Inner {
             if self.read_only {
                 return Err(FsError::NeedsRecovery);
             }
-            let report = commitfs_journal::recover(&*self.dev, &map, self.bs, fast_commit)?;
+            // An image left by an fc_data_csum mount (its incompat bit is still
+            // set, whatever this mount's options) may end in a single-flush
+            // commit: recovery verifies the last transaction completely.
+            let ropts = commitfs_journal::RecoverOptions {
+                verify_last: self.sb.has_incompat(sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM),
+                inode_size: self.inode_size,
+            };
+            let report =
+                commitfs_journal::recover_with(&*self.dev, &map, self.bs, fast_commit, ropts)?;
             tracing::info!(
                 "journal recovery: {} transactions ({}..{}), {} blocks replayed, {} revoked{}",
                 report.transactions,
@@ -338,6 +350,8 @@ impl Inner {
         self.journal = Arc::new(Journal::open_log(self.dev.clone(), self.bs, map, opts)?);
         self.fc_enabled = opts.use_fast_commit;
         self.fc_data_csum = self.fc_enabled && self.opts.fc_data_csum;
+        // Single-flush full commits (needs CSUM_V3; the journal checks).
+        self.journal.set_single_flush(self.fc_data_csum);
         Ok(())
     }
 
@@ -461,6 +475,10 @@ impl Inner {
         self.check_data_range(pblk, buf.len())?;
         self.dev
             .write_at(pblk * self.bs as u64, buf, IoCategory::Data, false)?;
+        // fc_data_csum: the next commit checksums the blocks written since the
+        // last flush (single-flush commits; a no-op otherwise).
+        self.journal
+            .note_data(pblk, buf.len().div_ceil(self.bs) as u64);
         self.data_dirty
             .store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(())

@@ -36,6 +36,33 @@ use inner::Inner;
 /// span `[lo, hi)` it may touch, computed under the lock (`fc_data_csum`).
 type OverwriteGuard<'a> = (Ino, &'a dyn Fn(&mut Inner) -> Result<(u64, u64)>);
 
+/// The file-system lock for an operation checked by [`Fs::lock_guarded`], with the
+/// journal handle that pins the transaction it was checked against.
+struct Guarded<'a> {
+    g: parking_lot::MutexGuard<'a, Inner>,
+    h: Option<commitfs_journal::Handle>,
+}
+
+impl std::ops::Deref for Guarded<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.g
+    }
+}
+
+impl std::ops::DerefMut for Guarded<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.g
+    }
+}
+
+impl Drop for Guarded<'_> {
+    fn drop(&mut self) {
+        // Stop the pinning handle (Handle's drop) before the lock is released.
+        self.h.take();
+    }
+}
+
 /// Counters reported by `commitfs stats`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stats {
@@ -162,25 +189,60 @@ impl Fs {
     /// a mismatch would drop a commit whose fsync returned): append a confirming
     /// empty fast commit first. The check and the operation run under one lock
     /// hold, so no fast commit can protect the span in between.
-    fn lock_guarded(
-        &self,
-        guard: Option<OverwriteGuard<'_>>,
-    ) -> Result<parking_lot::MutexGuard<'_, Inner>> {
+    ///
+    /// The same holds for the data ranges of a single-flush full commit (the last
+    /// transaction in the log, or one still committing): a journal handle is held
+    /// from the check through the operation, so the transaction the operation
+    /// joins is the one checked against, and a conflict first waits for that
+    /// commit and confirms it ([`Self::data_confirm`]).
+    fn lock_guarded(&self, guard: Option<OverwriteGuard<'_>>) -> Result<Guarded<'_>> {
         loop {
             let mut g = self.inner.lock();
             let Some((ino, span)) = guard else {
-                return Ok(g);
+                return Ok(Guarded { h: None, g });
             };
             if !g.fc_data_csum {
-                return Ok(g);
+                return Ok(Guarded { h: None, g });
             }
             let (lo, hi) = span(&mut g)?;
-            let Some(tid) = g.fc_protect_hit(ino, lo, hi) else {
-                return Ok(g);
-            };
-            drop(g);
-            self.fc_confirm(tid)?;
+            if let Some(tid) = g.fc_protect_hit(ino, lo, hi) {
+                drop(g);
+                self.fc_confirm(tid)?;
+                continue;
+            }
+            if !g.journal.tracks_data() {
+                return Ok(Guarded { h: None, g });
+            }
+            let h = g.start(0)?;
+            let runs = g.mapped_runs(ino, lo, hi)?;
+            match g.journal.data_conflict(&h, &runs) {
+                None => return Ok(Guarded { h: Some(h), g }),
+                Some(tid) => {
+                    drop(h);
+                    drop(g);
+                    self.data_confirm(tid)?;
+                }
+            }
         }
+    }
+
+    /// Make the single-flush commit of `tid` non-final before one of its data
+    /// blocks is overwritten in place (see [`Self::lock_guarded`]): an empty fast
+    /// commit of the next transaction with FUA, or a commit of it.
+    fn data_confirm(&self, tid: u32) -> Result<()> {
+        // No fast commit is between plan and write while this is held.
+        let _fcl = self.fc_lock.lock();
+        let (j, bs) = {
+            let g = self.inner.lock();
+            (g.journal.clone(), g.bs)
+        };
+        let pack = |t: u32, head: bool, free: u32| {
+            fc::pack(&[], t, head, bs, free).and_then(|mut b| (b.len() == 1).then(|| b.remove(0)))
+        };
+        if j.confirm_data(tid, &pack)? {
+            self.inner.lock().fc.stats.confirms += 1;
+        }
+        Ok(())
     }
 
     /// Make every fast commit of `tid` written so far non-final (see

@@ -367,3 +367,403 @@ fn kernel_refuses_to_mount_while_logs_may_exist() {
     assert!(ok.success(), "the kernel refused the recovered image");
     assert!(listed >= 2, "x and lost+found visible to the kernel");
 }
+
+// ---- single-flush full commits ---------------------------------------------------
+
+fn fua_writes(d: &commitfs_device::StatsSnapshot) -> u64 {
+    IoCategory::ALL
+        .iter()
+        .map(|c| d.category(*c).fua_writes)
+        .sum()
+}
+
+/// With fc_data_csum a full JBD2 commit is single-flush: log blocks and the commit
+/// block (carrying the CRC32C of the data written since the last flush) go out
+/// without FUA, then one flush. Together with the one-flush fast commits, an
+/// fsync loop that fills the fast-commit area costs exactly one flush per fsync.
+#[test]
+fn full_commits_cost_one_flush_and_no_fua() {
+    let mem = fresh();
+    let dev: DeviceRef = mem.clone();
+    let fs = Fs::open(dev, csum_opts()).unwrap();
+    // The first full commit after mount (also points the journal superblock at
+    // the log).
+    let before = mem.stats().snapshot();
+    prime(&fs);
+    let d = mem.stats().snapshot().since(&before);
+    assert_eq!(d.flushes, 1, "first full commit: one flush: {d:?}");
+    assert_eq!(fua_writes(&d), 0, "first full commit: no FUA: {d:?}");
+    // A full commit with data written since the last flush.
+    let a = fs.create(ROOT_INO, b"full", 0o644, 0, 0).unwrap();
+    fs.write(a.ino, 0, &pattern(5, 2 * BS)).unwrap();
+    let before = mem.stats().snapshot();
+    fs.sync().unwrap();
+    let d = mem.stats().snapshot().since(&before);
+    assert_eq!(d.flushes, 1, "full commit: one flush: {d:?}");
+    assert_eq!(fua_writes(&d), 0, "full commit: no FUA: {d:?}");
+    assert!(d.journal.writes >= 2, "log blocks and commit block: {d:?}");
+    // Fill the 255-block fast-commit area: the area-full fsyncs fall back to full
+    // commits, and still every fsync costs one flush.
+    let n = 600;
+    let before = mem.stats().snapshot();
+    let j0 = fs.stats().journal.commits;
+    for i in 0..n {
+        let a = fs
+            .create(ROOT_INO, format!("g{i}").as_bytes(), 0o644, 0, 0)
+            .unwrap();
+        fs.write(a.ino, 0, &pattern(i as u8, BS)).unwrap();
+        fs.fsync(a.ino, false).unwrap();
+    }
+    let d = mem.stats().snapshot().since(&before);
+    let full = fs.stats().journal.commits - j0;
+    assert!(
+        full >= 2,
+        "the area filled at least twice: {full} full commits"
+    );
+    assert_eq!(
+        fs.fc_stats()
+            .ineligible
+            .get("area_full")
+            .copied()
+            .unwrap_or(0),
+        full
+    );
+    assert_eq!(d.flushes, n as u64, "one flush per fsync: {d:?}");
+    assert_eq!(fua_writes(&d), 0, "no FUA at all: {d:?}");
+    fs.unmount().unwrap();
+    drop(fs);
+    let img = mem.contents();
+    assert_eq!(incompat(&img) & sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM, 0);
+    let t = write_image("fcdc-single-flush", &img);
+    assert_fsck_clean(&t.path);
+}
+
+/// Bits of a 64-bit mask, for subsets of up to 64 writes.
+fn subsets(n: usize) -> Vec<u64> {
+    let all = if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
+    if n <= 8 {
+        return (0..=all).collect();
+    }
+    let mut v = vec![0, all];
+    for i in 0..n {
+        v.push(1 << i); // one write only
+        v.push(all & !(1 << i)); // all but one
+        v.push(if i + 1 >= 64 {
+            all
+        } else {
+            (1u64 << (i + 1)) - 1
+        }); // prefix
+        v.push(all & !((1u64 << i) - 1)); // suffix
+    }
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    for _ in 0..64 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.push(x & all);
+    }
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// The block-sized pieces of the writes `ops[m..e]` (a multi-block write may
+/// persist partly), as `(offset, bytes)`.
+fn pieces(ops: &[commitfs_device::recording::LogOp]) -> Vec<(u64, Vec<u8>)> {
+    let mut out = Vec::new();
+    for op in ops {
+        match op {
+            commitfs_device::recording::LogOp::Write { offset, data, .. } => {
+                for (i, c) in data.chunks(BS).enumerate() {
+                    out.push((offset + (i * BS) as u64, c.to_vec()));
+                }
+            }
+            commitfs_device::recording::LogOp::Flush => panic!("a flush among the writes"),
+        }
+    }
+    out
+}
+
+/// The writes of one single-flush full commit (and the data written since the
+/// last flush) may reach the disk in any subset before its flush completes:
+/// recovery yields the state before the commit, with the fast commits of its
+/// transaction replayed, or the state after it, never a mix and never less than
+/// what was acknowledged. A lost or torn data block the commit checksummed drops
+/// the commit.
+#[test]
+fn crash_states_of_a_single_flush_full_commit() {
+    use commitfs_device::recording::{LogOp, RecordingDevice};
+    let img = fresh().contents();
+    let rec = Arc::new(RecordingDevice::new(img));
+    let dev: DeviceRef = rec.clone();
+    let fs = Fs::open(dev, csum_opts()).unwrap();
+    prime(&fs);
+    // Two fast commits of transaction T (acknowledged).
+    for (name, seed) in [("a", 1u8), ("b", 2)] {
+        let f = fs.create(ROOT_INO, name.as_bytes(), 0o644, 0, 0).unwrap();
+        fs.write(f.ino, 0, &pattern(seed, BS)).unwrap();
+        fs.fsync(f.ino, false).unwrap();
+    }
+    assert_eq!(fs.fc_stats().commits, 2);
+    let m = rec.op_count();
+    let base = rec.contents();
+    // T's full commit makes c (data written, never flushed) reachable.
+    let c = fs.create(ROOT_INO, b"c", 0o644, 0, 0).unwrap();
+    fs.write(c.ino, 0, &pattern(3, 2 * BS)).unwrap();
+    fs.sync().unwrap();
+    let log = rec.log();
+    assert!(
+        log[m - 1].is_flush(),
+        "the fast commit ended with its flush"
+    );
+    let e = m + log[m..].iter().position(|o| o.is_flush()).unwrap();
+    // After the flush only the zeroing of fast-commit block 0's first sector (the
+    // fast commits of T are superseded once T is durable).
+    for op in &log[e + 1..] {
+        match op {
+            LogOp::Write { cat, data, .. } => {
+                assert_eq!(*cat, IoCategory::FastCommit);
+                assert!(data.iter().all(|&b| b == 0) && data.len() == 512);
+            }
+            LogOp::Flush => panic!("a second flush"),
+        }
+    }
+    for op in &log[m..e] {
+        if let LogOp::Write { fua, cat, .. } = op {
+            assert!(!fua, "no FUA write in a single-flush commit");
+            assert_ne!(
+                *cat,
+                IoCategory::FastCommit,
+                "nothing may touch the fast-commit area before the flush"
+            );
+        }
+    }
+    let after_all = rec.contents();
+    drop(fs);
+    let ws = pieces(&log[m..e]);
+    let data_blocks: Vec<usize> = ws
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, d))| {
+            d[..] == pattern(3, 2 * BS)[..BS] || d[..] == pattern(3, 2 * BS)[BS..]
+        })
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(
+        data_blocks.len(),
+        2,
+        "c's two data blocks are among the writes"
+    );
+    let f = |name: &str, seed: u8, len: usize| (name.to_string(), len as u64, pattern(seed, len));
+    let pre = vec![f("a", 1, BS), f("b", 2, BS)];
+    let post = vec![f("a", 1, BS), f("b", 2, BS), f("c", 3, 2 * BS)];
+    let (files, _) = recover(after_all);
+    assert_eq!(files, post, "everything written: the commit holds");
+    let (mut n_pre, mut n_post) = (0, 0);
+    for mask in subsets(ws.len()) {
+        let mut img = base.clone();
+        for (i, (off, d)) in ws.iter().enumerate() {
+            if mask & (1 << i) != 0 {
+                img[*off as usize..*off as usize + d.len()].copy_from_slice(d);
+            }
+        }
+        let (files, _) = recover(img);
+        if files == pre {
+            n_pre += 1;
+        } else if files == post {
+            n_post += 1;
+        } else {
+            panic!(
+                "subset {mask:#x} of {} writes recovered to {files:?}",
+                ws.len()
+            );
+        }
+        let all = if ws.len() >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << ws.len()) - 1
+        };
+        if data_blocks.iter().any(|&i| mask & (1 << i) == 0) {
+            assert_eq!(
+                files, pre,
+                "subset {mask:#x}: c's data lost, the commit must drop"
+            );
+        } else if mask == all {
+            assert_eq!(files, post);
+        }
+    }
+    assert!(n_pre > 0 && n_post > 0, "{n_pre} before, {n_post} after");
+    // A torn data block (only its first sector reached the disk) drops the commit.
+    let mut img = base.clone();
+    for (i, (off, d)) in ws.iter().enumerate() {
+        let len = if i == data_blocks[1] { 512 } else { d.len() };
+        img[*off as usize..*off as usize + len].copy_from_slice(&d[..len]);
+    }
+    let (files, after) = recover(img);
+    assert_eq!(
+        files, pre,
+        "torn data: the commit is dropped, its fast commits replay"
+    );
+    let t = write_image("fcdc-torn", &after);
+    assert_fsck_clean(&t.path);
+}
+
+/// After a single-flush full commit returned, overwriting one of the data blocks
+/// it checksummed must first make it non-final (an empty fast commit of the next
+/// transaction, FUA): otherwise a crash right after the overwrite leaves a commit
+/// whose data no longer matches, recovery drops it — and with it the acknowledged
+/// changes, including the fast commits of its transaction, whose area block 0 was
+/// zeroed after the commit.
+#[test]
+fn overwrite_after_a_single_flush_commit_confirms_it_first() {
+    let mem = fresh();
+    let dev: DeviceRef = mem.clone();
+    let fs = Fs::open(dev, csum_opts()).unwrap();
+    prime(&fs);
+    let a = fs.create(ROOT_INO, b"a", 0o644, 0, 0).unwrap();
+    fs.write(a.ino, 0, &pattern(1, BS)).unwrap();
+    fs.fsync(a.ino, false).unwrap();
+    let c = fs.create(ROOT_INO, b"c", 0o644, 0, 0).unwrap();
+    fs.write(c.ino, 0, &pattern(3, BS + 10)).unwrap();
+    fs.sync().unwrap();
+    let confirms = fs.fc_stats().confirms;
+    let before = mem.stats().snapshot();
+    // In place, inside the checksummed range (not fsynced).
+    fs.write(c.ino, 5, &[0xAB; 20]).unwrap();
+    let d = mem.stats().snapshot().since(&before);
+    let confirms1 = fs.fc_stats().confirms;
+    // Confirmed: a second overwrite and a truncate need nothing more.
+    fs.write(c.ino, 40, &[0xCD; 20]).unwrap();
+    let set = commitfs_fs::SetAttr {
+        size: Some(BS as u64 + 5),
+        ..Default::default()
+    };
+    fs.setattr(c.ino, &set).unwrap();
+    let confirms2 = fs.fc_stats().confirms;
+    let crash = mem.contents();
+    drop(fs);
+    let (files, after) = recover(crash);
+    let names: Vec<&str> = files.iter().map(|f| f.0.as_str()).collect();
+    assert_eq!(names, vec!["a", "c"], "the acknowledged commit holds");
+    assert_eq!(confirms1, confirms + 1, "one confirming commit");
+    assert_eq!(
+        d.fast_commit.fua_writes, 1,
+        "a lone fast commit with FUA: {d:?}"
+    );
+    assert_eq!(confirms2, confirms + 1);
+    assert_eq!(files[0].2, pattern(1, BS));
+    let mut want = pattern(3, BS + 10);
+    want[5..25].fill(0xAB);
+    want[40..60].fill(0xCD);
+    // The unsynced truncate's size change is not durable, but its in-place zeroing
+    // of the tail of the new last block may be: bytes past BS + 5 are either.
+    let got = &files[1].2;
+    let bad = (0..got.len()).find(|&i| got[i] != want[i] && !(i >= BS + 5 && got[i] == 0));
+    assert_eq!(bad, None, "c differs (size {})", files[1].1);
+    assert!(files[1].1 >= BS as u64 + 5);
+    let t = write_image("fcdc-sf-overwrite", &after);
+    assert_fsck_clean(&t.path);
+}
+
+/// A block freed by a transaction is never checksummed by its single-flush
+/// commit: once the free is durable another file may take the block, and the
+/// commit (still the last one in the log) must keep verifying.
+#[test]
+fn freed_blocks_are_not_checksummed_by_the_freeing_commit() {
+    let mem = fresh();
+    let dev: DeviceRef = mem.clone();
+    let fs = Fs::open(dev, csum_opts()).unwrap();
+    prime(&fs);
+    // Written, then truncated away within the same transaction: the commit must
+    // not checksum the freed block (it may hold another file's data afterwards).
+    let x = fs.create(ROOT_INO, b"x", 0o644, 0, 0).unwrap();
+    fs.write(x.ino, 0, &pattern(8, 2 * BS)).unwrap();
+    let set = commitfs_fs::SetAttr {
+        size: Some(0),
+        ..Default::default()
+    };
+    fs.setattr(x.ino, &set).unwrap();
+    let y = fs.create(ROOT_INO, b"y", 0o644, 0, 0).unwrap();
+    fs.write(y.ino, 0, &pattern(9, BS)).unwrap();
+    fs.sync().unwrap();
+    // The freed blocks are reusable now; a new file takes them.
+    let z = fs.create(ROOT_INO, b"z", 0o644, 0, 0).unwrap();
+    fs.write(z.ino, 0, &pattern(10, 2 * BS)).unwrap();
+    let crash = mem.contents();
+    drop(fs);
+    let (files, after) = recover(crash);
+    let names: Vec<&str> = files.iter().map(|f| f.0.as_str()).collect();
+    assert!(
+        names.starts_with(&["x", "y"]),
+        "the acknowledged commit holds: {files:?}"
+    );
+    assert_eq!(files[0].1, 0);
+    assert_eq!(files[1].2, pattern(9, BS));
+    let t = write_image("fcdc-sf-freed", &after);
+    assert_fsck_clean(&t.path);
+}
+
+/// Threads overwriting their files in place, fsyncing, and a thread forcing full
+/// commits: the guards (journal handle held across the check, confirmations
+/// waiting for commits) must neither deadlock nor lose an acknowledged write.
+#[test]
+fn concurrent_overwrites_fsyncs_and_full_commits() {
+    let mem = fresh();
+    let dev: DeviceRef = mem.clone();
+    let fs = Arc::new(Fs::open(dev, csum_opts()).unwrap());
+    prime(&fs);
+    let inos: Vec<commitfs_fs::Ino> = (0..3)
+        .map(|t| {
+            fs.create(ROOT_INO, format!("t{t}").as_bytes(), 0o644, 0, 0)
+                .unwrap()
+                .ino
+        })
+        .collect();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let syncer = {
+        let (fs, stop) = (fs.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                fs.sync().unwrap();
+                std::thread::yield_now();
+            }
+        })
+    };
+    let workers: Vec<_> = inos
+        .iter()
+        .enumerate()
+        .map(|(t, &ino)| {
+            let fs = fs.clone();
+            std::thread::spawn(move || {
+                for i in 0..150u32 {
+                    let seed = (t as u8).wrapping_mul(50).wrapping_add(i as u8);
+                    fs.write(ino, 0, &pattern(seed, 2 * BS)).unwrap();
+                    if i % 10 == 5 {
+                        fs.sync().unwrap();
+                    } else if i % 3 == 0 {
+                        fs.fsync(ino, false).unwrap();
+                    }
+                }
+                fs.fsync(ino, false).unwrap();
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    syncer.join().unwrap();
+    // Each worker forced 15 full commits itself (the syncer's count depends on
+    // scheduling).
+    assert!(fs.stats().journal.commits >= 15, "{:?}", fs.stats().journal);
+    let crash = mem.contents();
+    drop(fs);
+    let (files, after) = recover(crash);
+    for (t, f) in files.iter().enumerate() {
+        let seed = (t as u8).wrapping_mul(50).wrapping_add(149);
+        assert_eq!(f.2, pattern(seed, 2 * BS), "t{t}: the last fsynced content");
+    }
+    assert_eq!(files.len(), 3);
+    let t = write_image("fcdc-concurrent", &after);
+    assert_fsck_clean(&t.path);
+}

@@ -121,6 +121,34 @@ pub fn read_fast_commits_with(
     Ok(Some(scan))
 }
 
+/// Whether the fast-commit area (FAST_COMMIT bit set in `jsb`) holds a valid fast
+/// commit of `tid` (DATA_CSUM records understood; their data is not checked: the
+/// commit's presence alone proves that everything before it was flushed).
+pub(crate) fn fc_area_has_commit(
+    dev: &dyn BlockDevice,
+    map: &JournalMap,
+    bs: usize,
+    jsb: &JournalSuperblock,
+    inode_size: usize,
+    tid: u32,
+) -> Result<bool> {
+    let Some(area) = fc_area(jsb) else {
+        return Ok(false);
+    };
+    let mut scanner = FcScanner::new(inode_size.max(128), tid).with_data_csum(true);
+    let mut buf = vec![0u8; bs];
+    for off in 0..area.blocks {
+        let Some(p) = map.phys(area.first + off) else {
+            break;
+        };
+        dev.read_at(p * bs as u64, &mut buf, IoCategory::FastCommit)?;
+        if !scanner.feed(off, &buf) {
+            break;
+        }
+    }
+    Ok(scanner.finish().commits > 0)
+}
+
 /// [`commitfs_format::fast_commit::data_crc`] of device blocks `pblk..pblk+len`;
 /// `None` when the range is outside the device (a corrupt record: never matches).
 pub fn data_range_crc(

@@ -22,6 +22,7 @@
 //! unmount and `sync` need; crash atomicity through the on-disk JBD2 log comes with
 //! the journal issue without changing this API.
 
+mod data;
 mod fc_scan;
 mod log;
 mod recovery;
@@ -39,7 +40,9 @@ pub use fc_scan::{
     hold_log_for_fast_commits, read_fast_commits, read_fast_commits_with, FcArea,
 };
 pub use log::{FcFlush, JournalMap, LogOptions};
-pub use recovery::{read_superblock, recover, scan, RecoveryReport};
+pub use recovery::{
+    read_superblock, recover, recover_with, scan, scan_with, RecoverOptions, RecoveryReport,
+};
 
 /// Errors of the journal layer.
 #[derive(Debug, thiserror::Error)]
@@ -168,6 +171,8 @@ struct Running {
     /// Blocks freed while their logged copies are still live (JBD2 revoke records).
     revokes: BTreeSet<u64>,
     handles: u32,
+    /// Data blocks for single-flush commits (`fc_data_csum`, data.rs).
+    data: data::DataTrack,
 }
 
 /// Journal counters.
@@ -228,6 +233,7 @@ impl Journal {
                     buffers: BTreeMap::new(),
                     revokes: BTreeSet::new(),
                     handles: 0,
+                    data: Default::default(),
                 }),
                 idle: Condvar::new(),
             }),
@@ -427,6 +433,31 @@ impl Journal {
     /// Commit the running transaction: write its buffers home in block order, then
     /// flush the device cache. Returns the number of buffers written.
     pub fn commit(&self) -> Result<usize> {
+        self.commit_inner(false)
+    }
+
+    /// Flush the device; with single-flush tracking, the data blocks of the running
+    /// transaction written so far are durable afterwards and leave the list a
+    /// commit must checksum. Call with the commit lock held.
+    fn flush_data(&self) -> Result<usize> {
+        {
+            let mut r = self.tx.running.lock();
+            if r.data.on {
+                let d = std::mem::take(&mut r.data.running);
+                r.data.flushing.union(&d);
+            }
+        }
+        let res = self.dev.flush();
+        let mut r = self.tx.running.lock();
+        let d = std::mem::take(&mut r.data.flushing);
+        if res.is_err() {
+            r.data.running.union(&d);
+        }
+        res?;
+        Ok(0)
+    }
+
+    fn commit_inner(&self, force: bool) -> Result<usize> {
         if self.read_only {
             return Ok(0);
         }
@@ -437,11 +468,10 @@ impl Journal {
             while r.handles > 0 {
                 self.tx.idle.wait(&mut r);
             }
-            if r.buffers.is_empty() && r.revokes.is_empty() {
+            if r.buffers.is_empty() && r.revokes.is_empty() && !force {
                 // Nothing to log; an fsync still needs its data durable.
                 drop(r);
-                self.dev.flush()?;
-                return Ok(0);
+                return self.flush_data();
             }
             let tid = r.tid;
             r.tid = r.tid.wrapping_add(1);
@@ -452,8 +482,19 @@ impl Journal {
                 // running lock): a copy taken after releasing it could contain
                 // changes of the next transaction, i.e. half an operation.
                 let frozen = freeze(buffers);
+                // Its data blocks: guarded from now on (a handle of the next
+                // transaction must not overwrite them in place before this
+                // commit, and a later one behind it, are durable).
+                let data = if r.data.on {
+                    let mut d = std::mem::take(&mut r.data.running);
+                    d.union(&std::mem::take(&mut r.data.flushing));
+                    r.data.committing = Some((tid, d.clone()));
+                    Some(d)
+                } else {
+                    None
+                };
                 drop(r);
-                return self.commit_log(l, tid, frozen, revokes);
+                return self.commit_log(l, tid, frozen, revokes, data);
             }
             // Write-home mode has no log to revoke from.
             (tid, buffers)
@@ -487,10 +528,33 @@ impl Journal {
         tid: u32,
         frozen: Vec<(Arc<Buffer>, Arc<[u8]>)>,
         revokes: BTreeSet<u64>,
+        data: Option<data::RangeSet>,
     ) -> Result<usize> {
         let n = frozen.len();
         let mut st = l.lock();
-        let written = match st.commit(&*self.dev, tid, &frozen, &revokes) {
+        // Single-flush: the CRC32C of every data run (read back from the device:
+        // written by handles of this transaction, which have all stopped; no other
+        // transaction may overwrite them in place meanwhile, see data_conflict).
+        // Too many runs, or a run outside the device: the two-flush commit.
+        let ext = match &data {
+            Some(d) if st.csum_v3() => self.data_crcs(d),
+            _ => None,
+        };
+        let res = st.commit(&*self.dev, tid, &frozen, &revokes, ext.as_deref());
+        {
+            let mut r = self.tx.running.lock();
+            r.data.committing = None;
+            if let Ok(w) = &res {
+                // A durable commit makes every earlier one non-final; a
+                // single-flush one with data ranges is itself final until the
+                // next commit is durable behind it.
+                r.data.protected = match (w.single_flush, data) {
+                    (true, Some(d)) if !d.is_empty() => Some((tid, d)),
+                    _ => None,
+                };
+            }
+        }
+        let written = match res {
             Ok(w) => w,
             Err(e) => {
                 self.aborted.store(true, Ordering::Release);
@@ -508,6 +572,115 @@ impl Journal {
         self.commits.fetch_add(1, Ordering::Relaxed);
         self.buffers_written.fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
+    }
+
+    /// `(pblk, len, crc)` of the runs of `d`, if they fit one commit block.
+    fn data_crcs(&self, d: &data::RangeSet) -> Option<Vec<(u64, u32, u32)>> {
+        let runs = d.runs();
+        if runs.len() > commitfs_format::jbd2_log::commit_ext_capacity(self.block_size) {
+            return None;
+        }
+        let mut out = Vec::with_capacity(runs.len());
+        for (pblk, len) in runs {
+            match data_range_crc(&*self.dev, self.block_size, pblk, len) {
+                Ok(Some(crc)) => out.push((pblk, len, crc)),
+                _ => return None,
+            }
+        }
+        Some(out)
+    }
+
+    /// `fc_data_csum`: make full commits single-flush (only on a log with
+    /// CSUM_V3; otherwise this does nothing). From now on the file system must
+    /// report data writes and frees ([`Self::note_data`], [`Self::forget_data`])
+    /// and check in-place overwrites with [`Self::data_conflict`].
+    pub fn set_single_flush(&self, on: bool) {
+        let v3 = self.log.as_ref().is_some_and(|l| l.lock().csum_v3());
+        let mut r = self.tx.running.lock();
+        r.data = data::DataTrack {
+            on: on && v3 && !self.read_only,
+            ..Default::default()
+        };
+    }
+
+    /// Whether single-flush data tracking is on.
+    pub fn tracks_data(&self) -> bool {
+        self.tx.running.lock().data.on
+    }
+
+    /// Data blocks `pblk..pblk+len` were written (not yet flushed) under a handle
+    /// of the running transaction.
+    pub fn note_data(&self, pblk: u64, len: u64) {
+        let mut r = self.tx.running.lock();
+        if r.data.on {
+            r.data.running.insert(pblk, pblk.saturating_add(len));
+        }
+    }
+
+    /// Data blocks `pblk..pblk+len` were freed by the running transaction: its
+    /// commit no longer makes them reachable, so it must not checksum them (they
+    /// may hold another file's data once the free is durable).
+    pub fn forget_data(&self, pblk: u64, len: u64) {
+        let mut r = self.tx.running.lock();
+        if r.data.on {
+            let e = pblk.saturating_add(len);
+            r.data.running.remove(pblk, e);
+            r.data.flushing.remove(pblk, e);
+        }
+    }
+
+    /// Whether writing the data blocks `runs` (`(pblk, len)`) in place under `h`
+    /// would change data that a committing transaction, or the last single-flush
+    /// commit (still final in the log), checksummed. Returns that transaction's
+    /// tid: call [`Self::confirm_data`] with it (without holding a handle) first.
+    pub fn data_conflict(&self, h: &Handle, runs: &[(u64, u32)]) -> Option<u32> {
+        let r = self.tx.running.lock();
+        if !r.data.on {
+            return None;
+        }
+        runs.iter()
+            .filter_map(|&(p, n)| r.data.conflict(p, p.saturating_add(n as u64)))
+            .find(|&t| t != h.tid)
+    }
+
+    /// Make transaction `tid`'s single-flush commit non-final before one of its
+    /// data blocks is overwritten in place: wait for its commit, then append an
+    /// empty fast commit of the next transaction with FUA (`pack(tid, needs HEAD,
+    /// free blocks)` builds the block), or commit the next transaction (even an
+    /// empty one) when no fast commit can be written. Returns whether an empty fast
+    /// commit was written. Call without holding a handle.
+    pub fn confirm_data(
+        &self,
+        tid: u32,
+        pack: &dyn Fn(u32, bool, u32) -> Option<Vec<u8>>,
+    ) -> Result<bool> {
+        let Some(l) = &self.log else {
+            return Ok(false);
+        };
+        {
+            let _c = self.commit_lock.lock();
+            let running = {
+                let r = self.tx.running.lock();
+                if r.data.protected.as_ref().is_none_or(|p| p.0 != tid) {
+                    // Two-flush, confirmed already, or superseded.
+                    return Ok(false);
+                }
+                r.tid
+            };
+            let mut st = l.lock();
+            if let Some((t, head, free)) = st.fc_slot() {
+                if t == running && st.fc_has_room(1) {
+                    if let Some(b) = pack(t, head, free) {
+                        st.fc_write(&*self.dev, &[b], FcFlush::Fua)?;
+                        self.fc_blocks.fetch_add(1, Ordering::Relaxed);
+                        self.tx.running.lock().data.protected = None;
+                        return Ok(true);
+                    }
+                }
+            }
+        }
+        self.commit_inner(true)?;
+        Ok(false)
     }
 
     /// Where the next fast commit would go: `(tid of the running transaction, needs
@@ -542,7 +715,29 @@ impl Journal {
             return Ok(false);
         }
         let mut st = l.lock();
-        st.fc_write(&*self.dev, blocks, mode)?;
+        let together = mode == FcFlush::Together;
+        if together {
+            // Its flush makes the data written so far durable.
+            let mut r = self.tx.running.lock();
+            let d = std::mem::take(&mut r.data.running);
+            r.data.flushing.union(&d);
+        }
+        let res = st.fc_write(&*self.dev, blocks, mode);
+        {
+            let mut r = self.tx.running.lock();
+            if together {
+                let d = std::mem::take(&mut r.data.flushing);
+                if res.is_err() {
+                    r.data.running.union(&d);
+                }
+            }
+            if res.is_ok() {
+                // A durable fast commit of the next tid follows the last full
+                // commit: that commit is no longer final.
+                r.data.protected = None;
+            }
+        }
+        res?;
         self.fc_commits.fetch_add(1, Ordering::Relaxed);
         self.fc_blocks
             .fetch_add(blocks.len() as u64, Ordering::Relaxed);
@@ -567,6 +762,7 @@ impl Journal {
             return Ok(false);
         }
         st.fc_write(&*self.dev, &[block.to_vec()], FcFlush::Fua)?;
+        self.tx.running.lock().data.protected = None;
         self.fc_blocks.fetch_add(1, Ordering::Relaxed);
         Ok(true)
     }
@@ -576,6 +772,8 @@ impl Journal {
         if let Some(l) = &self.log {
             let _c = self.commit_lock.lock();
             l.lock().checkpoint(&*self.dev)?;
+            // The log is empty: no commit in it is verified at recovery.
+            self.tx.running.lock().data.protected = None;
             self.checkpoints.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
@@ -847,6 +1045,122 @@ mod log_tests {
         let crash = MemDevice::from_vec(dev.contents());
         recover(&crash, &map, BS, false).unwrap();
         assert_eq!(home(&crash, 40), 9);
+    }
+
+    fn verify() -> RecoverOptions {
+        RecoverOptions {
+            verify_last: true,
+            inode_size: 256,
+        }
+    }
+
+    /// Single-flush commits: one flush, no FUA; recovery (verifying) accepts the
+    /// last one only with all its data, earlier ones always; a conflicting
+    /// overwrite is confirmed by a commit of the next transaction when no fast
+    /// commit can be written.
+    #[test]
+    fn single_flush_commits_verify_the_last_transaction() {
+        let dev = fresh_device();
+        let map = JournalMap::contiguous(JSTART, JLEN);
+        let j = Journal::open_log(dev.clone(), BS, map.clone(), opts()).unwrap();
+        j.set_single_flush(true);
+        assert!(j.tracks_data());
+        let data = |b: u64, v: u8| {
+            dev.write_at(b * BS as u64, &[v; BS], IoCategory::Data, false)
+                .unwrap();
+            j.note_data(b, 1);
+        };
+        // T1: block 20 plus data 100..102.
+        write_tx(&j, &[(20, 1)]);
+        data(100, 0xA1);
+        data(101, 0xA2);
+        let before = dev.stats().snapshot();
+        j.commit().unwrap();
+        let d = dev.stats().snapshot().since(&before);
+        assert_eq!(d.flushes, 1, "{d:?}");
+        assert_eq!(d.journal.fua_writes, 0, "{d:?}");
+        let t1 = dev.contents();
+        // Complete: replayed, with or without verification.
+        let c = MemDevice::from_vec(t1.clone());
+        assert_eq!(
+            recover_with(&c, &map, BS, false, verify())
+                .unwrap()
+                .transactions,
+            1
+        );
+        assert_eq!(home(&c, 20), 1);
+        // A data block lost: dropped when verifying (not an error), replayed by
+        // the default rules (which never see such a log: the incompat bit).
+        let mut lost = t1.clone();
+        lost[101 * BS] ^= 1;
+        let c = MemDevice::from_vec(lost.clone());
+        let r = recover_with(&c, &map, BS, false, verify()).unwrap();
+        assert_eq!(r.transactions, 0, "{r:?}");
+        assert!(r.stopped_at.is_some());
+        assert_eq!(home(&c, 20), 0);
+        let c = MemDevice::from_vec(lost);
+        recover(&c, &map, BS, false).unwrap();
+        assert_eq!(home(&c, 20), 1);
+        // A logged metadata block lost: dropped too.
+        let mut torn = t1.clone();
+        let jb = (1..JLEN as usize)
+            .map(|k| (JSTART as usize + k) * BS)
+            .find(|&o| torn[o..o + BS].iter().all(|&x| x == 1))
+            .expect("the logged copy of block 20");
+        torn[jb] = 7;
+        let c = MemDevice::from_vec(torn);
+        assert_eq!(
+            recover_with(&c, &map, BS, false, verify())
+                .unwrap()
+                .transactions,
+            0
+        );
+        assert_eq!(home(&c, 20), 0);
+        // T2 follows: T1 is no longer the last, its data is not checked.
+        write_tx(&j, &[(21, 2)]);
+        data(110, 0xB0);
+        j.commit().unwrap();
+        let mut t2 = dev.contents();
+        t2[100 * BS] ^= 1;
+        let c = MemDevice::from_vec(t2);
+        assert_eq!(
+            recover_with(&c, &map, BS, false, verify())
+                .unwrap()
+                .transactions,
+            2
+        );
+        assert_eq!((home(&c, 20), home(&c, 21)), (1, 2));
+        // Block 110 is guarded while T2 is the last commit; 111 is not.
+        let h = j.start(1).unwrap();
+        let t2_tid = h.tid().wrapping_sub(1);
+        assert_eq!(j.data_conflict(&h, &[(109, 3)]), Some(t2_tid));
+        assert_eq!(j.data_conflict(&h, &[(111, 5)]), None);
+        drop(h);
+        // No fast-commit area here: the confirmation is a commit (empty) of the
+        // next transaction.
+        let commits = j.stats().commits;
+        assert!(!j.confirm_data(t2_tid, &|_, _, _| None).unwrap());
+        assert_eq!(j.stats().commits, commits + 1);
+        let h = j.start(1).unwrap();
+        assert_eq!(j.data_conflict(&h, &[(109, 3)]), None);
+        drop(h);
+        // Overwritten after the confirmation: T2 still replays.
+        dev.write_at(110 * BS as u64, &[0xEE; BS], IoCategory::Data, false)
+            .unwrap();
+        let c = MemDevice::from_vec(dev.contents());
+        let r = recover_with(&c, &map, BS, false, verify()).unwrap();
+        assert_eq!(r.transactions, 3, "{r:?}");
+        assert_eq!(home(&c, 21), 2);
+        // Freed data is not checksummed by the freeing commit.
+        data(120, 0xC0);
+        j.forget_data(120, 1);
+        write_tx(&j, &[(22, 3)]);
+        j.commit().unwrap();
+        dev.write_at(120 * BS as u64, &[0x11; BS], IoCategory::Data, false)
+            .unwrap();
+        let c = MemDevice::from_vec(dev.contents());
+        recover_with(&c, &map, BS, false, verify()).unwrap();
+        assert_eq!(home(&c, 22), 3);
     }
 
     #[test]

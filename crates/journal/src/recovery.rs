@@ -31,6 +31,19 @@ pub struct RecoveryReport {
     pub stopped_at: Option<String>,
 }
 
+/// How to recover a journal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RecoverOptions {
+    /// The image is in `fc_data_csum` mode (ext4 incompat bit
+    /// `INCOMPAT_COMMITFS_FC_DATA_CSUM`): its last transaction may be a
+    /// single-flush commit, accepted only when every tag checksum and every data
+    /// range of its commit-block extension verify, or when a fast commit of the
+    /// next tid follows it (docs/FORMAT.md, Extensions).
+    pub verify_last: bool,
+    /// `s_inode_size` (for scanning the fast-commit area).
+    pub inode_size: usize,
+}
+
 /// tid comparison modulo 2^32 (§8.11).
 pub(crate) fn tid_gt(a: u32, b: u32) -> bool {
     (a.wrapping_sub(b) as i32) > 0
@@ -127,6 +140,7 @@ fn scan_log(
     f: &LogFormat,
     jsb: &JournalSuperblock,
     report: &mut RecoveryReport,
+    last_start: &mut Option<u32>,
 ) -> Result<u32> {
     let bs = rd.bs;
     let f = *f;
@@ -137,6 +151,7 @@ fn scan_log(
     let mut need_check_commit_time = false;
     let mut steps: u64 = 0;
     let limit = jsb.maxlen as u64 * 2;
+    let mut tx_start = pos;
     loop {
         steps += 1;
         if steps > limit {
@@ -192,6 +207,8 @@ fn scan_log(
                     break;
                 }
                 last_commit_time = c.sec;
+                *last_start = Some(tx_start);
+                tx_start = pos;
                 tid = tid.wrapping_add(1);
             }
             _ => break,
@@ -200,12 +217,102 @@ fn scan_log(
     Ok(tid)
 }
 
+/// Whether transaction `tid`, starting at log block `pos`, is complete: every
+/// logged block matches its tag checksum (CSUM_V3) and every data range of a
+/// single-flush commit-block extension matches its CRC32C.
+fn verify_transaction(rd: &LogReader<'_>, f: &LogFormat, mut pos: u32, tid: u32) -> Result<bool> {
+    let bs = rd.bs;
+    let mut buf = vec![0u8; bs];
+    let mut data = vec![0u8; bs];
+    for _ in 0..rd.last as u64 + 1 {
+        rd.read(pos, &mut buf)?;
+        let Some((btype, seq)) = jbd2_log::parse_header(&buf) else {
+            return Ok(false);
+        };
+        if seq != tid {
+            return Ok(false);
+        }
+        let here = pos;
+        pos = rd.next(pos);
+        match btype {
+            BLOCKTYPE_DESCRIPTOR => {
+                let Ok(tags) = jbd2_log::parse_descriptor(&buf, f, here as u64) else {
+                    return Ok(false);
+                };
+                for t in tags {
+                    rd.read(pos, &mut data)?;
+                    pos = rd.next(pos);
+                    if f.csum_v3() && jbd2_log::data_checksum(f, tid, &data) != t.checksum {
+                        return Ok(false);
+                    }
+                }
+            }
+            BLOCKTYPE_REVOKE => {}
+            BLOCKTYPE_COMMIT => {
+                for (pblk, len, crc) in jbd2_log::parse_commit_ext(&buf).unwrap_or_default() {
+                    if crate::data_range_crc(rd.dev, bs, pblk, len)? != Some(crc) {
+                        return Ok(false);
+                    }
+                }
+                return Ok(true);
+            }
+            _ => return Ok(false),
+        }
+    }
+    Ok(false)
+}
+
+/// The scan's end tid under `opts`: with `verify_last`, the last transaction
+/// counts only if it verifies completely ([`verify_transaction`]) or a fast
+/// commit of the next tid follows it in the fast-commit area (written after its
+/// flush completed, so proving it durable). Otherwise the log ends before it:
+/// its commit was single-flush and that flush never completed.
+fn verified_end(
+    rd: &LogReader<'_>,
+    f: &LogFormat,
+    jsb: &JournalSuperblock,
+    end_tid: u32,
+    last_start: Option<u32>,
+    opts: RecoverOptions,
+    report: &mut RecoveryReport,
+) -> Result<u32> {
+    let Some(start) = last_start.filter(|_| opts.verify_last) else {
+        return Ok(end_tid);
+    };
+    let last = end_tid.wrapping_sub(1);
+    if verify_transaction(rd, f, start, last)? {
+        return Ok(end_tid);
+    }
+    if crate::fc_scan::fc_area_has_commit(rd.dev, rd.map, rd.bs, jsb, opts.inode_size, end_tid)? {
+        return Ok(end_tid);
+    }
+    tracing::warn!(
+        "transaction {last}: a logged block or data range does not match its checksum; \
+         its single-flush commit never completed, dropping it"
+    );
+    report.stopped_at = Some(format!(
+        "transaction {last}: incomplete single-flush commit dropped"
+    ));
+    Ok(last)
+}
+
 /// What is in a journal, without replaying anything (for `commitfs info`).
 pub fn scan(
     dev: &dyn BlockDevice,
     map: &JournalMap,
     bs: usize,
     fs_fast_commit: bool,
+) -> Result<(JournalSuperblock, RecoveryReport)> {
+    scan_with(dev, map, bs, fs_fast_commit, RecoverOptions::default())
+}
+
+/// [`scan`] with the rules of [`recover_with`].
+pub fn scan_with(
+    dev: &dyn BlockDevice,
+    map: &JournalMap,
+    bs: usize,
+    fs_fast_commit: bool,
+    opts: RecoverOptions,
 ) -> Result<(JournalSuperblock, RecoveryReport)> {
     let (jsb, _) = read_superblock(dev, map, bs)?;
     let mut report = RecoveryReport::default();
@@ -222,7 +329,9 @@ pub fn scan(
         first: jsb.first,
         last: log_end(&jsb, fs_fast_commit),
     };
-    let end = scan_log(&rd, &f, &jsb, &mut report)?;
+    let mut last_start = None;
+    let end = scan_log(&rd, &f, &jsb, &mut report, &mut last_start)?;
+    let end = verified_end(&rd, &f, &jsb, end, last_start, opts, &mut report)?;
     report.end_tid = end;
     report.transactions = end.wrapping_sub(jsb.sequence);
     Ok((jsb, report))
@@ -235,6 +344,17 @@ pub fn recover(
     map: &JournalMap,
     bs: usize,
     fs_fast_commit: bool,
+) -> Result<RecoveryReport> {
+    recover_with(dev, map, bs, fs_fast_commit, RecoverOptions::default())
+}
+
+/// [`recover`] with options (see [`RecoverOptions`]).
+pub fn recover_with(
+    dev: &dyn BlockDevice,
+    map: &JournalMap,
+    bs: usize,
+    fs_fast_commit: bool,
+    opts: RecoverOptions,
 ) -> Result<RecoveryReport> {
     let (jsb, mut raw) = read_superblock(dev, map, bs)?;
     let mut report = RecoveryReport::default();
@@ -252,7 +372,9 @@ pub fn recover(
     };
     report.start_tid = jsb.sequence;
 
-    let end_tid = scan_log(&rd, &f, &jsb, &mut report)?;
+    let mut last_start = None;
+    let end_tid = scan_log(&rd, &f, &jsb, &mut report, &mut last_start)?;
+    let end_tid = verified_end(&rd, &f, &jsb, end_tid, last_start, opts, &mut report)?;
     let mut buf = vec![0u8; bs];
     report.end_tid = end_tid;
     report.transactions = end_tid.wrapping_sub(jsb.sequence);
