@@ -261,6 +261,36 @@ impl FileDevice {
         })
     }
 
+    /// `write_at`; with `sectors`, [`BlockDevice::write_sectors`] (direct I/O
+    /// where it applies).
+    fn write(
+        &self,
+        offset: u64,
+        buf: &[u8],
+        cat: IoCategory,
+        fua: bool,
+        sectors: bool,
+    ) -> Result<()> {
+        if self.read_only {
+            return Err(DeviceError::ReadOnly);
+        }
+        check_range(offset, buf.len(), self.size)?;
+        let io = |source| DeviceError::Io {
+            offset,
+            len: buf.len(),
+            source,
+        };
+        if !(sectors && self.write_direct(offset, buf).map_err(io)?) {
+            self.file.write_all_at(buf, offset).map_err(io)?;
+        }
+        if fua {
+            // A file has no per-write FUA; fdatasync gives the same guarantee.
+            self.file.sync_data().map_err(io)?;
+        }
+        self.stats.record_write(cat, buf.len(), fua);
+        Ok(())
+    }
+
     /// A sector-aligned write shorter than a page, as exactly that many bytes on
     /// the device. `Ok(false)`: not applicable here, write through the page cache.
     fn write_direct(&self, offset: u64, buf: &[u8]) -> std::io::Result<bool> {
@@ -354,43 +384,10 @@ impl BlockDevice for FileDevice {
         Ok(())
     }
     fn write_at(&self, offset: u64, buf: &[u8], cat: IoCategory, fua: bool) -> Result<()> {
-        if self.read_only {
-            return Err(DeviceError::ReadOnly);
-        }
-        check_range(offset, buf.len(), self.size)?;
-        self.file
-            .write_all_at(buf, offset)
-            .map_err(|source| DeviceError::Io {
-                offset,
-                len: buf.len(),
-                source,
-            })?;
-        if fua {
-            // A file has no per-write FUA; fdatasync gives the same guarantee.
-            self.file.sync_data().map_err(|source| DeviceError::Io {
-                offset,
-                len: buf.len(),
-                source,
-            })?;
-        }
-        self.stats.record_write(cat, buf.len(), fua);
-        Ok(())
+        self.write(offset, buf, cat, fua, false)
     }
     fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> Result<()> {
-        if self.read_only {
-            return Err(DeviceError::ReadOnly);
-        }
-        check_range(offset, buf.len(), self.size)?;
-        let io = |source| DeviceError::Io {
-            offset,
-            len: buf.len(),
-            source,
-        };
-        if !self.write_direct(offset, buf).map_err(io)? {
-            self.file.write_all_at(buf, offset).map_err(io)?;
-        }
-        self.stats.record_write(cat, buf.len(), false);
-        Ok(())
+        self.write(offset, buf, cat, false, true)
     }
     fn flush(&self) -> Result<()> {
         if self.read_only {

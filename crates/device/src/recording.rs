@@ -105,17 +105,6 @@ impl BlockDevice for RecordingDevice {
         });
         Ok(())
     }
-    fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> Result<()> {
-        let mut log = self.log.lock();
-        self.dev.write_sectors(offset, buf, cat)?;
-        log.push(LogOp::Write {
-            offset,
-            data: Arc::from(buf),
-            fua: false,
-            cat,
-        });
-        Ok(())
-    }
     fn flush(&self) -> Result<()> {
         let mut log = self.log.lock();
         self.dev.flush()?;

@@ -146,6 +146,39 @@ impl Inner {
 
     /// The extent piece covering `lblk` (from `lblk` to the end of its extent), or
     /// `None` for a hole.
+    /// File blocks `[lo, hi)` of `ino` (`hi` at most 2^32) as consecutive
+    /// segments `(lblk, len, mapping)`: mapped runs (`Some`, clipped to the span)
+    /// and the holes between them (`None`).
+    pub fn ext_segments(
+        &mut self,
+        ino: u32,
+        inode: &Inode,
+        lo: u64,
+        hi: u64,
+    ) -> Result<Vec<(u64, u64, Option<Mapping>)>> {
+        let hi = hi.min(1u64 << 32);
+        let mut out = Vec::new();
+        let mut l = lo;
+        while l < hi {
+            let lb = l as u32;
+            let (len, m) = match self.ext_map(ino, inode, lb)? {
+                Some(m) => ((m.len as u64).min(hi - l).max(1), Some(m)),
+                None => {
+                    let next = self
+                        .ext_next_mapped(ino, inode, lb)?
+                        .map(|n| n as u64)
+                        .unwrap_or(hi)
+                        .min(hi)
+                        .max(l + 1);
+                    (next - l, None)
+                }
+            };
+            out.push((l, len, m));
+            l += len;
+        }
+        Ok(out)
+    }
+
     pub fn ext_map(&mut self, ino: u32, inode: &Inode, lblk: u32) -> Result<Option<Mapping>> {
         let hit = self.ext_find_leaf(ino, inode, lblk)?;
         Ok(hit.cover.map(|e| {

@@ -491,12 +491,11 @@ impl Inner {
             });
             return Ok(());
         }
-        let mut l = start as u64;
-        while l < end {
+        for (l, len, m) in self.ext_segments(ino, &i, start as u64, end)? {
             let lb = l as u32;
-            match self.ext_map(ino, &i, lb)? {
+            match m {
                 Some(m) => {
-                    let len = (m.len as u64).min(end - l) as u32;
+                    let len = len as u32;
                     let max = if m.unwritten { 32767 } else { 32768 };
                     let mut done = 0;
                     while done < len {
@@ -510,22 +509,12 @@ impl Inner {
                         });
                         done += n;
                     }
-                    l += len as u64;
                 }
-                None => {
-                    let next = self
-                        .ext_next_mapped(ino, &i, lb)?
-                        .map(|n| n as u64)
-                        .unwrap_or(end)
-                        .min(end)
-                        .max(l + 1);
-                    out.push(Tlv::DelRange {
-                        ino,
-                        lblk: lb,
-                        len: (next - l).min(u32::MAX as u64) as u32,
-                    });
-                    l = next;
-                }
+                None => out.push(Tlv::DelRange {
+                    ino,
+                    lblk: lb,
+                    len: len.min(u32::MAX as u64) as u32,
+                }),
             }
         }
         Ok(())

@@ -203,24 +203,11 @@ impl Inner {
     /// file blocks `[lo, hi)` (holes skipped).
     pub fn mapped_runs(&mut self, ino: u32, lo: u64, hi: u64) -> Result<Vec<(u64, u32)>> {
         let i = self.read_inode(ino)?;
-        let hi = hi.min(1u64 << 32);
-        let mut out = Vec::new();
-        let mut l = lo;
-        while l < hi {
-            let lb = l as u32;
-            match self.ext_map(ino, &i, lb)? {
-                Some(m) => {
-                    let n = (m.len as u64).min(hi - l).max(1);
-                    out.push((m.pblk, n as u32));
-                    l += n;
-                }
-                None => match self.ext_next_mapped(ino, &i, lb)? {
-                    Some(n) if (n as u64) > l => l = n as u64,
-                    _ => break,
-                },
-            }
-        }
-        Ok(out)
+        Ok(self
+            .ext_segments(ino, &i, lo, hi)?
+            .into_iter()
+            .filter_map(|(_, len, m)| m.map(|m| (m.pblk, len as u32)))
+            .collect())
     }
 
     /// Goal for allocating logical block `lblk`: right after the physical block of

@@ -125,6 +125,16 @@ pub(crate) fn now() -> Timestamp {
 }
 
 impl Inner {
+    /// How to recover this image's journal: an image left by an fc_data_csum
+    /// mount (its incompat bit still set, whatever this mount's options) may end
+    /// in a single-flush commit, whose last transaction must verify completely.
+    fn recover_options(&self) -> commitfs_journal::RecoverOptions {
+        commitfs_journal::RecoverOptions {
+            verify_last: self.sb.has_incompat(sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM),
+            inode_size: self.inode_size,
+        }
+    }
+
     /// Open a file system: read and check the superblock and descriptors, decide
     /// read-only vs read-write from the feature flags.
     pub fn mount(dev: DeviceRef, opts: MountOptions) -> Result<Inner> {
@@ -261,11 +271,8 @@ impl Inner {
         }
         let map = self.journal_map()?;
         let fc = self.sb.has_compat(sbf::COMPAT_FAST_COMMIT);
-        let ropts = commitfs_journal::RecoverOptions {
-            verify_last: self.sb.has_incompat(sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM),
-            inode_size: self.inode_size,
-        };
-        let (jsb, report) = commitfs_journal::scan_with(&*self.dev, &map, self.bs, fc, ropts)?;
+        let (jsb, report) =
+            commitfs_journal::scan_with(&*self.dev, &map, self.bs, fc, self.recover_options())?;
         Ok(Some((jsb, report, map.len())))
     }
 
@@ -311,12 +318,13 @@ impl Inner {
             // An image left by an fc_data_csum mount (its incompat bit is still
             // set, whatever this mount's options) may end in a single-flush
             // commit: recovery verifies the last transaction completely.
-            let ropts = commitfs_journal::RecoverOptions {
-                verify_last: self.sb.has_incompat(sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM),
-                inode_size: self.inode_size,
-            };
-            let report =
-                commitfs_journal::recover_with(&*self.dev, &map, self.bs, fast_commit, ropts)?;
+            let report = commitfs_journal::recover_with(
+                &*self.dev,
+                &map,
+                self.bs,
+                fast_commit,
+                self.recover_options(),
+            )?;
             tracing::info!(
                 "journal recovery: {} transactions ({}..{}), {} blocks replayed, {} revoked{}",
                 report.transactions,

@@ -709,7 +709,8 @@ impl Inner {
         // then this transaction must be fully committed. The superblock and
         // orphans added by this transaction are no such risk (neither is
         // replayed from a fast commit onto the committed list).
-        let eligible = match self.orphan_pred(ino)? {
+        let pred = self.orphan_pred(ino)?;
+        let eligible = match pred {
             None | Some(0) => true,
             Some(p) => self.orphans_added.get(&p) == Some(&h.tid()),
         };
@@ -717,7 +718,7 @@ impl Inner {
             self.fc_ineligible(FcReason::Orphan, h.tid());
         }
         let r = self
-            .orphan_del(&h, ino)
+            .orphan_unlink(&h, ino, pred)
             .and_then(|_| self.read_inode(ino))
             .and_then(|i| self.evict_with(&h, ino, i));
         self.stop(h)?;

@@ -44,30 +44,22 @@ impl Inner {
         Ok(None)
     }
 
-    /// Unlink `ino` from the list (before it is freed).
-    pub fn orphan_del(&mut self, h: &Handle, ino: u32) -> Result<()> {
+    /// Unlink `ino` from the list (before it is freed); `pred` is
+    /// [`Self::orphan_pred`]`(ino)`, which the caller needed too.
+    pub fn orphan_unlink(&mut self, h: &Handle, ino: u32, pred: Option<u32>) -> Result<()> {
         let next = self.read_inode(ino)?.dtime;
-        let head = self.sb.last_orphan();
-        if head == ino {
-            self.sb.set_last_orphan(next);
-            return self.write_super(h);
-        }
-        // Walk to the predecessor; lists are short (open-unlinked files only).
-        let mut cur = head;
-        let mut steps = 0u32;
-        while cur != 0 {
-            steps += 1;
-            if steps > self.sb.inodes_count() {
-                return Err(FsError::corrupt("orphan list loops"));
+        match pred {
+            None => Ok(()),
+            Some(0) => {
+                self.sb.set_last_orphan(next);
+                self.write_super(h)
             }
-            let mut ci = self.read_inode(cur)?;
-            if ci.dtime == ino {
-                ci.dtime = next;
-                return self.write_inode(h, cur, &ci);
+            Some(p) => {
+                let mut pi = self.read_inode(p)?;
+                pi.dtime = next;
+                self.write_inode(h, p, &pi)
             }
-            cur = ci.dtime;
         }
-        Ok(())
     }
 
     /// At mount after journal recovery: finish what a crash interrupted. Inodes

@@ -94,9 +94,7 @@ pub fn read_fast_commits_with(
     let mut buf = vec![0u8; bs];
     for off in 0..area.blocks {
         let j = area.first + off;
-        let p = map.phys(j).ok_or_else(|| {
-            JournalError::BadJournal(format!("fast-commit block {j} is not mapped"))
-        })?;
+        let p = map.require(j)?;
         dev.read_at(p * bs as u64, &mut buf, IoCategory::FastCommit)?;
         if !scanner.feed(off, &buf) {
             break;
@@ -265,7 +263,7 @@ pub fn commit_fast_commit_replay(
     }
     for (i, b) in log.iter().enumerate() {
         let j = jsb.first + i as u32;
-        dev.write_at(phys(map, j)? * bs as u64, b, IoCategory::Journal, false)?;
+        dev.write_at(map.require(j)? * bs as u64, b, IoCategory::Journal, false)?;
     }
     dev.flush()?;
     let now = SystemTime::now()
@@ -274,7 +272,7 @@ pub fn commit_fast_commit_replay(
     let commit = jbd2_log::build_commit(&f, tid, now.as_secs(), now.subsec_nanos());
     let cj = jsb.first + log.len() as u32;
     dev.write_at(
-        phys(map, cj)? * bs as u64,
+        map.require(cj)? * bs as u64,
         &commit,
         IoCategory::Journal,
         true,
@@ -282,7 +280,7 @@ pub fn commit_fast_commit_replay(
     // The fast commits are now superseded; without this, e2fsck 1.47 would refuse
     // the whole journal on their stale HEAD (§9.8).
     if let Some(area) = fc_area(&jsb) {
-        let p = phys(map, area.first)?;
+        let p = map.require(area.first)?;
         dev.write_at(p * bs as u64, &vec![0u8; bs], IoCategory::FastCommit, true)?;
     }
     for (&blocknr, data) in blocks {
@@ -290,11 +288,6 @@ pub fn commit_fast_commit_replay(
     }
     dev.flush()?;
     Ok(true)
-}
-
-fn phys(map: &JournalMap, j: u32) -> Result<u64> {
-    map.phys(j)
-        .ok_or_else(|| JournalError::BadJournal(format!("journal block {j} is not mapped")))
 }
 
 /// End of recovery with fast commits (§8.11, §9.11 item 4): after the replayed state

@@ -440,21 +440,26 @@ impl Journal {
     /// transaction written so far are durable afterwards and leave the list a
     /// commit must checksum. Call with the commit lock held.
     fn flush_data(&self) -> Result<usize> {
+        self.flushing_data(|| Ok(self.dev.flush()?))?;
+        Ok(0)
+    }
+
+    /// Run `io`, which ends with a flush: the data blocks written before it are
+    /// durable once it succeeds and leave the single-flush tracking; on failure
+    /// they stay tracked.
+    fn flushing_data<T>(&self, io: impl FnOnce() -> Result<T>) -> Result<T> {
         {
             let mut r = self.tx.running.lock();
-            if r.data.on {
-                let d = std::mem::take(&mut r.data.running);
-                r.data.flushing.union(&d);
-            }
+            let d = std::mem::take(&mut r.data.running);
+            r.data.flushing.union(&d);
         }
-        let res = self.dev.flush();
+        let res = io();
         let mut r = self.tx.running.lock();
         let d = std::mem::take(&mut r.data.flushing);
         if res.is_err() {
             r.data.running.union(&d);
         }
-        res?;
-        Ok(0)
+        res
     }
 
     fn commit_inner(&self, force: bool) -> Result<usize> {
@@ -715,29 +720,16 @@ impl Journal {
             return Ok(false);
         }
         let mut st = l.lock();
-        let together = mode == FcFlush::Together;
-        if together {
+        let mut write = || st.fc_write(&*self.dev, blocks, mode);
+        if mode == FcFlush::Together {
             // Its flush makes the data written so far durable.
-            let mut r = self.tx.running.lock();
-            let d = std::mem::take(&mut r.data.running);
-            r.data.flushing.union(&d);
+            self.flushing_data(write)?;
+        } else {
+            write()?;
         }
-        let res = st.fc_write(&*self.dev, blocks, mode);
-        {
-            let mut r = self.tx.running.lock();
-            if together {
-                let d = std::mem::take(&mut r.data.flushing);
-                if res.is_err() {
-                    r.data.running.union(&d);
-                }
-            }
-            if res.is_ok() {
-                // A durable fast commit of the next tid follows the last full
-                // commit: that commit is no longer final.
-                r.data.protected = None;
-            }
-        }
-        res?;
+        // A durable fast commit of the next tid follows the last full commit:
+        // that commit is no longer final.
+        self.tx.running.lock().data.protected = None;
         self.fc_commits.fetch_add(1, Ordering::Relaxed);
         self.fc_blocks
             .fetch_add(blocks.len() as u64, Ordering::Relaxed);

@@ -79,6 +79,12 @@ impl JournalMap {
         let (js, ps, l) = *self.runs.get(i.checked_sub(1)?)?;
         (j < js + l).then(|| ps + (j - js) as u64)
     }
+
+    /// [`Self::phys`], an error naming the block when it is not mapped.
+    pub(crate) fn require(&self, j: u32) -> Result<u64> {
+        self.phys(j)
+            .ok_or_else(|| JournalError::BadJournal(format!("journal block {j} not mapped")))
+    }
 }
 
 /// What the file system tells the log at mount.
@@ -295,29 +301,46 @@ impl LogState {
 
     /// Write `blocks` (already built) at consecutive log positions from `head`,
     /// merging physically contiguous runs into single device writes.
+    /// Write `blocks` at the log head, advancing it (wrapping at the end).
     fn write_log_blocks(&mut self, dev: &dyn BlockDevice, blocks: &[Vec<u8>]) -> Result<()> {
+        let mut items = Vec::with_capacity(blocks.len());
+        for b in blocks {
+            items.push((self.head, b.as_slice()));
+            self.head = self.advance(self.head);
+        }
+        self.write_mapped(dev, &items, IoCategory::Journal)
+    }
+
+    /// Write `(journal block, contents)` items without FUA, in order, one request
+    /// per run of consecutive journal blocks that are also consecutive on the
+    /// device (the log and the fast-commit area share this).
+    fn write_mapped(
+        &self,
+        dev: &dyn BlockDevice,
+        items: &[(u32, &[u8])],
+        cat: IoCategory,
+    ) -> Result<()> {
         let mut i = 0;
-        while i < blocks.len() {
-            let start_j = self.head;
-            let start_p = self.map.phys(start_j).ok_or_else(|| {
-                JournalError::BadJournal(format!("journal block {start_j} not mapped"))
-            })?;
-            let mut run = Vec::with_capacity(self.bs * 8);
-            let mut j = start_j;
-            loop {
-                run.extend_from_slice(&blocks[i]);
-                i += 1;
-                let nj = self.advance(j);
-                self.head = nj;
-                if i == blocks.len() || nj != j + 1 {
-                    break;
-                }
-                match self.map.phys(nj) {
-                    Some(p) if p == start_p + (nj - start_j) as u64 => j = nj,
-                    _ => break,
-                }
+        while i < items.len() {
+            let (j0, first) = items[i];
+            let p0 = self.map.require(j0)?;
+            let mut k = i + 1;
+            while k < items.len()
+                && items[k].0 == items[k - 1].0 + 1
+                && self.map.phys(items[k].0) == Some(p0 + (k - i) as u64)
+            {
+                k += 1;
             }
-            dev.write_at(start_p * self.bs as u64, &run, IoCategory::Journal, false)?;
+            if k == i + 1 {
+                dev.write_at(p0 * self.bs as u64, first, cat, false)?;
+            } else {
+                let run: Vec<u8> = items[i..k]
+                    .iter()
+                    .flat_map(|x| x.1.iter().copied())
+                    .collect();
+                dev.write_at(p0 * self.bs as u64, &run, cat, false)?;
+            }
+            i = k;
         }
         Ok(())
     }
@@ -386,10 +409,7 @@ impl LogState {
         }
         self.write_log_blocks(dev, &blocks)?;
         let cj = self.head;
-        let cp = self
-            .map
-            .phys(cj)
-            .ok_or_else(|| JournalError::BadJournal(format!("journal block {cj} not mapped")))?;
+        let cp = self.map.require(cj)?;
         // Single-flush commit (fc_data_csum, CSUM_V3 only): the commit block
         // carries the CRC32C of every data range the transaction makes reachable
         // that may not be durable yet, and goes out without FUA; one flush then
@@ -535,69 +555,33 @@ impl LogState {
             blocks.len() - 1
         };
         // The other blocks: contiguous runs in one write each.
-        let mut i = 0;
-        while i < blocks.len() {
-            if i == last {
-                i += 1;
-                continue;
-            }
-            let j0 = start + i as u32;
-            let p0 = self.map.phys(j0).ok_or_else(|| {
-                JournalError::BadJournal(format!("journal block {j0} not mapped"))
-            })?;
-            let mut run = blocks[i].clone();
-            let mut k = i + 1;
-            while k < blocks.len()
-                && k != last
-                && self.map.phys(start + k as u32) == Some(p0 + (k - i) as u64)
-            {
-                run.extend_from_slice(&blocks[k]);
-                k += 1;
-            }
-            dev.write_at(p0 * self.bs as u64, &run, IoCategory::FastCommit, false)?;
-            i = k;
+        let others: Vec<(u32, &[u8])> = (0..blocks.len())
+            .filter(|&i| i != last)
+            .map(|i| (start + i as u32, blocks[i].as_slice()))
+            .collect();
+        self.write_mapped(dev, &others, IoCategory::FastCommit)?;
+        let pt = self.map.require(start + last as u32)?;
+        // Ordered: data and the other blocks durable before the last one (§9.4),
+        // a flush only when there is something to order, the last block as FUA.
+        // Together (fc_data_csum): DATA_CSUM records let recovery tell a complete
+        // commit from one whose data was lost, so data, body and TAIL need no
+        // order among themselves: one flush makes them all durable.
+        let (flush_before, fua, flush_after) = match mode {
+            FcFlush::Ordered { flush_first } => (flush_first || n > 1, true, false),
+            FcFlush::Fua => (false, true, false),
+            FcFlush::Together => (false, false, true),
+        };
+        if flush_before {
+            dev.flush()?;
         }
-        let jt = start + last as u32;
-        let pt = self
-            .map
-            .phys(jt)
-            .ok_or_else(|| JournalError::BadJournal(format!("journal block {jt} not mapped")))?;
-        let final_block = &blocks[last];
-        match mode {
-            FcFlush::Ordered { flush_first } => {
-                // Data and the other blocks durable before the last one (§9.4): a
-                // flush only when there is something to order, then the last
-                // block as FUA.
-                if flush_first || n > 1 {
-                    dev.flush()?;
-                }
-                dev.write_at(
-                    pt * self.bs as u64,
-                    final_block,
-                    IoCategory::FastCommit,
-                    true,
-                )?;
-            }
-            FcFlush::Fua => {
-                dev.write_at(
-                    pt * self.bs as u64,
-                    final_block,
-                    IoCategory::FastCommit,
-                    true,
-                )?;
-            }
-            FcFlush::Together => {
-                // fc_data_csum: DATA_CSUM records let recovery tell a complete
-                // commit from one whose data was lost, so data, body and TAIL need
-                // no order among themselves: one flush makes them all durable.
-                dev.write_at(
-                    pt * self.bs as u64,
-                    final_block,
-                    IoCategory::FastCommit,
-                    false,
-                )?;
-                dev.flush()?;
-            }
+        dev.write_at(
+            pt * self.bs as u64,
+            &blocks[last],
+            IoCategory::FastCommit,
+            fua,
+        )?;
+        if flush_after {
+            dev.flush()?;
         }
         self.fc_off += n;
         Ok(())

@@ -63,9 +63,7 @@ pub(crate) struct LogReader<'a> {
 
 impl LogReader<'_> {
     pub fn read(&self, jblk: u32, buf: &mut [u8]) -> Result<()> {
-        let p = self.map.phys(jblk).ok_or(JournalError::BadJournal(format!(
-            "journal block {jblk} is not mapped"
-        )))?;
+        let p = self.map.require(jblk)?;
         self.dev
             .read_at(p * self.bs as u64, buf, IoCategory::Journal)?;
         Ok(())
