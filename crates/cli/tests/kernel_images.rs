@@ -12,7 +12,6 @@
 
 mod common;
 
-use std::ffi::CString;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::process::Command;
@@ -42,28 +41,6 @@ fn big_name(i: usize) -> String {
     let pad = "abcdefghijklmnopqrstuvwxyz0123456789".repeat(4);
     let extra = (i * 7919) % 110;
     format!("e{i:05}_{}", &pad[..extra])
-}
-
-fn set_xattr(p: &Path, name: &str, value: &[u8]) {
-    let c = cpath(p);
-    let n = CString::new(name).unwrap();
-    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
-    let r = unsafe {
-        libc::lsetxattr(
-            c.as_ptr(),
-            n.as_ptr(),
-            value.as_ptr() as *const libc::c_void,
-            value.len(),
-            0,
-        )
-    };
-    assert_eq!(
-        r,
-        0,
-        "lsetxattr {} {name}: {}",
-        p.display(),
-        std::io::Error::last_os_error()
-    );
 }
 
 fn set_times(p: &Path, atime: (i64, i64), mtime: (i64, i64)) {

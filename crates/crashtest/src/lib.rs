@@ -261,6 +261,34 @@ impl std::fmt::Display for Summary {
     }
 }
 
+impl Summary {
+    /// The first `n` failures, one line each (crash spec, window, fast commits in the
+    /// area, message, where the image was saved), for a test's panic message.
+    pub fn failure_report(&self, n: usize) -> String {
+        self.failures
+            .iter()
+            .take(n)
+            .map(|f| {
+                format!(
+                    "k={} seed={:#x} keep={}/256 torn={} window={:?} fast commits in the area={}: {}{}",
+                    f.spec.k,
+                    f.spec.seed,
+                    f.spec.keep_256,
+                    f.spec.torn,
+                    f.window,
+                    f.fc.commits,
+                    f.message,
+                    f.saved
+                        .as_ref()
+                        .map(|p| format!(" [saved {}]", p.display()))
+                        .unwrap_or_default()
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
 /// Record `cfg.workload` and check `cfg.states` crash states of it.
 pub fn run(cfg: &Config) -> Result<Summary, String> {
     let spec = find(&cfg.workload).ok_or_else(|| {

@@ -19,21 +19,10 @@ fn suite(workload: &str, states: usize, seed: u64, torn: bool, block_size: u32) 
     };
     let s = run(&cfg).unwrap_or_else(|e| panic!("{workload} seed {seed}: {e}"));
     println!("{s}");
-    let msgs: Vec<String> = s
-        .failures
-        .iter()
-        .take(5)
-        .map(|f| {
-            format!(
-                "k={} seed={:#x} keep={}/256 torn={} window={:?}: {}",
-                f.spec.k, f.spec.seed, f.spec.keep_256, f.spec.torn, f.window, f.message
-            )
-        })
-        .collect();
     assert!(
         s.failures.is_empty(),
         "{s}\nfirst failures:\n{}",
-        msgs.join("\n")
+        s.failure_report(5)
     );
     assert_eq!(s.passed, states);
     // The states must have exercised real recovery: different snapshots recovered.

@@ -34,31 +34,10 @@ fn suite(
     };
     let s = run(&cfg).unwrap_or_else(|e| panic!("{workload} seed {seed}: {e}"));
     println!("{}{s}", if fc_data_csum { "[fc_data_csum] " } else { "" });
-    let msgs: Vec<String> = s
-        .failures
-        .iter()
-        .take(5)
-        .map(|f| {
-            format!(
-                "k={} seed={:#x} keep={}/256 torn={} window={:?} fast commits in the area={}: {}{}",
-                f.spec.k,
-                f.spec.seed,
-                f.spec.keep_256,
-                f.spec.torn,
-                f.window,
-                f.fc.commits,
-                f.message,
-                f.saved
-                    .as_ref()
-                    .map(|p| format!(" [saved {}]", p.display()))
-                    .unwrap_or_default()
-            )
-        })
-        .collect();
     assert!(
         s.failures.is_empty(),
         "fc_data_csum={fc_data_csum}: {s}\nfirst failures (CRASHTEST_SAVE_FAILURES=DIR saves the images):\n{}",
-        msgs.join("\n")
+        s.failure_report(5)
     );
     assert_eq!(s.passed, states);
     assert!(s.distinct_snapshots > 5, "{s}");

@@ -355,11 +355,7 @@ fn kernel_replays_commitfs_fast_commits() {
                     return Err(format!(
                         "trees differ ({} differences):\n    {}",
                         d.len(),
-                        d.iter()
-                            .take(20)
-                            .cloned()
-                            .collect::<Vec<_>>()
-                            .join("\n    ")
+                        first_differences(&d)
                     ));
                 }
                 if let Some(c_img) = &c_img {
@@ -426,26 +422,9 @@ fn pattern(seed: u32, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn setxattr(p: &Path, name: &str, value: &[u8]) {
-    let c = common::cpath(p);
-    let n = std::ffi::CString::new(name).unwrap();
-    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
-    let r = unsafe {
-        libc::lsetxattr(
-            c.as_ptr(),
-            n.as_ptr(),
-            value.as_ptr() as *const libc::c_void,
-            value.len(),
-            0,
-        )
-    };
-    assert_eq!(
-        r,
-        0,
-        "setxattr {} {name}: errno {}",
-        p.display(),
-        common::last_errno()
-    );
+/// The first 20 of a list of tree differences, one indented line each.
+fn first_differences(d: &[String]) -> String {
+    d[..d.len().min(20)].join("\n    ")
 }
 
 fn fallocate(f: &std::fs::File, mode: i32, off: u64, len: u64) {
@@ -473,9 +452,9 @@ fn kernel_steps(m: &Path, bs: usize, step: usize) -> bool {
                 let p = d.join(format!("x{i}"));
                 std::fs::write(&p, pattern(i, 3 * bs + 11)).unwrap();
                 // Small values stay in the inode, a big one needs an xattr block.
-                setxattr(&p, "user.small", b"v");
+                common::set_xattr(&p, "user.small", b"v");
                 if i % 2 == 0 {
-                    setxattr(&p, "user.big", &pattern(50 + i, 3000.min(bs - 200)));
+                    common::set_xattr(&p, "user.big", &pattern(50 + i, 3000.min(bs - 200)));
                 }
             }
             std::fs::write(d.join("keep"), pattern(9, 2 * bs)).unwrap();
@@ -668,11 +647,7 @@ fn kernel_written(bs: usize, size_mib: u64) {
                     return Err(format!(
                         "commitfs's recovery and {what} differ ({} differences):\n    {}",
                         d.len(),
-                        d.iter()
-                            .take(20)
-                            .cloned()
-                            .collect::<Vec<_>>()
-                            .join("\n    ")
+                        first_differences(&d)
                     ));
                 }
             }

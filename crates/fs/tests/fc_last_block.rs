@@ -13,6 +13,9 @@ use std::process::Command;
 use commitfs_fs::testutil::{assert_fsck_clean, fsck, mkfs, TempImage};
 use commitfs_fs::{FileType, Fs, MountOptions, ROOT_INO};
 
+mod common;
+use common::KernelMount;
+
 const BS: usize = 4096;
 
 fn pattern(seed: u32) -> Vec<u8> {
@@ -60,50 +63,14 @@ fn commitfs_tree(path: &Path) -> Vec<(String, Vec<u8>)> {
 
 /// Mount with the kernel (which replays the journal), read the tree, unmount.
 fn kernel_tree(path: &Path) -> Vec<(String, Vec<u8>)> {
-    let dir = std::env::temp_dir().join(format!(
-        "commitfs-fclast-{}-{}",
-        std::process::id(),
-        path.file_name().unwrap().to_string_lossy()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    let out = Command::new("mount")
-        .args(["-t", "ext4", "-o", "loop"])
-        .arg(path)
-        .arg(&dir)
-        .output()
-        .expect("run mount");
-    assert!(
-        out.status.success(),
-        "the kernel could not mount (recover) the image: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let m = KernelMount::new(path, "rw");
     let mut tree = Vec::new();
-    let read = std::fs::read_dir(&dir).map(|rd| {
-        for e in rd.flatten() {
-            if e.file_type().map(|t| t.is_file()).unwrap_or(false) {
-                let data = std::fs::read(e.path()).unwrap_or_default();
-                tree.push((e.file_name().to_string_lossy().into_owned(), data));
-            }
+    for e in std::fs::read_dir(&m.dir).unwrap().flatten() {
+        if e.file_type().map(|t| t.is_file()).unwrap_or(false) {
+            let data = std::fs::read(e.path()).unwrap_or_default();
+            tree.push((e.file_name().to_string_lossy().into_owned(), data));
         }
-    });
-    let mut unmounted = false;
-    for _ in 0..50 {
-        if Command::new("umount")
-            .arg(&dir)
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false)
-        {
-            unmounted = true;
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
     }
-    if !unmounted {
-        let _ = Command::new("umount").arg("-l").arg(&dir).status();
-    }
-    let _ = std::fs::remove_dir(&dir);
-    read.unwrap();
     tree.sort();
     tree
 }

@@ -14,8 +14,6 @@
 //! workload of opens, unlinks, renames over open files, writes to open-unlinked
 //! files, releases and fsyncs, and recovers every sampled crash state.
 
-use std::collections::BTreeMap;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -23,264 +21,15 @@ use std::sync::Arc;
 use commitfs_device::{CrashSpec, RecordingDevice};
 use commitfs_format::bitmap;
 use commitfs_format::bytes::{le16, le32};
-use commitfs_format::group_desc::GroupDesc;
-use commitfs_format::superblock::Superblock;
-use commitfs_fs::testutil::{fsck, mkfs, problem_lines, TempImage};
+use commitfs_fs::testutil::{mkfs, TempImage};
 use commitfs_fs::*;
 
-// -------------------------------------------------------------------------------------
-// Trees
-// -------------------------------------------------------------------------------------
-
-/// kind, permission bits, links, size, content.
-type Entry = (String, u32, u32, u64, Vec<u8>);
-type Tree = BTreeMap<String, Entry>;
-
-fn lib_tree(fs: &Fs) -> Tree {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![(ROOT_INO, String::new())];
-    while let Some((dir, path)) = stack.pop() {
-        for e in fs.readdir_all(dir).unwrap() {
-            if e.name == b"." || e.name == b".." || e.name == b"lost+found" {
-                continue;
-            }
-            let p = format!("{path}/{}", String::from_utf8_lossy(&e.name));
-            let a = fs.getattr(e.ino).unwrap();
-            let content = match a.kind {
-                FileType::Regular => {
-                    let mut b = vec![0u8; a.size as usize];
-                    fs.read(e.ino, 0, &mut b).unwrap();
-                    b
-                }
-                _ => Vec::new(),
-            };
-            let dir = a.kind == FileType::Directory;
-            let size = if dir { 0 } else { a.size };
-            out.insert(
-                p.clone(),
-                (
-                    format!("{:?}", a.kind),
-                    a.perm as u32,
-                    a.nlink,
-                    size,
-                    content,
-                ),
-            );
-            if dir {
-                stack.push((e.ino, p));
-            }
-        }
-    }
-    out
-}
-
-fn host_tree(root: &Path) -> Tree {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![(root.to_path_buf(), String::new())];
-    while let Some((dir, path)) = stack.pop() {
-        for e in std::fs::read_dir(&dir).unwrap() {
-            let e = e.unwrap();
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name == "lost+found" {
-                continue;
-            }
-            let p = format!("{path}/{name}");
-            let m = std::fs::symlink_metadata(e.path()).unwrap();
-            let (kind, content) = if m.is_dir() {
-                ("Directory", Vec::new())
-            } else {
-                ("Regular", std::fs::read(e.path()).unwrap())
-            };
-            let size = if m.is_dir() { 0 } else { m.len() };
-            let perm = m.permissions().mode() & 0o7777;
-            out.insert(
-                p.clone(),
-                (kind.to_string(), perm, m.nlink() as u32, size, content),
-            );
-            if m.is_dir() {
-                stack.push((e.path(), p));
-            }
-        }
-    }
-    out
-}
-
-fn tree_diff(a: &Tree, b: &Tree) -> String {
-    let mut s = String::new();
-    for (p, x) in a {
-        match b.get(p) {
-            None => s += &format!("only in first: {p}\n"),
-            Some(y) if y != x => {
-                s += &format!(
-                    "{p}: {:?} links {} size {} vs {:?} links {} size {}{}\n",
-                    x.0,
-                    x.2,
-                    x.3,
-                    y.0,
-                    y.2,
-                    y.3,
-                    if x.4 != y.4 { " (content differs)" } else { "" }
-                )
-            }
-            _ => {}
-        }
-    }
-    for p in b.keys().filter(|p| !a.contains_key(*p)) {
-        s += &format!("only in second: {p}\n");
-    }
-    s
-}
-
-// -------------------------------------------------------------------------------------
-// The kernel (loop device + mount, both undone on drop, also when a test fails)
-// -------------------------------------------------------------------------------------
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// A loop device over an image file, detached on drop.
-struct LoopDev {
-    dev: String,
-}
-
-impl LoopDev {
-    fn new(img: &Path) -> LoopDev {
-        let out = Command::new("losetup")
-            .args(["--find", "--show"])
-            .arg(img)
-            .output()
-            .expect("run losetup");
-        assert!(
-            out.status.success(),
-            "losetup failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        LoopDev {
-            dev: String::from_utf8_lossy(&out.stdout).trim().to_string(),
-        }
-    }
-}
-
-impl Drop for LoopDev {
-    fn drop(&mut self) {
-        for _ in 0..100 {
-            let ok = Command::new("losetup")
-                .arg("-d")
-                .arg(&self.dev)
-                .status()
-                .is_ok_and(|s| s.success());
-            if ok {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        // Detaching is asynchronous: wait until the device no longer names a file,
-        // so that e2fsck does not take the image for a mounted one.
-        for _ in 0..200 {
-            let out = Command::new("losetup").arg(&self.dev).output();
-            match out {
-                Ok(o) if o.status.success() && !o.stdout.is_empty() => {
-                    std::thread::sleep(std::time::Duration::from_millis(10))
-                }
-                _ => break,
-            }
-        }
-    }
-}
-
-/// A kernel ext4 mount of a loop device; unmounted (retrying a busy umount, then
-/// lazily) and its directory removed on drop, before the loop device is detached.
-struct KernelMount {
-    dir: PathBuf,
-    mounted: bool,
-    // Dropped after `Drop::drop` ran: the umount comes first.
-    _loop: LoopDev,
-}
-
-impl KernelMount {
-    fn try_new(img: &Path) -> std::result::Result<KernelMount, String> {
-        let lo = LoopDev::new(img);
-        let dir = img.with_extension("mnt");
-        std::fs::create_dir_all(&dir).unwrap();
-        let out = Command::new("mount")
-            .args(["-t", "ext4"])
-            .arg(&lo.dev)
-            .arg(&dir)
-            .output()
-            .unwrap();
-        let m = KernelMount {
-            dir,
-            mounted: out.status.success(),
-            _loop: lo,
-        };
-        if !m.mounted {
-            let dmesg = Command::new("dmesg")
-                .output()
-                .map(|o| {
-                    let t = String::from_utf8_lossy(&o.stdout).into_owned();
-                    let lines: Vec<&str> = t.lines().collect();
-                    lines[lines.len().saturating_sub(6)..].join("\n")
-                })
-                .unwrap_or_default();
-            return Err(format!(
-                "{}\n{dmesg}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-        }
-        Ok(m)
-    }
-}
-
-impl Drop for KernelMount {
-    fn drop(&mut self) {
-        if self.mounted {
-            let mut ok = false;
-            for _ in 0..40 {
-                if Command::new("umount")
-                    .arg(&self.dir)
-                    .status()
-                    .is_ok_and(|s| s.success())
-                {
-                    ok = true;
-                    break;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(50));
-            }
-            if !ok {
-                let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
-            }
-        }
-        let _ = std::fs::remove_dir(&self.dir);
-    }
-}
+mod common;
+use common::*;
 
 // -------------------------------------------------------------------------------------
 // Images
 // -------------------------------------------------------------------------------------
-
-struct Geometry {
-    sb: Superblock,
-    gds: Vec<GroupDesc>,
-    bs: usize,
-    isz: usize,
-}
-
-fn geometry(img: &[u8]) -> Geometry {
-    let sb = Superblock::parse(&img[1024..2048]).unwrap();
-    let bs = sb.block_size();
-    let ds = sb.desc_size();
-    let gdt = (sb.first_data_block() as usize + 1) * bs;
-    let gds = (0..sb.group_count())
-        .map(|g| {
-            let o = gdt + g as usize * ds;
-            GroupDesc::parse(&img[o..o + ds], g, 0).unwrap()
-        })
-        .collect();
-    let isz = sb.inode_size() as usize;
-    Geometry { sb, gds, bs, isz }
-}
 
 /// `(bit set in the inode bitmap, i_links_count, i_dtime)` of `ino` in an image.
 fn inode_state(path: &Path, ino: u32) -> (bool, u16, u32) {
@@ -301,17 +50,6 @@ fn assert_inode_freed(path: &Path, ino: u32, who: &str) {
     assert!(
         !used && links == 0,
         "{who}: inode {ino} not freed (bitmap {used}, links {links}, dtime {dtime})"
-    );
-}
-
-fn assert_clean(path: &Path, who: &str) {
-    let r = fsck(path);
-    assert!(
-        r.is_clean(),
-        "{who}: e2fsck -fn reported problems (exit {}): {:?}\n{}",
-        r.code,
-        problem_lines(&r.output),
-        r.output
     );
 }
 
@@ -392,12 +130,6 @@ impl Live {
     }
 }
 
-fn pattern(seed: u32, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (seed.wrapping_mul(31).wrapping_add(i as u32 / 7) % 251) as u8 + 1)
-        .collect()
-}
-
 /// Recover `img` with commitfs and with the kernel (separate copies): both trees
 /// equal `expected`, e2fsck is clean after each, and every inode of `freed` is free.
 fn recover_everywhere(img: &[u8], expected: &Tree, freed: &[u32], what: &str) {
@@ -431,7 +163,7 @@ fn recover_everywhere(img: &[u8], expected: &Tree, freed: &[u32], what: &str) {
     }
     let kern = save(img, "kern");
     {
-        let m = KernelMount::try_new(&kern.path)
+        let m = KernelMount::try_new(&kern.path, "rw")
             .unwrap_or_else(|e| panic!("{what}: the kernel refused to recover: {e}"));
         let t = host_tree(&m.dir);
         assert_eq!(
@@ -1012,7 +744,7 @@ fn crash_states(bs: usize, seed: u64, torn: bool, states: usize) {
         // A sample also goes to the kernel: same tree, clean afterwards.
         if s % 6 == 0 && is_root() {
             let kern = save(&img, "kern");
-            match KernelMount::try_new(&kern.path) {
+            match KernelMount::try_new(&kern.path, "rw") {
                 Ok(m) => {
                     let kt = host_tree(&m.dir);
                     assert_eq!(kt, t, "{what}: kernel vs commitfs\n{}", tree_diff(&kt, &t));

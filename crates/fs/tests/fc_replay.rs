@@ -10,9 +10,8 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::path::Path;
 use std::sync::Arc;
 
 use commitfs_device::{
@@ -22,255 +21,18 @@ use commitfs_format::bitmap;
 use commitfs_format::bytes::{le16, put_be32, put_le16, put_le32};
 use commitfs_format::extent::NodeRef;
 use commitfs_format::fast_commit::{Dentry, FcPacker, FcScan, Tlv};
-use commitfs_format::group_desc::GroupDesc;
 use commitfs_format::jbd2;
 use commitfs_format::superblock::{Superblock, INCOMPAT_RECOVER};
-use commitfs_fs::testutil::{fsck, mkfs, problem_lines, TempImage};
+use commitfs_fs::testutil::{mkfs, TempImage};
 use commitfs_fs::*;
 use commitfs_journal::JournalMap;
 
-// -------------------------------------------------------------------------------------
-// Trees
-// -------------------------------------------------------------------------------------
-
-/// kind, permission bits, links, size, content (file data or symlink target).
-type Entry = (String, u32, u32, u64, Vec<u8>);
-type Tree = BTreeMap<String, Entry>;
-
-fn lib_tree(fs: &Fs) -> Tree {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![(ROOT_INO, String::new())];
-    while let Some((dir, path)) = stack.pop() {
-        for e in fs.readdir_all(dir).unwrap() {
-            if e.name == b"." || e.name == b".." || e.name == b"lost+found" {
-                continue;
-            }
-            let p = format!("{path}/{}", String::from_utf8_lossy(&e.name));
-            let a = fs.getattr(e.ino).unwrap();
-            let content = match a.kind {
-                FileType::Regular => {
-                    let mut b = vec![0u8; a.size as usize];
-                    fs.read(e.ino, 0, &mut b).unwrap();
-                    b
-                }
-                FileType::Symlink => fs.readlink(e.ino).unwrap(),
-                _ => Vec::new(),
-            };
-            let dir = a.kind == FileType::Directory;
-            let size = if dir { 0 } else { a.size };
-            let entry = (
-                format!("{:?}", a.kind),
-                a.perm as u32,
-                a.nlink,
-                size,
-                content,
-            );
-            out.insert(p.clone(), entry);
-            if dir {
-                stack.push((e.ino, p));
-            }
-        }
-    }
-    out
-}
-
-fn host_tree(root: &Path) -> Tree {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![(root.to_path_buf(), String::new())];
-    while let Some((dir, path)) = stack.pop() {
-        for e in std::fs::read_dir(&dir).unwrap() {
-            let e = e.unwrap();
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name == "lost+found" {
-                continue;
-            }
-            let p = format!("{path}/{name}");
-            let m = std::fs::symlink_metadata(e.path()).unwrap();
-            let (kind, content) = if m.is_dir() {
-                ("Directory", Vec::new())
-            } else if m.file_type().is_symlink() {
-                let t = std::fs::read_link(e.path()).unwrap();
-                ("Symlink", t.into_os_string().into_encoded_bytes())
-            } else {
-                ("Regular", std::fs::read(e.path()).unwrap())
-            };
-            let size = if m.is_dir() { 0 } else { m.len() };
-            let perm = m.permissions().mode() & 0o7777;
-            out.insert(
-                p.clone(),
-                (kind.to_string(), perm, m.nlink() as u32, size, content),
-            );
-            if m.is_dir() {
-                stack.push((e.path(), p));
-            }
-        }
-    }
-    out
-}
-
-/// Readable difference of two trees (paths and what differs, not the data).
-fn tree_diff(a: &Tree, b: &Tree) -> String {
-    let mut s = String::new();
-    for (p, x) in a {
-        match b.get(p) {
-            None => s += &format!("only in first: {p}\n"),
-            Some(y) if y != x => {
-                s += &format!(
-                    "{p}: {:?} perm {:o} links {} size {} vs {:?} perm {:o} links {} size {}{}\n",
-                    x.0,
-                    x.1,
-                    x.2,
-                    x.3,
-                    y.0,
-                    y.1,
-                    y.2,
-                    y.3,
-                    if x.4 != y.4 { " (content differs)" } else { "" }
-                )
-            }
-            _ => {}
-        }
-    }
-    for p in b.keys().filter(|p| !a.contains_key(*p)) {
-        s += &format!("only in second: {p}\n");
-    }
-    s
-}
+mod common;
+use common::*;
 
 // -------------------------------------------------------------------------------------
-// Kernel, e2fsck, images
+// Images
 // -------------------------------------------------------------------------------------
-
-/// A kernel mount over a loop device; unmounted (which also frees the loop device)
-/// and its directory removed on drop.
-struct KernelMount {
-    dir: PathBuf,
-    mounted: bool,
-}
-
-impl KernelMount {
-    fn try_new(img: &Path, opts: &str) -> std::result::Result<KernelMount, String> {
-        let dir = img.with_extension("mnt");
-        std::fs::create_dir_all(&dir).unwrap();
-        let out = Command::new("mount")
-            .args(["-t", "ext4", "-o"])
-            .arg(format!("loop,{opts}"))
-            .arg(img)
-            .arg(&dir)
-            .output()
-            .unwrap();
-        let mut m = KernelMount {
-            dir,
-            mounted: out.status.success(),
-        };
-        if !m.mounted {
-            let msg = String::from_utf8_lossy(&out.stderr).into_owned();
-            m.cleanup();
-            return Err(msg);
-        }
-        Ok(m)
-    }
-    fn new(img: &Path, opts: &str) -> KernelMount {
-        Self::try_new(img, opts).unwrap_or_else(|e| panic!("kernel mount failed: {e}"))
-    }
-    fn loop_name(&self) -> String {
-        let out = Command::new("findmnt")
-            .args(["-n", "-o", "SOURCE"])
-            .arg(&self.dir)
-            .output()
-            .unwrap();
-        let src = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        src.rsplit('/').next().unwrap_or_default().to_string()
-    }
-    /// Fast commits the kernel made on this mount (`/proc/fs/ext4/<dev>/fc_info`).
-    fn fc_commits(&self) -> u64 {
-        let p = format!("/proc/fs/ext4/{}/fc_info", self.loop_name());
-        let text = std::fs::read_to_string(&p).unwrap_or_default();
-        text.lines()
-            .find_map(|l| l.strip_suffix(" commits"))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
-    }
-    fn cleanup(&mut self) {
-        if self.mounted {
-            let st = Command::new("umount").arg(&self.dir).status();
-            self.mounted = !st.map(|s| s.success()).unwrap_or(false);
-        }
-        let _ = std::fs::remove_dir(&self.dir);
-    }
-}
-
-impl Drop for KernelMount {
-    fn drop(&mut self) {
-        self.cleanup();
-    }
-}
-
-fn copy_image(src: &Path, tag: &str) -> TempImage {
-    let dst = src.with_extension(format!("{tag}.img"));
-    std::fs::copy(src, &dst).unwrap();
-    TempImage { path: dst }
-}
-
-fn assert_clean(path: &Path, who: &str) {
-    let r = fsck(path);
-    assert!(
-        r.is_clean(),
-        "{who}: e2fsck -fn reported problems (exit {}): {:?}\n{}",
-        r.code,
-        problem_lines(&r.output),
-        r.output
-    );
-}
-
-fn e2fsck_fy(path: &Path) -> String {
-    let out = Command::new("e2fsck")
-        .arg("-fy")
-        .arg(path)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let code = out.status.code().unwrap_or(-1);
-    assert!(
-        code == 0 || code == 1,
-        "e2fsck -fy failed ({code}):\n{text}"
-    );
-    text
-}
-
-/// Superblock, descriptors, block size and inode size of an image file.
-struct Geometry {
-    sb: Superblock,
-    gds: Vec<GroupDesc>,
-    bs: usize,
-    isz: usize,
-}
-
-fn geometry(img: &[u8]) -> Geometry {
-    let sb = Superblock::parse(&img[1024..2048]).unwrap();
-    let bs = sb.block_size();
-    let ds = sb.desc_size();
-    let gdt = (sb.first_data_block() as usize + 1) * bs;
-    let gds = (0..sb.group_count())
-        .map(|g| {
-            let o = gdt + g as usize * ds;
-            GroupDesc::parse(&img[o..o + ds], g, 0).unwrap()
-        })
-        .collect();
-    let isz = sb.inode_size() as usize;
-    Geometry { sb, gds, bs, isz }
-}
-
-fn inode_offset(g: &Geometry, ino: u32) -> usize {
-    let ipg = g.sb.inodes_per_group();
-    let grp = ((ino - 1) / ipg) as usize;
-    let idx = ((ino - 1) % ipg) as usize;
-    g.gds[grp].inode_table as usize * g.bs + idx * g.isz
-}
 
 /// Device runs of the journal inode (depth-0 extent tree, as mkfs makes it).
 fn journal_map(img: &[u8]) -> (JournalMap, Geometry) {
@@ -311,12 +73,6 @@ fn kernel_recover(path: &Path) -> Tree {
 // -------------------------------------------------------------------------------------
 // (a) kernel-written fast commits
 // -------------------------------------------------------------------------------------
-
-fn pattern(seed: u32, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (seed.wrapping_mul(31).wrapping_add(i as u32 / 7) % 251) as u8 + 1)
-        .collect()
-}
 
 fn fsync_path(p: &Path) {
     std::fs::File::open(p).unwrap().sync_all().unwrap();

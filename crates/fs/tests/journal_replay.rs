@@ -2,81 +2,14 @@
 //! a copy of the image taken after fsync (a "crash" with the log live) must come
 //! back with everything fsynced, and e2fsck must be clean afterwards.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-use commitfs_fs::testutil::{assert_fsck_clean, mkfs, TempImage};
+use commitfs_fs::testutil::{assert_fsck_clean, mkfs};
 use commitfs_fs::*;
 
-/// Path -> (kind, size, content) for a whole tree, via the library.
-fn lib_tree(fs: &Fs) -> BTreeMap<String, (String, u64, Vec<u8>)> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![(ROOT_INO, String::new())];
-    while let Some((dir, path)) = stack.pop() {
-        for e in fs.readdir_all(dir).unwrap() {
-            if e.name == b"." || e.name == b".." || e.name == b"lost+found" {
-                continue;
-            }
-            let p = format!("{path}/{}", String::from_utf8_lossy(&e.name));
-            let a = fs.getattr(e.ino).unwrap();
-            let content = match a.kind {
-                FileType::Regular => {
-                    let mut b = vec![0u8; a.size as usize];
-                    fs.read(e.ino, 0, &mut b).unwrap();
-                    b
-                }
-                FileType::Symlink => fs.readlink(e.ino).unwrap(),
-                _ => Vec::new(),
-            };
-            let size = if a.kind == FileType::Directory {
-                0
-            } else {
-                a.size
-            };
-            out.insert(p.clone(), (format!("{:?}", a.kind), size, content));
-            if a.kind == FileType::Directory {
-                stack.push((e.ino, p));
-            }
-        }
-    }
-    out
-}
-
-fn host_tree(root: &Path) -> BTreeMap<String, (String, u64, Vec<u8>)> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![(root.to_path_buf(), String::new())];
-    while let Some((dir, path)) = stack.pop() {
-        for e in std::fs::read_dir(&dir).unwrap() {
-            let e = e.unwrap();
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name == "lost+found" {
-                continue;
-            }
-            let p = format!("{path}/{name}");
-            let m = std::fs::symlink_metadata(e.path()).unwrap();
-            let (kind, content) = if m.is_dir() {
-                ("Directory", Vec::new())
-            } else if m.file_type().is_symlink() {
-                (
-                    "Symlink",
-                    std::fs::read_link(e.path())
-                        .unwrap()
-                        .into_os_string()
-                        .into_encoded_bytes(),
-                )
-            } else {
-                ("Regular", std::fs::read(e.path()).unwrap())
-            };
-            let size = if m.is_dir() { 0 } else { m.len() };
-            out.insert(p.clone(), (kind.to_string(), size, content));
-            if m.is_dir() {
-                stack.push((e.path(), p));
-            }
-        }
-    }
-    out
-}
+mod common;
+use common::*;
 
 /// Tests in this file run in parallel; kernel loop mounts detach asynchronously and
 /// e2fsck then sometimes believes an unrelated image is mounted (it matches loop
@@ -85,70 +18,6 @@ static KERNEL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn kernel_lock() -> std::sync::MutexGuard<'static, ()> {
     KERNEL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-struct KernelMount {
-    dir: PathBuf,
-    img: Option<PathBuf>,
-}
-
-impl KernelMount {
-    fn new(img: &Path) -> KernelMount {
-        let dir = img.with_extension("mnt");
-        std::fs::create_dir_all(&dir).unwrap();
-        let st = Command::new("mount")
-            .args(["-t", "ext4", "-o", "loop"])
-            .arg(img)
-            .arg(&dir)
-            .status()
-            .unwrap();
-        assert!(st.success(), "kernel mount failed");
-        KernelMount {
-            dir,
-            img: Some(img.to_path_buf()),
-        }
-    }
-}
-
-impl Drop for KernelMount {
-    fn drop(&mut self) {
-        // Retry a busy umount, then detach lazily: a mount must never outlive the test.
-        let mut ok = false;
-        for _ in 0..20 {
-            if Command::new("umount")
-                .arg(&self.dir)
-                .status()
-                .is_ok_and(|s| s.success())
-            {
-                ok = true;
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        if !ok {
-            let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
-        }
-        let _ = std::fs::remove_dir(&self.dir);
-        // The loop device detaches asynchronously after umount; wait for it so a
-        // following e2fsck does not see the image as mounted.
-        if let Some(img) = &self.img {
-            for _ in 0..200 {
-                let out = Command::new("losetup").arg("-j").arg(img).output();
-                match out {
-                    Ok(o) if !o.stdout.is_empty() => {
-                        std::thread::sleep(std::time::Duration::from_millis(10))
-                    }
-                    _ => break,
-                }
-            }
-        }
-    }
-}
-
-fn copy_image(src: &Path, tag: &str) -> TempImage {
-    let dst = src.with_extension(format!("{tag}.img"));
-    std::fs::copy(src, &dst).unwrap();
-    TempImage { path: dst }
 }
 
 fn workload(fs: &Fs) {
@@ -241,7 +110,7 @@ fn crash_then_replay(bs: &str, extra: &[&str]) {
 
     // The kernel replays our log.
     {
-        let m = KernelMount::new(&by_kernel.path);
+        let m = KernelMount::new(&by_kernel.path, "rw");
         assert_eq!(host_tree(&m.dir), expected);
     }
     assert_fsck_clean(&by_kernel.path);
@@ -264,7 +133,7 @@ fn kernel_crash_then_replay(bs: &str) {
     let img = mkfs("kreplay", 64, &["-b", bs, "-O", "^fast_commit"]);
     let crash = copy_image(&img.path, "crash");
     {
-        let m = KernelMount::new(&img.path);
+        let m = KernelMount::new(&img.path, "rw");
         let d = m.dir.join("d");
         std::fs::create_dir(&d).unwrap();
         for i in 0..200u32 {
@@ -289,7 +158,7 @@ fn kernel_crash_then_replay(bs: &str) {
     );
     let by_kernel = copy_image(&crash.path, "bykernel");
     let expected = {
-        let m = KernelMount::new(&by_kernel.path);
+        let m = KernelMount::new(&by_kernel.path, "rw");
         host_tree(&m.dir)
     };
     assert!(expected.len() > 150);
@@ -348,7 +217,7 @@ fn open_unlinked_file_is_freed_after_crash() {
     }
     assert_fsck_clean(&by_us.path);
     {
-        let _m = KernelMount::new(&by_kernel.path);
+        let _m = KernelMount::new(&by_kernel.path, "rw");
     }
     assert_fsck_clean(&by_kernel.path);
 }
@@ -401,7 +270,7 @@ fn fc_crash_kernel_replay(bs: &str) {
     drop(fs);
     assert_ne!(journal_start(&by_kernel.path), 0);
     {
-        let m = KernelMount::new(&by_kernel.path);
+        let m = KernelMount::new(&by_kernel.path, "rw");
         assert_eq!(host_tree(&m.dir), expected);
     }
     // (e2fsprogs 1.47's own fast-commit replay is not a judge here: it does not
@@ -484,7 +353,7 @@ fn kernel_judges_50_commitfs_crash_images() {
             }
             assert_fsck_clean(&us.path);
             {
-                let m = KernelMount::new(&k.path);
+                let m = KernelMount::new(&k.path, "rw");
                 assert_eq!(
                     host_tree(&m.dir),
                     expected,
@@ -510,7 +379,7 @@ fn commitfs_judges_50_kernel_crash_images() {
         let img = mkfs("judge-b", 48, &["-b", bs, "-O", "^fast_commit"]);
         let mut copies = Vec::new();
         {
-            let m = KernelMount::new(&img.path);
+            let m = KernelMount::new(&img.path, "rw");
             let d = m.dir.join("d");
             std::fs::create_dir(&d).unwrap();
             for i in 0..26u32 {
@@ -537,7 +406,7 @@ fn commitfs_judges_50_kernel_crash_images() {
         }
         for (ours, theirs) in copies {
             let expected = {
-                let m = KernelMount::new(&theirs.path);
+                let m = KernelMount::new(&theirs.path, "rw");
                 host_tree(&m.dir)
             };
             assert_fsck_clean(&theirs.path);

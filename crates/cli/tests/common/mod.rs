@@ -538,6 +538,29 @@ pub fn cpath(p: &Path) -> CString {
     CString::new(p.as_os_str().as_bytes()).expect("path without NUL")
 }
 
+/// `lsetxattr(2)`, panicking on failure.
+pub fn set_xattr(p: &Path, name: &str, value: &[u8]) {
+    let c = cpath(p);
+    let n = CString::new(name).unwrap();
+    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
+    let r = unsafe {
+        libc::lsetxattr(
+            c.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr() as *const libc::c_void,
+            value.len(),
+            0,
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "lsetxattr {} {name}: {}",
+        p.display(),
+        std::io::Error::last_os_error()
+    );
+}
+
 // ---------------------------------------------------------------- hashing
 
 /// 64-bit word hash: xor-multiply-rotate over little-endian words. Any single-word
