@@ -352,3 +352,26 @@ fn demo_passes_with_fuse_and_with_the_library() {
         .expect("demo names its directory");
     assert!(!Path::new(tmp).exists(), "{tmp} left behind");
 }
+
+/// `--version` names the commit the binary was built from (crates/cli/build.rs).
+#[test]
+fn version_names_the_commit() {
+    let out = Command::new(BIN).arg("--version").output().unwrap();
+    assert!(out.status.success());
+    let v = String::from_utf8_lossy(&out.stdout);
+    let head = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output();
+    match head {
+        Ok(h) if h.status.success() => {
+            let h = String::from_utf8_lossy(&h.stdout).trim().to_string();
+            assert!(
+                v.contains(&format!("(commit {h}")),
+                "--version {v:?} does not name HEAD {h}"
+            );
+        }
+        // Built outside a git checkout: the build script says so.
+        _ => assert!(v.contains("(commit unknown)"), "{v:?}"),
+    }
+}
