@@ -7,7 +7,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use commitfs::cmd::{demo, info, mkfs, mount, size, stats};
 
-mod bench;
+use commitfs_bench as bench;
 mod crashtest_cmd;
 
 #[derive(Parser)]

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 pub mod recording;
+pub mod size;
 pub use recording::{CrashLog, CrashSpec, LogOp, Materializer, RecordingDevice};
 
 /// Errors of the device layer.
