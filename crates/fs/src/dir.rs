@@ -432,6 +432,9 @@ impl Inner {
                 st.free.push(0);
             }
         }
+        // Fast-commit replay must find every dentry room in the directory as the
+        // last full commit left it (docs/FORMAT.md, "Logs other replayers agree on").
+        self.fc_ineligible(crate::fc::FcReason::DirGrow, h.tid());
         Ok(first)
     }
 

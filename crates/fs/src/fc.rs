@@ -27,6 +27,24 @@ pub enum FcReason {
     RenameDir,
     /// mkdir/rmdir: e2fsck 1.47 does not build '.'/'..' for fast-commit dirs.
     DirCreateRemove,
+    /// A directory got a new block (append, htree conversion or leaf split). The
+    /// block lives only in the running transaction, so replaying the dentry
+    /// records would have to grow the directory again: e2fsck 1.47's `ext2fs_link`
+    /// cannot ("No free space in the directory", its replay aborts) and the
+    /// kernel's leaves `i_blocks` short of the new block.
+    DirGrow,
+    /// The last link of an inode that replay knows (its CREAT is not pending in
+    /// this fast commit) went away. The kernel's UNLINK replay frees the inode;
+    /// e2fsck 1.47's only removes the name and leaves the inode with its links, to
+    /// be reconnected to /lost+found. The remedy, an INODE record with no links,
+    /// makes the kernel's replay fail (its `ext4_iget` refuses the inode).
+    UnlinkLast,
+    /// Replay would touch an inode in the journal inode's inode-table block while
+    /// a committed version of that block is not home yet: e2fsck 1.47 replays
+    /// fast commits through a copy of that block cached before journal recovery
+    /// and writes it back, undoing what the full commits put there. The full
+    /// commit is followed by a checkpoint, which makes the home copy current.
+    JournalInodeBlock,
     /// Symlinks and device/fifo/socket nodes: their state lives in `i_block`,
     /// which neither replayer restores from an INODE tag (§9.8, §13).
     SpecialInode,
@@ -44,11 +62,14 @@ pub enum FcReason {
 }
 
 impl FcReason {
-    pub const ALL: [FcReason; 10] = [
+    pub const ALL: [FcReason; 13] = [
         FcReason::Xattr,
         FcReason::CrossRename,
         FcReason::RenameDir,
         FcReason::DirCreateRemove,
+        FcReason::DirGrow,
+        FcReason::UnlinkLast,
+        FcReason::JournalInodeBlock,
         FcReason::SpecialInode,
         FcReason::NonRegularSetattr,
         FcReason::Orphan,
@@ -62,6 +83,9 @@ impl FcReason {
             FcReason::CrossRename => "cross_rename",
             FcReason::RenameDir => "rename_dir",
             FcReason::DirCreateRemove => "dir_create_remove",
+            FcReason::DirGrow => "dir_grow",
+            FcReason::UnlinkLast => "unlink_last",
+            FcReason::JournalInodeBlock => "journal_inode_block",
             FcReason::SpecialInode => "special_inode",
             FcReason::NonRegularSetattr => "non_regular_setattr",
             FcReason::Orphan => "orphan",
@@ -99,6 +123,15 @@ pub type FcRecord = Tlv<'static>;
 type LblkRange = Option<(u32, u64)>;
 
 impl DentryOp {
+    /// `(parent, ino)` of the record.
+    fn parent_ino(&self) -> (u32, u32) {
+        match self {
+            DentryOp::Creat { parent, ino, .. }
+            | DentryOp::Link { parent, ino, .. }
+            | DentryOp::Unlink { parent, ino, .. } => (*parent, *ino),
+        }
+    }
+
     fn to_tlv(&self) -> FcRecord {
         let d = |parent: &u32, ino: &u32, name: &[u8]| Dentry {
             parent: *parent,
@@ -239,6 +272,16 @@ impl Inner {
         self.fc.dentries.push((tid, op));
     }
 
+    /// Whether a CREAT of `ino` in `tid` has not gone out in a fast commit yet:
+    /// then the inode is new to every replayer, and its dentry records can
+    /// cancel out (see [`Self::fc_plan`]).
+    pub fn fc_creat_pending(&self, ino: u32, tid: u32) -> bool {
+        self.fc
+            .dentries
+            .iter()
+            .any(|(t, d)| *t == tid && matches!(d, DentryOp::Creat { ino: i, .. } if *i == ino))
+    }
+
     /// Drop what committed transactions made durable.
     fn fc_prune(&mut self) {
         let j = self.journal.clone();
@@ -286,17 +329,49 @@ impl Inner {
                 _ => None,
             })
             .collect();
+        // The first CREAT of each inode number (collect keeps the last insert).
+        let first_creat: BTreeMap<u32, usize> = dentries
+            .iter()
+            .enumerate()
+            .rev()
+            .filter_map(|(k, d)| match d {
+                DentryOp::Creat { ino, .. } => Some((*ino, k)),
+                _ => None,
+            })
+            .collect();
+        // Inodes replay will read or write, for the journal-inode-block rule.
+        let mut touched = std::collections::BTreeSet::new();
+        let mut freed: BTreeMap<u32, bool> = BTreeMap::new();
         for (k, d) in dentries.iter().enumerate() {
-            if let DentryOp::Creat { ino, .. } = d {
-                // An inode freed since (created and unlinked within this window)
-                // gets neither INODE nor CREAT, as the kernel's writer drops the
-                // CREAT of an evicted inode (ext4_fc_del): the kernel's INODE replay
-                // refuses an inode without links (ext4_iget fails after the copy,
-                // recovery aborts with EFSCORRUPTED and the mount fails). Its UNLINK
-                // records stay and find no name to remove.
-                if self.read_inode(*ino)?.links_count == 0 {
+            let (parent, dino) = d.parent_ino();
+            let is_freed = match freed.get(&dino) {
+                Some(f) => *f,
+                None => {
+                    let f = self.read_inode(dino)?.links_count == 0;
+                    freed.insert(dino, f);
+                    f
+                }
+            };
+            if is_freed {
+                // An inode freed since it was created in this window gets no
+                // record at all: no INODE or CREAT, as the kernel's writer drops
+                // the CREAT of an evicted inode (ext4_fc_del) and the kernel's
+                // INODE replay refuses an inode without links (ext4_iget fails
+                // after the copy, recovery aborts with EFSCORRUPTED); and none of
+                // its LINK/UNLINK records either, since e2fsck 1.47 aborts its
+                // replay on an UNLINK of a name that is not there
+                // (ext2fs_unlink: "No free space in the directory").
+                if first_creat.get(&dino).is_some_and(|&f| f <= k) {
                     continue;
                 }
+                // A record of an incarnation replay knows, now without links:
+                // only a full commit frees it for every replayer (the unlink
+                // marked the transaction already; this is the safety net).
+                return Ok(FcPlan::Full(FcReason::UnlinkLast));
+            }
+            touched.insert(parent);
+            touched.insert(dino);
+            if let DentryOp::Creat { ino, .. } = d {
                 // Kernel order (§9.4 step 3): INODE, then the dentry — before
                 // *every* CREAT, not only the first one of an inode: a number freed
                 // and reused within one fast commit (unlink f1; create f2 gets the
@@ -346,6 +421,14 @@ impl Inner {
                 self.fc_range_records(*ino, r, &mut records)?;
             }
             records.push(self.fc_inode_record(*ino)?);
+            touched.insert(*ino);
+        }
+        if let Some(jblk) = self.fc_stale_journal_inode_block() {
+            for &i in &touched {
+                if self.inode_location(i)?.0 == jblk {
+                    return Ok(FcPlan::Full(FcReason::JournalInodeBlock));
+                }
+            }
         }
         let serial = if self.fc_data_csum {
             Some(self.fc_add_data_csums(tid, &mut records)?)
@@ -362,6 +445,17 @@ impl Inner {
             records,
             logged,
         })
+    }
+
+    /// The inode-table block holding the journal inode, when a committed version
+    /// of it is not home yet (see [`FcReason::JournalInodeBlock`]).
+    fn fc_stale_journal_inode_block(&self) -> Option<u64> {
+        let j = self.sb.journal_inum();
+        if j == 0 {
+            return None;
+        }
+        let (blk, _) = self.inode_location(j).ok()?;
+        self.journal.home_is_stale(blk).then_some(blk)
     }
 
     /// A fast commit covering `logged` is durable: forget those changes (later

@@ -643,8 +643,15 @@ impl Fs {
                 }
                 fc::FcPlan::Full(r) => {
                     g.fc_count_ineligible(r);
+                    let j = g.journal.clone();
                     drop(g);
-                    return self.sync();
+                    self.sync()?;
+                    if r == fc::FcReason::JournalInodeBlock {
+                        // Write that block home so that later fast commits may
+                        // touch its inodes again (fc.rs).
+                        j.checkpoint()?;
+                    }
+                    return Ok(());
                 }
                 fc::FcPlan::Fast {
                     tid,

@@ -334,6 +334,11 @@ impl Inner {
         i.links_count = i.links_count.saturating_sub(1);
         i.ctime = now();
         if i.links_count == 0 {
+            if !self.fc_creat_pending(ino, h.tid()) {
+                // Replay knows this inode: only a full commit frees it for both
+                // the kernel and e2fsck (fc.rs, FcReason::UnlinkLast).
+                self.fc_ineligible(FcReason::UnlinkLast, h.tid());
+            }
             if self.open_counts.get(&ino).copied().unwrap_or(0) > 0 {
                 // Still open: keep it, on the orphan list so a crash frees it. A
                 // fast commit stays possible, as in the kernel: it carries the

@@ -326,6 +326,15 @@ impl Journal {
         Ok(b)
     }
 
+    /// Whether recovery after a crash now would rewrite block `blocknr` from the log:
+    /// a committed version of it is not home yet. (e2fsck 1.47 replays fast
+    /// commits over inode-table blocks it cached before journal recovery; see
+    /// `FcReason::JournalInodeBlock` in commitfs-fs.)
+    pub fn home_is_stale(&self, blocknr: u64) -> bool {
+        let b = self.cache.lock().get(&blocknr).cloned();
+        b.is_some_and(|b| b.committed.lock().is_some())
+    }
+
     /// The versions of a metadata block that recovery could start from after a
     /// crash now: the last committed version (if not yet home) and the home copy
     /// (if the live version differs from it). Fast commits use this to tell which
