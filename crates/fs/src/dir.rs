@@ -434,7 +434,9 @@ impl Inner {
         }
         // Fast-commit replay must find every dentry room in the directory as the
         // last full commit left it (docs/FORMAT.md, "Logs other replayers agree on").
-        self.fc_ineligible(crate::fc::FcReason::DirGrow, h.tid());
+        if self.fc_other_replayers() {
+            self.fc_ineligible(crate::fc::FcReason::DirGrow, h.tid());
+        }
         Ok(first)
     }
 

@@ -352,7 +352,7 @@ impl Inner {
                     f
                 }
             };
-            if is_freed {
+            if is_freed && self.fc_other_replayers() {
                 // An inode freed since it was created in this window gets no
                 // record at all: no INODE or CREAT, as the kernel's writer drops
                 // the CREAT of an evicted inode (ext4_fc_del) and the kernel's
@@ -372,6 +372,11 @@ impl Inner {
             touched.insert(parent);
             touched.insert(dino);
             if let DentryOp::Creat { ino, .. } = d {
+                if is_freed {
+                    // fc_data_csum: commitfs alone replays; it drops the CREAT of
+                    // an inode freed since and ignores UNLINKs of absent names.
+                    continue;
+                }
                 // Kernel order (§9.4 step 3): INODE, then the dentry — before
                 // *every* CREAT, not only the first one of an inode: a number freed
                 // and reused within one fast commit (unlink f1; create f2 gets the
@@ -423,7 +428,10 @@ impl Inner {
             records.push(self.fc_inode_record(*ino)?);
             touched.insert(*ino);
         }
-        if let Some(jblk) = self.fc_stale_journal_inode_block() {
+        if let Some(jblk) = self
+            .fc_journal_inode_block()
+            .filter(|b| self.journal.home_is_stale(*b))
+        {
             for &i in &touched {
                 if self.inode_location(i)?.0 == jblk {
                     return Ok(FcPlan::Full(FcReason::JournalInodeBlock));
@@ -447,15 +455,22 @@ impl Inner {
         })
     }
 
-    /// The inode-table block holding the journal inode, when a committed version
-    /// of it is not home yet (see [`FcReason::JournalInodeBlock`]).
-    fn fc_stale_journal_inode_block(&self) -> Option<u64> {
+    /// Whether the kernel and e2fsck may replay this mount's fast commits. Not with
+    /// `fc_data_csum`: its incompat bit makes both refuse the image, so the
+    /// eligibility rules that exist for them only (dir_grow, unlink_last,
+    /// journal_inode_block) do not apply.
+    pub fn fc_other_replayers(&self) -> bool {
+        !self.fc_data_csum
+    }
+
+    /// The inode-table block holding the journal inode, if other replayers may
+    /// replay this mount's fast commits (see [`FcReason::JournalInodeBlock`]).
+    pub fn fc_journal_inode_block(&self) -> Option<u64> {
         let j = self.sb.journal_inum();
-        if j == 0 {
+        if j == 0 || !self.fc_on() || !self.fc_other_replayers() {
             return None;
         }
-        let (blk, _) = self.inode_location(j).ok()?;
-        self.journal.home_is_stale(blk).then_some(blk)
+        Some(self.inode_location(j).ok()?.0)
     }
 
     /// A fast commit covering `logged` is durable: forget those changes (later

@@ -377,7 +377,7 @@ impl Fs {
             g.journal.clone()
         };
         journal.commit()?;
-        Ok(())
+        self.fc_journal_inode_block_home()
     }
 
     pub fn statfs(&self) -> Result<StatFs> {
@@ -643,15 +643,8 @@ impl Fs {
                 }
                 fc::FcPlan::Full(r) => {
                     g.fc_count_ineligible(r);
-                    let j = g.journal.clone();
                     drop(g);
-                    self.sync()?;
-                    if r == fc::FcReason::JournalInodeBlock {
-                        // Write that block home so that later fast commits may
-                        // touch its inodes again (fc.rs).
-                        j.checkpoint()?;
-                    }
-                    return Ok(());
+                    return self.sync();
                 }
                 fc::FcPlan::Fast {
                     tid,
@@ -697,6 +690,27 @@ impl Fs {
             g.fc_logged(&logged);
         } else {
             st.skipped += 1;
+        }
+        Ok(())
+    }
+
+    /// After a full commit: write the journal inode's
+    /// inode-table block home if that commit logged it, so that the next fast
+    /// commits may touch its inodes (`FcReason::JournalInodeBlock`). The write is
+    /// made durable, before any such fast commit, by that commit's first flush.
+    fn fc_journal_inode_block_home(&self) -> Result<()> {
+        let (j, blk) = {
+            let g = self.inner.lock();
+            match g.fc_journal_inode_block() {
+                Some(b) => (g.journal.clone(), b),
+                None => return Ok(()),
+            }
+        };
+        if j.write_home(blk)? {
+            self.inner
+                .lock()
+                .data_dirty
+                .store(true, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(())
     }

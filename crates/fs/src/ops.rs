@@ -334,7 +334,7 @@ impl Inner {
         i.links_count = i.links_count.saturating_sub(1);
         i.ctime = now();
         if i.links_count == 0 {
-            if !self.fc_creat_pending(ino, h.tid()) {
+            if self.fc_other_replayers() && !self.fc_creat_pending(ino, h.tid()) {
                 // Replay knows this inode: only a full commit frees it for both
                 // the kernel and e2fsck (fc.rs, FcReason::UnlinkLast).
                 self.fc_ineligible(FcReason::UnlinkLast, h.tid());

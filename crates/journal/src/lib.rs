@@ -335,6 +335,29 @@ impl Journal {
         b.is_some_and(|b| b.committed.lock().is_some())
     }
 
+    /// Write the committed version of block `blocknr` home now, if it is not home
+    /// yet (no flush: durable with the next one). Later checkpoints skip it. Safe
+    /// at any time: recovery would write that very version (or a newer one).
+    /// Returns whether a write was made.
+    pub fn write_home(&self, blocknr: u64) -> Result<bool> {
+        let Some(b) = self.cache.lock().get(&blocknr).cloned() else {
+            return Ok(false);
+        };
+        // The buffer's own lock: a commit publishing a newer version waits.
+        let mut c = b.committed.lock();
+        let Some(v) = c.as_ref() else {
+            return Ok(false);
+        };
+        self.dev.write_at(
+            blocknr * self.block_size as u64,
+            v,
+            IoCategory::Metadata,
+            false,
+        )?;
+        *c = None;
+        Ok(true)
+    }
+
     /// The versions of a metadata block that recovery could start from after a
     /// crash now: the last committed version (if not yet home) and the home copy
     /// (if the live version differs from it). Fast commits use this to tell which
