@@ -765,7 +765,11 @@ fn replayers_agree(bs: u32, n: usize, want: usize) {
         }
     }
     let mut failures = Vec::new();
-    let step = (cands.len() / want).max(1);
+    let scale: usize = std::env::var("FC_KERNEL_SCALE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let step = (cands.len() / (want * scale)).max(1);
     let mut checked = 0;
     for &(i, k) in cands.iter().step_by(step) {
         let spec = CrashSpec { k, seed: 0, keep_256: 255, torn: false };
