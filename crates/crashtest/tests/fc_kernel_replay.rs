@@ -708,7 +708,10 @@ fn kernel_written_fast_commits_replayed_at_every_fsync_4k() {
 /// Hundreds of creates (with some unlinks and renames) in one directory, an fsync
 /// after each, on a recording device; returns the recording and the device-log
 /// length after every fsync returned.
-fn one_dir_workload(bs: u32, n: usize) -> (commitfs_device::CrashLog, Vec<usize>, commitfs_fs::FcStats) {
+fn one_dir_workload(
+    bs: u32,
+    n: usize,
+) -> (commitfs_device::CrashLog, Vec<usize>, commitfs_fs::FcStats) {
     use commitfs_fs::{RenameFlags, ROOT_INO};
     let base = base_image_with(bs, true).unwrap();
     let dev = std::sync::Arc::new(commitfs_device::RecordingDevice::new(base.to_vec()));
@@ -735,8 +738,14 @@ fn one_dir_workload(bs: u32, n: usize) -> (commitfs_device::CrashLog, Vec<usize>
         if i % 11 == 10 {
             let k = (i * 17) % live.len();
             let new = format!("renamed-{i:05}");
-            fs.rename(d, live[k].0.as_bytes(), d, new.as_bytes(), RenameFlags::default())
-                .unwrap();
+            fs.rename(
+                d,
+                live[k].0.as_bytes(),
+                d,
+                new.as_bytes(),
+                RenameFlags::default(),
+            )
+            .unwrap();
             live[k].0 = new;
             fs.fsync(live[k].1, false).unwrap();
             fsynced.push(dev.op_count());
@@ -744,19 +753,29 @@ fn one_dir_workload(bs: u32, n: usize) -> (commitfs_device::CrashLog, Vec<usize>
     }
     let st = fs.fc_stats();
     drop(fs);
-    let log = dev.crash_log().with_atomic(vec![commitfs_crashtest::workload::superblock_range()]);
+    let log = dev
+        .crash_log()
+        .with_atomic(vec![commitfs_crashtest::workload::superblock_range()]);
     (log, fsynced, st)
 }
 
 fn replayers_agree(bs: u32, n: usize, want: usize) {
     let t0 = Instant::now();
     let (log, fsynced, st) = one_dir_workload(bs, n);
-    println!("bs={bs}: {} fsyncs, fast-commit stats {st:?}", fsynced.len());
+    println!(
+        "bs={bs}: {} fsyncs, fast-commit stats {st:?}",
+        fsynced.len()
+    );
     let mut mat = Materializer::new(log);
     let mut img = Vec::new();
     let mut cands = Vec::new();
     for (i, &k) in fsynced.iter().enumerate() {
-        let spec = CrashSpec { k, seed: 0, keep_256: 255, torn: false };
+        let spec = CrashSpec {
+            k,
+            seed: 0,
+            keep_256: 255,
+            torn: false,
+        };
         mat.image_into(&spec, &mut img);
         if let Ok(Some((_, s))) = jlog::fast_commit_scan(&img) {
             if s.commits > 0 {
@@ -772,7 +791,12 @@ fn replayers_agree(bs: u32, n: usize, want: usize) {
     let step = (cands.len() / (want * scale)).max(1);
     let mut checked = 0;
     for &(i, k) in cands.iter().step_by(step) {
-        let spec = CrashSpec { k, seed: 0, keep_256: 255, torn: false };
+        let spec = CrashSpec {
+            k,
+            seed: 0,
+            keep_256: 255,
+            torn: false,
+        };
         mat.image_into(&spec, &mut img);
         checked += 1;
         let r = (|| -> Result<(), String> {
@@ -790,7 +814,8 @@ fn replayers_agree(bs: u32, n: usize, want: usize) {
                 .arg(&c_img.path)
                 .output()
                 .map_err(|e| format!("e2fsck -fy: {e}"))?;
-            let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+            let text = String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr);
             let _k = kernel_lock();
             let b = kernel_snapshot(&b_img.path, "rw,noatime")
                 .map_err(|e| format!("kernel recovery (mount): {e}"))?;
@@ -799,7 +824,11 @@ fn replayers_agree(bs: u32, n: usize, want: usize) {
                 errs.push(e);
             }
             if let Err(e) = fsck_clean(&c_img.path, "e2fsck -fy") {
-                errs.push(format!("{e} [e2fsck -fy exit {:?}: {}]", out.status.code(), problem_lines(&text).join(" | ")));
+                errs.push(format!(
+                    "{e} [e2fsck -fy exit {:?}: {}]",
+                    out.status.code(),
+                    problem_lines(&text).join(" | ")
+                ));
             }
             let a = kernel_snapshot(&a_img.path, "ro,noatime")?;
             let d = differences(&a, &b);
@@ -815,15 +844,29 @@ fn replayers_agree(bs: u32, n: usize, want: usize) {
                 }
                 Err(e) => errs.push(format!("mount after e2fsck -fy: {e}")),
             }
-            if errs.is_empty() { Ok(()) } else { Err(errs.join("\n   ")) }
+            if errs.is_empty() {
+                Ok(())
+            } else {
+                Err(errs.join("\n   "))
+            }
         })();
         if let Err(e) = r {
             let saved = save_failure(&format!("onedir-bs{bs}-fsync{i}"), &img);
             failures.push(format!("bs={bs} after fsync {i} (k={k}): {e}{saved}"));
         }
     }
-    println!("bs={bs}: {checked} images of {} candidates, {} failures, {:.1}s", cands.len(), failures.len(), t0.elapsed().as_secs_f64());
-    assert!(failures.is_empty(), "{} of {checked}:\n{}", failures.len(), failures.join("\n"));
+    println!(
+        "bs={bs}: {checked} images of {} candidates, {} failures, {:.1}s",
+        cands.len(),
+        failures.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {checked}:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]

@@ -33,11 +33,13 @@ pub enum FcReason {
     /// cannot ("No free space in the directory", its replay aborts) and the
     /// kernel's leaves `i_blocks` short of the new block.
     DirGrow,
-    /// The last link of an inode that replay knows (its CREAT is not pending in
-    /// this fast commit) went away. The kernel's UNLINK replay frees the inode;
-    /// e2fsck 1.47's only removes the name and leaves the inode with its links, to
-    /// be reconnected to /lost+found. The remedy, an INODE record with no links,
-    /// makes the kernel's replay fail (its `ext4_iget` refuses the inode).
+    /// The last link of an inode with xattrs that replay knows (its CREAT is not
+    /// pending in this fast commit) went away. The kernel's UNLINK replay frees
+    /// the inode; e2fsck 1.47's only removes the name and leaves the inode with its
+    /// links. Without xattrs a DEL_RANGE of the whole file before the UNLINK makes
+    /// it a zero-length unattached inode, which e2fsck then clears; with xattrs it
+    /// reconnects it to /lost+found instead. (An INODE record with no links would
+    /// make the kernel's replay fail: its `ext4_iget` refuses the inode.)
     UnlinkLast,
     /// Replay would touch an inode in the journal inode's inode-table block while
     /// a committed version of that block is not home yet: e2fsck 1.47 replays
@@ -342,6 +344,8 @@ impl Inner {
         // Inodes replay will read or write, for the journal-inode-block rule.
         let mut touched = std::collections::BTreeSet::new();
         let mut freed: BTreeMap<u32, bool> = BTreeMap::new();
+        // Freed inodes whose DEL_RANGE went out.
+        let mut emptied = std::collections::BTreeSet::new();
         for (k, d) in dentries.iter().enumerate() {
             let (parent, dino) = d.parent_ino();
             let is_freed = match freed.get(&dino) {
@@ -364,10 +368,23 @@ impl Inner {
                 if first_creat.get(&dino).is_some_and(|&f| f <= k) {
                     continue;
                 }
-                // A record of an incarnation replay knows, now without links:
-                // only a full commit frees it for every replayer (the unlink
-                // marked the transaction already; this is the safety net).
-                return Ok(FcPlan::Full(FcReason::UnlinkLast));
+                // An inode replay knows, now without links. Its data goes first
+                // (DEL_RANGE of everything, before its first UNLINK here): the
+                // kernel's UNLINK replay then frees it, and e2fsck 1.47, whose
+                // replay keeps the links, clears it as an unattached zero-length
+                // inode. With xattrs e2fsck would keep it: the unlink made the
+                // transaction ineligible already; this is the safety net.
+                let i = self.read_inode(dino)?;
+                if i.file_acl != 0 || commitfs_format::xattr::ibody_has_magic(&i.xattr_area) {
+                    return Ok(FcPlan::Full(FcReason::UnlinkLast));
+                }
+                if matches!(d, DentryOp::Unlink { .. }) && emptied.insert(dino) {
+                    records.push(Tlv::DelRange {
+                        ino: dino,
+                        lblk: 0,
+                        len: u32::MAX,
+                    });
+                }
             }
             touched.insert(parent);
             touched.insert(dino);

@@ -136,6 +136,9 @@ impl Fs {
     pub fn open(dev: DeviceRef, opts: MountOptions) -> Result<Fs> {
         let interval = opts.commit_interval;
         let inner = Inner::mount(dev.clone(), opts)?;
+        // e2fsck 1.47 replays fast commits over a stale copy of this block unless
+        // it is home (fc.rs, FcReason::JournalInodeBlock).
+        inner.journal.keep_home(inner.fc_journal_inode_block());
         let committer = (!inner.read_only && interval > 0).then(|| {
             Committer::spawn(
                 inner.journal.clone(),
@@ -377,7 +380,7 @@ impl Fs {
             g.journal.clone()
         };
         journal.commit()?;
-        self.fc_journal_inode_block_home()
+        Ok(())
     }
 
     pub fn statfs(&self) -> Result<StatFs> {
@@ -690,27 +693,6 @@ impl Fs {
             g.fc_logged(&logged);
         } else {
             st.skipped += 1;
-        }
-        Ok(())
-    }
-
-    /// After a full commit: write the journal inode's
-    /// inode-table block home if that commit logged it, so that the next fast
-    /// commits may touch its inodes (`FcReason::JournalInodeBlock`). The write is
-    /// made durable, before any such fast commit, by that commit's first flush.
-    fn fc_journal_inode_block_home(&self) -> Result<()> {
-        let (j, blk) = {
-            let g = self.inner.lock();
-            match g.fc_journal_inode_block() {
-                Some(b) => (g.journal.clone(), b),
-                None => return Ok(()),
-            }
-        };
-        if j.write_home(blk)? {
-            self.inner
-                .lock()
-                .data_dirty
-                .store(true, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(())
     }

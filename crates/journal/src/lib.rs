@@ -214,6 +214,11 @@ pub struct Journal {
     fc_blocks: AtomicU64,
     /// Highest tid whose commit is durable (0: none yet).
     committed_tid: std::sync::atomic::AtomicU32,
+    /// A block written home after every commit (`u64::MAX`: none); see
+    /// [`Journal::keep_home`].
+    keep_home: AtomicU64,
+    /// That block was written home and no fast commit has flushed since.
+    home_unflushed: AtomicBool,
 }
 
 impl Journal {
@@ -248,6 +253,8 @@ impl Journal {
             checkpoints: AtomicU64::new(0),
             revoke_count: AtomicU64::new(0),
             committed_tid: std::sync::atomic::AtomicU32::new(0),
+            keep_home: AtomicU64::new(u64::MAX),
+            home_unflushed: AtomicBool::new(false),
             fc_commits: AtomicU64::new(0),
             fc_blocks: AtomicU64::new(0),
         }
@@ -465,7 +472,28 @@ impl Journal {
     /// Commit the running transaction: write its buffers home in block order, then
     /// flush the device cache. Returns the number of buffers written.
     pub fn commit(&self) -> Result<usize> {
-        self.commit_inner(false)
+        let n = self.commit_inner(false)?;
+        self.write_kept_home()?;
+        Ok(n)
+    }
+
+    /// Write `blocknr` home right after every full commit that logs it, and flush
+    /// before the next fast commit's log block (`Ordered` fast commits) so that a
+    /// log which replay would apply never outlives the home write. For e2fsck
+    /// 1.47, which replays fast commits over the journal inode's inode-table
+    /// block as it read it before journal recovery (commitfs-fs,
+    /// `FcReason::JournalInodeBlock`).
+    pub fn keep_home(&self, blocknr: Option<u64>) {
+        self.keep_home
+            .store(blocknr.unwrap_or(u64::MAX), Ordering::Release);
+    }
+
+    fn write_kept_home(&self) -> Result<()> {
+        let b = self.keep_home.load(Ordering::Acquire);
+        if b != u64::MAX && self.write_home(b)? {
+            self.home_unflushed.store(true, Ordering::Release);
+        }
+        Ok(())
     }
 
     /// Flush the device; with single-flush tracking, the data blocks of the running
@@ -717,6 +745,7 @@ impl Journal {
             }
         }
         self.commit_inner(true)?;
+        self.write_kept_home()?;
         Ok(false)
     }
 
@@ -751,6 +780,12 @@ impl Journal {
         if self.tx.running.lock().tid != tid {
             return Ok(false);
         }
+        let mode = match mode {
+            FcFlush::Ordered { .. } if self.home_unflushed.swap(false, Ordering::AcqRel) => {
+                FcFlush::Ordered { flush_first: true }
+            }
+            m => m,
+        };
         let mut st = l.lock();
         let mut write = || st.fc_write(&*self.dev, blocks, mode);
         if mode == FcFlush::Together {
