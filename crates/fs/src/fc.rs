@@ -27,11 +27,12 @@ pub enum FcReason {
     RenameDir,
     /// mkdir/rmdir: e2fsck 1.47 does not build '.'/'..' for fast-commit dirs.
     DirCreateRemove,
-    /// A directory got a new block (append, htree conversion or leaf split). The
-    /// block lives only in the running transaction, so replaying the dentry
-    /// records would have to grow the directory again: e2fsck 1.47's `ext2fs_link`
-    /// cannot ("No free space in the directory", its replay aborts) and the
-    /// kernel's leaves `i_blocks` short of the new block.
+    /// A linear directory got a new block, a full one-block directory became an
+    /// htree, or an htree leaf split needed a new index block. The blocks live only
+    /// in the running transaction, so replaying the dentry records would have to
+    /// grow the directory again, which e2fsck 1.47's `ext2fs_link` cannot do ("No
+    /// free space in the directory", its replay aborts). (A plain leaf split stays
+    /// eligible: both replayers split leaves, `Inner::fc_dir_grown`.)
     DirGrow,
     /// The last link of an inode with xattrs that replay knows (its CREAT is not
     /// pending in this fast commit) went away. The kernel's UNLINK replay frees
@@ -44,8 +45,9 @@ pub enum FcReason {
     /// Replay would touch an inode in the journal inode's inode-table block while
     /// a committed version of that block is not home yet: e2fsck 1.47 replays
     /// fast commits through a copy of that block cached before journal recovery
-    /// and writes it back, undoing what the full commits put there. The full
-    /// commit is followed by a checkpoint, which makes the home copy current.
+    /// and writes it back, undoing what the full commits put there. Every commit
+    /// writes that block home right away (`Journal::keep_home`), so this is rare:
+    /// a commit racing with the fsync.
     JournalInodeBlock,
     /// Symlinks and device/fifo/socket nodes: their state lives in `i_block`,
     /// which neither replayer restores from an INODE tag (§9.8, §13).

@@ -343,9 +343,9 @@ impl Journal {
     }
 
     /// Write the committed version of block `blocknr` home now, if it is not home
-    /// yet (no flush: durable with the next one). Later checkpoints skip it. Safe
-    /// at any time: recovery would write that very version (or a newer one).
-    /// Returns whether a write was made.
+    /// yet (no flush: the next `Ordered` fast commit flushes before its log block).
+    /// Later checkpoints skip it. Safe at any time: recovery would write that very
+    /// version (or a newer one). Returns whether a write was made.
     pub fn write_home(&self, blocknr: u64) -> Result<bool> {
         let Some(b) = self.cache.lock().get(&blocknr).cloned() else {
             return Ok(false);
@@ -361,6 +361,8 @@ impl Journal {
             IoCategory::Metadata,
             false,
         )?;
+        // Before the block stops looking stale to `home_is_stale`.
+        self.home_unflushed.store(true, Ordering::Release);
         *c = None;
         Ok(true)
     }
@@ -490,8 +492,8 @@ impl Journal {
 
     fn write_kept_home(&self) -> Result<()> {
         let b = self.keep_home.load(Ordering::Acquire);
-        if b != u64::MAX && self.write_home(b)? {
-            self.home_unflushed.store(true, Ordering::Release);
+        if b != u64::MAX {
+            self.write_home(b)?;
         }
         Ok(())
     }
