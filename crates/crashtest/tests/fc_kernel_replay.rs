@@ -752,6 +752,15 @@ fn one_dir_workload(
         }
     }
     let st = fs.fc_stats();
+    let io = fs.io_stats();
+    println!(
+        "bs={bs}: device during the workload: {} bytes written ({} journal, {} fast-commit), \
+         {} flushes",
+        io.total_write_bytes(),
+        io.journal.write_bytes,
+        io.fast_commit.write_bytes,
+        io.flushes
+    );
     drop(fs);
     let log = dev
         .crash_log()
