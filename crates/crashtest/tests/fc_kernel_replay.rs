@@ -700,3 +700,194 @@ fn kernel_written_fast_commits_replayed_at_every_fsync_1k() {
 fn kernel_written_fast_commits_replayed_at_every_fsync_4k() {
     kernel_written(4096, 64);
 }
+
+// -------------------------------------------------------------------------------------
+// (c) a longer workload in one directory, replayed by the kernel AND e2fsck 1.47
+// -------------------------------------------------------------------------------------
+
+/// Hundreds of creates (with some unlinks and renames) in one directory, an fsync
+/// after each, on a recording device; returns the recording and the device-log
+/// length after every fsync returned.
+fn one_dir_workload(
+    bs: u32,
+    n: usize,
+) -> (commitfs_device::CrashLog, Vec<usize>, commitfs_fs::FcStats) {
+    use commitfs_fs::{RenameFlags, ROOT_INO};
+    let base = base_image_with(bs, true).unwrap();
+    let dev = std::sync::Arc::new(commitfs_device::RecordingDevice::new(base.to_vec()));
+    let fs = Fs::open(dev.clone(), commitfs_crashtest::record_options()).unwrap();
+    let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
+    fs.sync().unwrap();
+    let mut fsynced = Vec::new();
+    let mut live: Vec<(String, u32)> = Vec::new();
+    for i in 0..n {
+        let name = format!("file-with-a-longish-name-{i:05}");
+        let a = fs.create(d, name.as_bytes(), 0o644, 0, 0).unwrap();
+        let len = (i * 97) % (2 * bs as usize) + 1;
+        fs.write(a.ino, 0, &pattern(i as u32, len)).unwrap();
+        fs.fsync(a.ino, false).unwrap();
+        fsynced.push(dev.op_count());
+        live.push((name, a.ino));
+        if i % 7 == 6 {
+            let (victim, _) = live.remove((i * 13) % live.len());
+            fs.unlink(d, victim.as_bytes()).unwrap();
+            let (_, keep) = live[(i * 5) % live.len()];
+            fs.fsync(keep, false).unwrap();
+            fsynced.push(dev.op_count());
+        }
+        if i % 11 == 10 {
+            let k = (i * 17) % live.len();
+            let new = format!("renamed-{i:05}");
+            fs.rename(
+                d,
+                live[k].0.as_bytes(),
+                d,
+                new.as_bytes(),
+                RenameFlags::default(),
+            )
+            .unwrap();
+            live[k].0 = new;
+            fs.fsync(live[k].1, false).unwrap();
+            fsynced.push(dev.op_count());
+        }
+    }
+    let st = fs.fc_stats();
+    let io = fs.io_stats();
+    println!(
+        "bs={bs}: device during the workload: {} bytes written ({} journal, {} fast-commit), \
+         {} flushes",
+        io.total_write_bytes(),
+        io.journal.write_bytes,
+        io.fast_commit.write_bytes,
+        io.flushes
+    );
+    drop(fs);
+    let log = dev
+        .crash_log()
+        .with_atomic(vec![commitfs_crashtest::workload::superblock_range()]);
+    (log, fsynced, st)
+}
+
+fn replayers_agree(bs: u32, n: usize, want: usize) {
+    let t0 = Instant::now();
+    let (log, fsynced, st) = one_dir_workload(bs, n);
+    println!(
+        "bs={bs}: {} fsyncs, fast-commit stats {st:?}",
+        fsynced.len()
+    );
+    let mut mat = Materializer::new(log);
+    let mut img = Vec::new();
+    let mut cands = Vec::new();
+    for (i, &k) in fsynced.iter().enumerate() {
+        let spec = CrashSpec {
+            k,
+            seed: 0,
+            keep_256: 255,
+            torn: false,
+        };
+        mat.image_into(&spec, &mut img);
+        if let Ok(Some((_, s))) = jlog::fast_commit_scan(&img) {
+            if s.commits > 0 {
+                cands.push((i, k));
+            }
+        }
+    }
+    let mut failures = Vec::new();
+    let scale: usize = std::env::var("FC_KERNEL_SCALE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let step = (cands.len() / (want * scale)).max(1);
+    let mut checked = 0;
+    for &(i, k) in cands.iter().step_by(step) {
+        let spec = CrashSpec {
+            k,
+            seed: 0,
+            keep_256: 255,
+            torn: false,
+        };
+        mat.image_into(&spec, &mut img);
+        checked += 1;
+        let r = (|| -> Result<(), String> {
+            let a_img = ImageFile::new("fcre-a", &img);
+            let b_img = ImageFile::new("fcre-b", &img);
+            let c_img = ImageFile::new("fcre-c", &img);
+            {
+                let fs = Fs::open_path(&a_img.path, MountOptions::default())
+                    .map_err(|e| format!("commitfs recovery: {e}"))?;
+                fs.unmount().map_err(|e| format!("commitfs unmount: {e}"))?;
+            }
+            fsck_clean(&a_img.path, "commitfs")?;
+            let out = std::process::Command::new("e2fsck")
+                .arg("-fy")
+                .arg(&c_img.path)
+                .output()
+                .map_err(|e| format!("e2fsck -fy: {e}"))?;
+            let text = String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr);
+            let _k = kernel_lock();
+            let b = kernel_snapshot(&b_img.path, "rw,noatime")
+                .map_err(|e| format!("kernel recovery (mount): {e}"))?;
+            let mut errs = Vec::new();
+            if let Err(e) = fsck_clean(&b_img.path, "kernel") {
+                errs.push(e);
+            }
+            if let Err(e) = fsck_clean(&c_img.path, "e2fsck -fy") {
+                errs.push(format!(
+                    "{e} [e2fsck -fy exit {:?}: {}]",
+                    out.status.code(),
+                    problem_lines(&text).join(" | ")
+                ));
+            }
+            let a = kernel_snapshot(&a_img.path, "ro,noatime")?;
+            let d = differences(&a, &b);
+            if !d.is_empty() {
+                errs.push(format!("commitfs vs kernel: {}", first_differences(&d)));
+            }
+            match kernel_snapshot(&c_img.path, "ro,noatime") {
+                Ok(c) => {
+                    // `differences` names its second tree "kernel".
+                    let d: Vec<String> = differences(&a, &c)
+                        .iter()
+                        .map(|l| l.replace("kernel", "e2fsck -fy"))
+                        .collect();
+                    if !d.is_empty() {
+                        errs.push(format!("commitfs vs e2fsck: {}", first_differences(&d)));
+                    }
+                }
+                Err(e) => errs.push(format!("mount after e2fsck -fy: {e}")),
+            }
+            if errs.is_empty() {
+                Ok(())
+            } else {
+                Err(errs.join("\n   "))
+            }
+        })();
+        if let Err(e) = r {
+            let saved = save_failure(&format!("onedir-bs{bs}-fsync{i}"), &img);
+            failures.push(format!("bs={bs} after fsync {i} (k={k}): {e}{saved}"));
+        }
+    }
+    println!(
+        "bs={bs}: {checked} images of {} candidates, {} failures, {:.1}s",
+        cands.len(),
+        failures.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {checked}:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn replayers_agree_one_dir_1k() {
+    replayers_agree(1024, 300, 12);
+}
+
+#[test]
+fn replayers_agree_one_dir_4k() {
+    replayers_agree(4096, 300, 12);
+}

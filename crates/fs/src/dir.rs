@@ -435,6 +435,25 @@ impl Inner {
         Ok(first)
     }
 
+    /// A directory got new blocks in this transaction. Fast-commit replay must be
+    /// able to add the logged names as well: e2fsck 1.47's `ext2fs_link` cannot
+    /// grow a linear directory or convert it to an htree (its replay aborts, "No
+    /// free space in the directory") and the kernel's replay grows directories
+    /// without charging `i_blocks`. A plain htree leaf split (`leaf_split`) both
+    /// replayers redo themselves: then an INODE record of the directory after its
+    /// names lets them recompute `i_blocks` from the final tree. Anything else
+    /// needs a full commit (docs/FORMAT.md, "Fast commits other tools replay").
+    pub(crate) fn fc_dir_grown(&mut self, h: &Handle, dir: u32, leaf_split: bool) {
+        if !self.fc_other_replayers() {
+            return;
+        }
+        if leaf_split {
+            self.fc_track_inode(dir, h.tid(), None);
+        } else {
+            self.fc_ineligible(crate::fc::FcReason::DirGrow, h.tid());
+        }
+    }
+
     // ---- public operations ----------------------------------------------------------
 
     /// Look `name` up in `dir`.
@@ -491,6 +510,7 @@ impl Inner {
                     return self.dx_add_entry(h, dir, st, name, ino, ft);
                 }
                 let l = self.dir_grow(h, dir, st, 1)?;
+                self.fc_dir_grown(h, dir, false);
                 self.leaf_write_new(h, st, l, &[])?;
                 l
             }

@@ -27,6 +27,28 @@ pub enum FcReason {
     RenameDir,
     /// mkdir/rmdir: e2fsck 1.47 does not build '.'/'..' for fast-commit dirs.
     DirCreateRemove,
+    /// A linear directory got a new block, a full one-block directory became an
+    /// htree, or an htree leaf split needed a new index block. The blocks live only
+    /// in the running transaction, so replaying the dentry records would have to
+    /// grow the directory again, which e2fsck 1.47's `ext2fs_link` cannot do ("No
+    /// free space in the directory", its replay aborts). (A plain leaf split stays
+    /// eligible: both replayers split leaves, `Inner::fc_dir_grown`.)
+    DirGrow,
+    /// The last link of an inode with xattrs that replay knows (its CREAT is not
+    /// pending in this fast commit) went away. The kernel's UNLINK replay frees
+    /// the inode; e2fsck 1.47's only removes the name and leaves the inode with its
+    /// links. Without xattrs a DEL_RANGE of the whole file before the UNLINK makes
+    /// it a zero-length unattached inode, which e2fsck then clears; with xattrs it
+    /// reconnects it to /lost+found instead. (An INODE record with no links would
+    /// make the kernel's replay fail: its `ext4_iget` refuses the inode.)
+    UnlinkLast,
+    /// Replay would touch an inode in the journal inode's inode-table block while
+    /// a committed version of that block is not home yet: e2fsck 1.47 replays
+    /// fast commits through a copy of that block cached before journal recovery
+    /// and writes it back, undoing what the full commits put there. Every commit
+    /// writes that block home right away (`Journal::keep_home`), so this is rare:
+    /// a commit racing with the fsync.
+    JournalInodeBlock,
     /// Symlinks and device/fifo/socket nodes: their state lives in `i_block`,
     /// which neither replayer restores from an INODE tag (§9.8, §13).
     SpecialInode,
@@ -44,11 +66,14 @@ pub enum FcReason {
 }
 
 impl FcReason {
-    pub const ALL: [FcReason; 10] = [
+    pub const ALL: [FcReason; 13] = [
         FcReason::Xattr,
         FcReason::CrossRename,
         FcReason::RenameDir,
         FcReason::DirCreateRemove,
+        FcReason::DirGrow,
+        FcReason::UnlinkLast,
+        FcReason::JournalInodeBlock,
         FcReason::SpecialInode,
         FcReason::NonRegularSetattr,
         FcReason::Orphan,
@@ -62,6 +87,9 @@ impl FcReason {
             FcReason::CrossRename => "cross_rename",
             FcReason::RenameDir => "rename_dir",
             FcReason::DirCreateRemove => "dir_create_remove",
+            FcReason::DirGrow => "dir_grow",
+            FcReason::UnlinkLast => "unlink_last",
+            FcReason::JournalInodeBlock => "journal_inode_block",
             FcReason::SpecialInode => "special_inode",
             FcReason::NonRegularSetattr => "non_regular_setattr",
             FcReason::Orphan => "orphan",
@@ -99,6 +127,15 @@ pub type FcRecord = Tlv<'static>;
 type LblkRange = Option<(u32, u64)>;
 
 impl DentryOp {
+    /// `(parent, ino)` of the record.
+    fn parent_ino(&self) -> (u32, u32) {
+        match self {
+            DentryOp::Creat { parent, ino, .. }
+            | DentryOp::Link { parent, ino, .. }
+            | DentryOp::Unlink { parent, ino, .. } => (*parent, *ino),
+        }
+    }
+
     fn to_tlv(&self) -> FcRecord {
         let d = |parent: &u32, ino: &u32, name: &[u8]| Dentry {
             parent: *parent,
@@ -239,6 +276,16 @@ impl Inner {
         self.fc.dentries.push((tid, op));
     }
 
+    /// Whether a CREAT of `ino` in `tid` has not gone out in a fast commit yet:
+    /// then the inode is new to every replayer, and its dentry records can
+    /// cancel out (see [`Self::fc_plan`]).
+    pub fn fc_creat_pending(&self, ino: u32, tid: u32) -> bool {
+        self.fc
+            .dentries
+            .iter()
+            .any(|(t, d)| *t == tid && matches!(d, DentryOp::Creat { ino: i, .. } if *i == ino))
+    }
+
     /// Drop what committed transactions made durable.
     fn fc_prune(&mut self) {
         let j = self.journal.clone();
@@ -286,15 +333,67 @@ impl Inner {
                 _ => None,
             })
             .collect();
+        // The first CREAT of each inode number (collect keeps the last insert).
+        let first_creat: BTreeMap<u32, usize> = dentries
+            .iter()
+            .enumerate()
+            .rev()
+            .filter_map(|(k, d)| match d {
+                DentryOp::Creat { ino, .. } => Some((*ino, k)),
+                _ => None,
+            })
+            .collect();
+        // Inodes replay will read or write, for the journal-inode-block rule.
+        let mut touched = std::collections::BTreeSet::new();
+        let mut freed: BTreeMap<u32, bool> = BTreeMap::new();
+        // Freed inodes whose DEL_RANGE went out.
+        let mut emptied = std::collections::BTreeSet::new();
         for (k, d) in dentries.iter().enumerate() {
+            let (parent, dino) = d.parent_ino();
+            let is_freed = match freed.get(&dino) {
+                Some(f) => *f,
+                None => {
+                    let f = self.read_inode(dino)?.links_count == 0;
+                    freed.insert(dino, f);
+                    f
+                }
+            };
+            if is_freed && self.fc_other_replayers() {
+                // An inode freed since it was created in this window gets no
+                // record at all: no INODE or CREAT, as the kernel's writer drops
+                // the CREAT of an evicted inode (ext4_fc_del) and the kernel's
+                // INODE replay refuses an inode without links (ext4_iget fails
+                // after the copy, recovery aborts with EFSCORRUPTED); and none of
+                // its LINK/UNLINK records either, since e2fsck 1.47 aborts its
+                // replay on an UNLINK of a name that is not there
+                // (ext2fs_unlink: "No free space in the directory").
+                if first_creat.get(&dino).is_some_and(|&f| f <= k) {
+                    continue;
+                }
+                // An inode replay knows, now without links. Its data goes first
+                // (DEL_RANGE of everything, before its first UNLINK here): the
+                // kernel's UNLINK replay then frees it, and e2fsck 1.47, whose
+                // replay keeps the links, clears it as an unattached zero-length
+                // inode. With xattrs e2fsck would keep it: the unlink made the
+                // transaction ineligible already; this is the safety net.
+                let i = self.read_inode(dino)?;
+                if i.file_acl != 0 || commitfs_format::xattr::ibody_has_magic(&i.xattr_area) {
+                    return Ok(FcPlan::Full(FcReason::UnlinkLast));
+                }
+                if matches!(d, DentryOp::Unlink { .. }) && emptied.insert(dino) {
+                    records.push(Tlv::DelRange {
+                        ino: dino,
+                        lblk: 0,
+                        len: u32::MAX,
+                    });
+                }
+            }
+            touched.insert(parent);
+            touched.insert(dino);
             if let DentryOp::Creat { ino, .. } = d {
-                // An inode freed since (created and unlinked within this window)
-                // gets neither INODE nor CREAT, as the kernel's writer drops the
-                // CREAT of an evicted inode (ext4_fc_del): the kernel's INODE replay
-                // refuses an inode without links (ext4_iget fails after the copy,
-                // recovery aborts with EFSCORRUPTED and the mount fails). Its UNLINK
-                // records stay and find no name to remove.
-                if self.read_inode(*ino)?.links_count == 0 {
+                if is_freed {
+                    // fc_data_csum: commitfs alone replays; it drops the CREAT of
+                    // an inode freed since and ignores UNLINKs of absent names.
                     continue;
                 }
                 // Kernel order (§9.4 step 3): INODE, then the dentry — before
@@ -346,6 +445,17 @@ impl Inner {
                 self.fc_range_records(*ino, r, &mut records)?;
             }
             records.push(self.fc_inode_record(*ino)?);
+            touched.insert(*ino);
+        }
+        if let Some(jblk) = self
+            .fc_journal_inode_block()
+            .filter(|b| self.journal.home_is_stale(*b))
+        {
+            for &i in &touched {
+                if self.inode_location(i)?.0 == jblk {
+                    return Ok(FcPlan::Full(FcReason::JournalInodeBlock));
+                }
+            }
         }
         let serial = if self.fc_data_csum {
             Some(self.fc_add_data_csums(tid, &mut records)?)
@@ -362,6 +472,24 @@ impl Inner {
             records,
             logged,
         })
+    }
+
+    /// Whether the kernel and e2fsck may replay this mount's fast commits. Not with
+    /// `fc_data_csum`: its incompat bit makes both refuse the image, so the
+    /// eligibility rules that exist for them only (dir_grow, unlink_last,
+    /// journal_inode_block) do not apply.
+    pub fn fc_other_replayers(&self) -> bool {
+        !self.fc_data_csum
+    }
+
+    /// The inode-table block holding the journal inode, if other replayers may
+    /// replay this mount's fast commits (see [`FcReason::JournalInodeBlock`]).
+    pub fn fc_journal_inode_block(&self) -> Option<u64> {
+        let j = self.sb.journal_inum();
+        if j == 0 || !self.fc_on() || !self.fc_other_replayers() {
+            return None;
+        }
+        Some(self.inode_location(j).ok()?.0)
     }
 
     /// A fast commit covering `logged` is durable: forget those changes (later

@@ -136,6 +136,9 @@ impl Fs {
     pub fn open(dev: DeviceRef, opts: MountOptions) -> Result<Fs> {
         let interval = opts.commit_interval;
         let inner = Inner::mount(dev.clone(), opts)?;
+        // e2fsck 1.47 replays fast commits over a stale copy of this block unless
+        // it is home (fc.rs, FcReason::JournalInodeBlock).
+        inner.journal.keep_home(inner.fc_journal_inode_block());
         let committer = (!inner.read_only && interval > 0).then(|| {
             Committer::spawn(
                 inner.journal.clone(),

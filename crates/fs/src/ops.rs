@@ -334,6 +334,12 @@ impl Inner {
         i.links_count = i.links_count.saturating_sub(1);
         i.ctime = now();
         if i.links_count == 0 {
+            let xattrs = i.file_acl != 0 || commitfs_format::xattr::ibody_has_magic(&i.xattr_area);
+            if xattrs && self.fc_other_replayers() && !self.fc_creat_pending(ino, h.tid()) {
+                // Replay knows this inode, and e2fsck would keep it for its xattrs
+                // (fc.rs, FcReason::UnlinkLast).
+                self.fc_ineligible(FcReason::UnlinkLast, h.tid());
+            }
             if self.open_counts.get(&ino).copied().unwrap_or(0) > 0 {
                 // Still open: keep it, on the orphan list so a crash frees it. A
                 // fast commit stays possible, as in the kernel: it carries the

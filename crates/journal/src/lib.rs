@@ -214,6 +214,11 @@ pub struct Journal {
     fc_blocks: AtomicU64,
     /// Highest tid whose commit is durable (0: none yet).
     committed_tid: std::sync::atomic::AtomicU32,
+    /// A block written home after every commit (`u64::MAX`: none); see
+    /// [`Journal::keep_home`].
+    keep_home: AtomicU64,
+    /// That block was written home and no fast commit has flushed since.
+    home_unflushed: AtomicBool,
 }
 
 impl Journal {
@@ -248,6 +253,8 @@ impl Journal {
             checkpoints: AtomicU64::new(0),
             revoke_count: AtomicU64::new(0),
             committed_tid: std::sync::atomic::AtomicU32::new(0),
+            keep_home: AtomicU64::new(u64::MAX),
+            home_unflushed: AtomicBool::new(false),
             fc_commits: AtomicU64::new(0),
             fc_blocks: AtomicU64::new(0),
         }
@@ -324,6 +331,40 @@ impl Journal {
             })
             .clone();
         Ok(b)
+    }
+
+    /// Whether recovery after a crash now would rewrite block `blocknr` from the log:
+    /// a committed version of it is not home yet. (e2fsck 1.47 replays fast
+    /// commits over inode-table blocks it cached before journal recovery; see
+    /// `FcReason::JournalInodeBlock` in commitfs-fs.)
+    pub fn home_is_stale(&self, blocknr: u64) -> bool {
+        let b = self.cache.lock().get(&blocknr).cloned();
+        b.is_some_and(|b| b.committed.lock().is_some())
+    }
+
+    /// Write the committed version of block `blocknr` home now, if it is not home
+    /// yet (no flush: the next `Ordered` fast commit flushes before its log block).
+    /// Later checkpoints skip it. Safe at any time: recovery would write that very
+    /// version (or a newer one). Returns whether a write was made.
+    pub fn write_home(&self, blocknr: u64) -> Result<bool> {
+        let Some(b) = self.cache.lock().get(&blocknr).cloned() else {
+            return Ok(false);
+        };
+        // The buffer's own lock: a commit publishing a newer version waits.
+        let mut c = b.committed.lock();
+        let Some(v) = c.as_ref() else {
+            return Ok(false);
+        };
+        self.dev.write_at(
+            blocknr * self.block_size as u64,
+            v,
+            IoCategory::Metadata,
+            false,
+        )?;
+        // Before the block stops looking stale to `home_is_stale`.
+        self.home_unflushed.store(true, Ordering::Release);
+        *c = None;
+        Ok(true)
     }
 
     /// The versions of a metadata block that recovery could start from after a
@@ -433,7 +474,28 @@ impl Journal {
     /// Commit the running transaction: write its buffers home in block order, then
     /// flush the device cache. Returns the number of buffers written.
     pub fn commit(&self) -> Result<usize> {
-        self.commit_inner(false)
+        let n = self.commit_inner(false)?;
+        self.write_kept_home()?;
+        Ok(n)
+    }
+
+    /// Write `blocknr` home right after every full commit that logs it, and flush
+    /// before the next fast commit's log block (`Ordered` fast commits) so that a
+    /// log which replay would apply never outlives the home write. For e2fsck
+    /// 1.47, which replays fast commits over the journal inode's inode-table
+    /// block as it read it before journal recovery (commitfs-fs,
+    /// `FcReason::JournalInodeBlock`).
+    pub fn keep_home(&self, blocknr: Option<u64>) {
+        self.keep_home
+            .store(blocknr.unwrap_or(u64::MAX), Ordering::Release);
+    }
+
+    fn write_kept_home(&self) -> Result<()> {
+        let b = self.keep_home.load(Ordering::Acquire);
+        if b != u64::MAX {
+            self.write_home(b)?;
+        }
+        Ok(())
     }
 
     /// Flush the device; with single-flush tracking, the data blocks of the running
@@ -685,6 +747,7 @@ impl Journal {
             }
         }
         self.commit_inner(true)?;
+        self.write_kept_home()?;
         Ok(false)
     }
 
@@ -719,6 +782,12 @@ impl Journal {
         if self.tx.running.lock().tid != tid {
             return Ok(false);
         }
+        let mode = match mode {
+            FcFlush::Ordered { .. } if self.home_unflushed.swap(false, Ordering::AcqRel) => {
+                FcFlush::Ordered { flush_first: true }
+            }
+            m => m,
+        };
         let mut st = l.lock();
         let mut write = || st.fc_write(&*self.dev, blocks, mode);
         if mode == FcFlush::Together {

@@ -229,6 +229,7 @@ impl Inner {
         let (s, hash2) = Self::split_records(&mut recs);
         // Everything that can fail for lack of space happens before block 0 changes.
         let first = self.dir_grow(h, dir, st, 2)?;
+        self.fc_dir_grown(h, dir, false);
         let (l1, l2) = (first, first + 1);
         let lo: Vec<(u32, u8, &[u8])> = recs[..s]
             .iter()
@@ -326,6 +327,8 @@ impl Inner {
         recs.push((hash, minor, ino, ft, name.to_vec()));
         let (s, hash2) = Self::split_records(&mut recs);
         let first = self.dir_grow(h, dir, st, 1 + extra)?;
+        // A new index node too: e2fsck 1.47's dx_link does not grow the index.
+        self.fc_dir_grown(h, dir, extra == 0);
         let new_leaf = first;
         let mut spare: Vec<u32> = (first + 1..first + 1 + extra).rev().collect();
         let lo: Vec<(u32, u8, &[u8])> = recs[..s]
