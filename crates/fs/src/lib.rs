@@ -363,11 +363,17 @@ impl Fs {
             // errors=panic: nothing more is written (the journal recovers).
             return Ok(());
         }
-        self.inner.lock().unmount()
+        let (j, r) = {
+            let mut g = self.inner.lock();
+            (g.journal.clone(), g.unmount())
+        };
+        self.check(&j, "unmount", r)
     }
 
+    /// Read-only: mounted so, or turned so by an I/O error (errors=remount-ro,
+    /// or an aborted journal, which refuses every change in any errors= mode).
     pub fn is_read_only(&self) -> bool {
-        self.read_only
+        self.read_only || self.errors.is_read_only() || self.inner.lock().journal.is_aborted()
     }
     pub fn block_size(&self) -> u32 {
         self.block_size
