@@ -261,7 +261,12 @@ mod tests {
     #[test]
     fn category_after_and_once() {
         let (m, d) = dev();
-        d.inject(Fault::writes().category(IoCategory::Journal).after(2).once());
+        d.inject(
+            Fault::writes()
+                .category(IoCategory::Journal)
+                .after(2)
+                .once(),
+        );
         let b = [1u8; 512];
         // Other categories and reads pass.
         d.write_at(0, &b, IoCategory::Data, false).unwrap();
@@ -287,7 +292,11 @@ mod tests {
         d.write_at(4096, &b, IoCategory::Metadata, false).unwrap();
         for _ in 0..3 {
             assert!(is_eio(d.write_at(8192, &b, IoCategory::Data, false)));
-            assert!(is_eio(d.write_sectors(12288 - 512, &b[..512], IoCategory::Data)));
+            assert!(is_eio(d.write_sectors(
+                12288 - 512,
+                &b[..512],
+                IoCategory::Data
+            )));
         }
         assert!(is_eio(d.flush()));
         let mut r = [0u8; 4096];

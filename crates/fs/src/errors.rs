@@ -30,6 +30,8 @@ pub(crate) struct ErrorState {
     sb_update: AtomicBool,
     /// The journal's abort has been handled.
     journal_reported: AtomicBool,
+    /// The last error record could not be written home (the device refused).
+    record_pending: AtomicBool,
     /// Called once when errors=panic fires (the FUSE daemon exits there).
     on_shutdown: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
@@ -45,6 +47,7 @@ impl ErrorState {
             sb_update: AtomicBool::new(false),
             journal_reported: AtomicBool::new(false),
             on_shutdown: Mutex::new(None),
+            record_pending: AtomicBool::new(false),
         }
     }
 
@@ -177,8 +180,23 @@ impl ErrorState {
                     )
                     .map_err(|e| e.to_string())
             });
+        self.record_pending.store(r.is_err(), Ordering::Release);
         if let Err(e) = r {
             tracing::error!("could not record the error in the superblock: {e}");
+        }
+    }
+
+    /// At unmount after an error (not errors=panic): write the error record
+    /// home if the device refused it when the error happened, so e2fsck still
+    /// learns of it (the superblock only; no other state goes with it).
+    pub fn retry_record(&self) {
+        if self.is_dead() || !self.record_pending.load(Ordering::Acquire) {
+            return;
+        }
+        let rec = self.record.lock().clone();
+        self.write_record(&rec);
+        if !self.record_pending.load(Ordering::Acquire) {
+            tracing::info!("error recorded in the superblock at unmount");
         }
     }
 }

@@ -622,7 +622,10 @@ impl Inner {
             // Like ext4_put_super on an aborted journal: no checkpoint, the log
             // and needs_recovery stay for the next mount to replay; the error
             // record is on disk already.
-            tracing::warn!("unmount after an I/O error: the journal is recovered at the next mount");
+            tracing::warn!(
+                "unmount after an I/O error: the journal is recovered at the next mount"
+            );
+            self.errors.retry_record();
             return Ok(());
         }
         let pending: Vec<u32> = self.unlinked_open.drain().collect();

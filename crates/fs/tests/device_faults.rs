@@ -138,7 +138,10 @@ fn journal_failure_remount_ro(extra: &[&str], cat: IoCategory) {
     assert!(is_io(&fs.fsync(a, false).unwrap_err()));
     assert!(is_io(&fs.fsync(b.ino, false).unwrap_err()));
     assert!(fs.sync().is_err());
-    assert!(fs.is_read_only(), "a healed device does not resurrect the journal");
+    assert!(
+        fs.is_read_only(),
+        "a healed device does not resurrect the journal"
+    );
     // Reads keep working.
     assert_eq!(read_all(fs, a), a_data);
     assert_eq!(fs.lookup(ROOT_INO, b"b").unwrap().ino, b.ino);
@@ -187,8 +190,11 @@ fn checkpoint_write_failure_keeps_the_log() {
     }
     // Home metadata writes beyond the superblock fail: the checkpoint of the
     // unmount cannot write the committed blocks home.
-    r.dev
-        .inject(Fault::writes().category(IoCategory::Metadata).bytes(4096..u64::MAX));
+    r.dev.inject(
+        Fault::writes()
+            .category(IoCategory::Metadata)
+            .bytes(4096..u64::MAX),
+    );
     let e = fs.unmount().unwrap_err();
     assert!(is_io(&e), "{e:?}");
     assert!(fs.is_read_only());
@@ -242,7 +248,10 @@ fn data_write_failure_reaches_writer_and_next_fsync_once() {
     let e = fs.write(a, 4096, &pattern(6, 8192)).unwrap_err();
     assert!(is_io(&e), "the writer sees the error: {e:?}");
     let after = fs.getattr(a).unwrap();
-    assert_eq!(after.size, before.size, "a failed append does not grow the file");
+    assert_eq!(
+        after.size, before.size,
+        "a failed append does not grow the file"
+    );
     assert_eq!(
         after.blocks, before.blocks,
         "the blocks allocated for the failed write are not kept"
@@ -413,7 +422,11 @@ fn errors_default_comes_from_the_superblock() {
         assert_eq!(fs.errors_behavior(), want);
         drop(fs);
         let fs = Fs::open_path(&img.path, opts(Some(ErrorsBehavior::Continue))).unwrap();
-        assert_eq!(fs.errors_behavior(), ErrorsBehavior::Continue, "the option wins");
+        assert_eq!(
+            fs.errors_behavior(),
+            ErrorsBehavior::Continue,
+            "the option wins"
+        );
     }
 }
 
@@ -429,8 +442,7 @@ fn kernel_recovers_an_aborted_journal() {
     let r = rig("jkernel", &[], Some(ErrorsBehavior::RemountRo));
     let data = pattern(12, 50_000);
     durable_file(&r.fs, "a", &data);
-    r.dev
-        .inject(Fault::writes().category(IoCategory::Journal));
+    r.dev.inject(Fault::writes().category(IoCategory::Journal));
     r.fs.create(ROOT_INO, b"b", 0o644, 0, 0).unwrap();
     assert!(r.fs.sync().is_err());
     let Rig { mem, dev, fs, img } = r;

@@ -392,7 +392,10 @@ mod tests {
         use commitfs_fs::ErrorsBehavior as E;
         assert_eq!(p(&[]).unwrap().errors, None);
         assert_eq!(p(&["errors=continue"]).unwrap().errors, Some(E::Continue));
-        assert_eq!(p(&["rw,errors=remount-ro"]).unwrap().errors, Some(E::RemountRo));
+        assert_eq!(
+            p(&["rw,errors=remount-ro"]).unwrap().errors,
+            Some(E::RemountRo)
+        );
         assert_eq!(p(&["errors=panic"]).unwrap().errors, Some(E::Panic));
         assert!(p(&["errors=explode"]).is_err());
     }
