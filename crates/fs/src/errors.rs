@@ -32,6 +32,9 @@ pub(crate) struct ErrorState {
     journal_reported: AtomicBool,
     /// The last error record could not be written home (the device refused).
     record_pending: AtomicBool,
+    /// An error reported under the file-system lock: its record is written by
+    /// the next request, outside the lock ([`Self::write_deferred`]).
+    deferred: AtomicBool,
     /// Called once when errors=panic fires (the FUSE daemon exits there).
     on_shutdown: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
@@ -48,6 +51,7 @@ impl ErrorState {
             journal_reported: AtomicBool::new(false),
             on_shutdown: Mutex::new(None),
             record_pending: AtomicBool::new(false),
+            deferred: AtomicBool::new(false),
         }
     }
 
@@ -83,7 +87,8 @@ impl ErrorState {
     /// already aborted journal are not new errors.
     pub fn journal_failed(&self, journal: &Journal, func: &str, err: &dyn std::fmt::Display) {
         if journal.is_aborted() && !self.journal_reported.swap(true, Ordering::AcqRel) {
-            self.handle(journal, func, 0, 0, &format!("journal write failed: {err}"));
+            let cause = format!("journal write failed: {err}");
+            self.handle(journal, func, 0, 0, &cause, false);
         }
     }
 
@@ -96,7 +101,19 @@ impl ErrorState {
     /// (written home at once, FUA), then continue, turn read-only (aborting the
     /// journal) or stop (aborting the journal). `func` names where it happened
     /// (it lands in `s_last_error_func`), `ino`/`block` what (0: unknown).
-    pub fn handle(&self, journal: &Journal, func: &str, ino: u32, block: u64, cause: &str) {
+    ///
+    /// With `under_lock` the caller holds the file-system lock: the superblock
+    /// write waits for the next request ([`Self::write_deferred`]), except with
+    /// errors=panic, which writes it before stopping, as ext4 does.
+    pub fn handle(
+        &self,
+        journal: &Journal,
+        func: &str,
+        ino: u32,
+        block: u64,
+        cause: &str,
+        under_lock: bool,
+    ) {
         if self.is_dead() {
             return;
         }
@@ -134,9 +151,19 @@ impl ErrorState {
             *r = tmp.error_record();
             r.clone()
         };
-        self.write_record(&rec);
+        if under_lock && self.mode != ErrorsBehavior::Panic {
+            self.deferred.store(true, Ordering::Release);
+        } else {
+            self.write_record(&rec);
+        }
         self.sb_update.store(true, Ordering::Release);
         match self.mode {
+            ErrorsBehavior::Continue if journal.is_aborted() => {
+                tracing::error!(
+                    "errors=continue, but the journal is aborted: changes are refused \
+                     (EROFS) from now on"
+                );
+            }
             ErrorsBehavior::Continue => {
                 tracing::error!("errors=continue: the file system stays in use");
             }
@@ -186,10 +213,20 @@ impl ErrorState {
         }
     }
 
+    /// Write the error record of an error reported under the lock (called
+    /// without it, at the start of the next request; one atomic load otherwise).
+    pub fn write_deferred(&self) {
+        if self.deferred.load(Ordering::Acquire) && self.deferred.swap(false, Ordering::AcqRel) {
+            let rec = self.record.lock().clone();
+            self.write_record(&rec);
+        }
+    }
+
     /// At unmount after an error (not errors=panic): write the error record
     /// home if the device refused it when the error happened, so e2fsck still
     /// learns of it (the superblock only; no other state goes with it).
     pub fn retry_record(&self) {
+        self.write_deferred();
         if self.is_dead() || !self.record_pending.load(Ordering::Acquire) {
             return;
         }

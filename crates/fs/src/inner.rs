@@ -457,7 +457,7 @@ impl Inner {
                     // A metadata read error is an ext4_error: errors= decides.
                     let cause = format!("metadata read failed: {d}");
                     self.errors
-                        .handle(&self.journal, "read_meta", 0, blk, &cause);
+                        .handle(&self.journal, "read_meta", 0, blk, &cause, true);
                 }
                 Err(e.into())
             }

@@ -166,6 +166,8 @@ impl Fs {
 
     /// The file-system lock; `Err(Shutdown)` once errors=panic fired.
     fn lock(&self) -> Result<parking_lot::MutexGuard<'_, Inner>> {
+        // An error reported under the lock is recorded on disk here, outside it.
+        self.errors.write_deferred();
         if self.errors.is_dead() {
             return Err(FsError::Shutdown);
         }
