@@ -215,3 +215,67 @@ fn nbdkit_write_errors_turn_the_mount_read_only_and_keep_fsynced_data() {
     );
     assert!(sb.error_count() >= 1);
 }
+
+/// errors=panic: the daemon stops at once (like a kernel panic the mount is left
+/// dead: ENOTCONN), writes nothing more, and the image recovers with everything
+/// fsynced before.
+#[test]
+fn nbdkit_write_error_with_errors_panic_stops_the_daemon() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root (FUSE mounts of nbdfuse files)");
+        return;
+    }
+    let img = mkfs("nbdpanic", 64, &[]);
+    let dev = ErrDevice::start(&img.path);
+    let m = FuseMount::mount(
+        Path::new(BIN),
+        &dev.disk,
+        &["-o", "errors=panic,commit=600"],
+    )
+    .expect("commitfs mount");
+    let a_data: Vec<u8> = (0..100_000u32).map(|i| (i % 253) as u8).collect();
+    {
+        let mut f = File::create(m.path().join("a")).unwrap();
+        f.write_all(&a_data).unwrap();
+        f.sync_all().expect("fsync before the fault");
+    }
+    let mut b = File::create(m.path().join("b")).unwrap();
+    b.write_all(b"not durable").unwrap();
+    dev.fail_writes(true);
+    let e = b
+        .sync_all()
+        .expect_err("fsync while the device fails writes");
+    assert!(
+        [libc::EIO, libc::ENOTCONN, libc::ECONNABORTED].contains(&errno_of(&e)),
+        "{e}"
+    );
+    drop(b);
+    // The daemon is gone: the mount answers nothing any more.
+    let t = Instant::now();
+    loop {
+        match std::fs::metadata(m.path().join("a")) {
+            Err(e) if errno_of(&e) == libc::ENOTCONN => break,
+            r => assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "the mount still answers after errors=panic: {r:?}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = m.log_text();
+    assert!(log.contains("errors=panic"), "the log says why:\n{log}");
+    drop(m);
+    dev.fail_writes(false);
+    drop(dev);
+    let mut m = FuseMount::mount(Path::new(BIN), &img.path, &[]).expect("remount");
+    let mut back = Vec::new();
+    File::open(m.path().join("a"))
+        .unwrap()
+        .read_to_end(&mut back)
+        .unwrap();
+    assert!(back == a_data, "fsynced data intact after recovery");
+    assert!(!m.path().join("b").exists());
+    m.unmount().expect("unmount");
+    check_fsck(&img.path, "the image after errors=panic").unwrap();
+}
