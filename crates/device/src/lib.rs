@@ -13,8 +13,10 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 
+pub mod faulty;
 pub mod recording;
 pub mod size;
+pub use faulty::{Fault, FaultOps, FaultyDevice};
 pub use recording::{CrashLog, CrashSpec, LogOp, Materializer, RecordingDevice};
 
 /// Errors of the device layer.

@@ -61,6 +61,32 @@ pub const S_WTIME_HI: usize = 0x274;
 pub const S_MTIME_HI: usize = 0x275;
 pub const S_ORPHAN_FILE_INUM: usize = 0x280;
 pub const S_CHECKSUM: usize = 0x3FC;
+pub const S_ERRORS: usize = 0x3C;
+pub const S_ERROR_COUNT: usize = 0x194;
+pub const S_FIRST_ERROR_TIME: usize = 0x198;
+pub const S_FIRST_ERROR_INO: usize = 0x19C;
+pub const S_FIRST_ERROR_BLOCK: usize = 0x1A0;
+pub const S_FIRST_ERROR_FUNC: usize = 0x1A8;
+pub const S_FIRST_ERROR_LINE: usize = 0x1C8;
+pub const S_LAST_ERROR_TIME: usize = 0x1CC;
+pub const S_LAST_ERROR_INO: usize = 0x1D0;
+pub const S_LAST_ERROR_LINE: usize = 0x1D4;
+pub const S_LAST_ERROR_BLOCK: usize = 0x1D8;
+pub const S_LAST_ERROR_FUNC: usize = 0x1E0;
+/// End of the error record that starts at `s_error_count` (ext4's
+/// `EXT4_S_ERR_END`, the offset of `s_mount_opts`).
+pub const S_ERR_END: usize = 0x200;
+pub const S_FIRST_ERROR_TIME_HI: usize = 0x278;
+pub const S_LAST_ERROR_TIME_HI: usize = 0x279;
+pub const S_FIRST_ERROR_ERRCODE: usize = 0x27A;
+pub const S_LAST_ERROR_ERRCODE: usize = 0x27B;
+
+/// `s_errors` values: what the kernel does on an error (ext4-format.md §2).
+pub const ERRORS_CONTINUE: u16 = 1;
+pub const ERRORS_RO: u16 = 2;
+pub const ERRORS_PANIC: u16 = 3;
+/// `s_first_error_errcode` / `s_last_error_errcode` for EIO (kernel EXT4_ERR_EIO).
+pub const ERR_CODE_EIO: u8 = 2;
 
 // s_state (§2.4).
 pub const STATE_VALID_FS: u16 = 0x0001;
@@ -236,6 +262,14 @@ pub fn feature_names(kind: FeatureKind, mask: u32) -> Vec<String> {
         .filter(|b| mask & b != 0)
         .map(|b| feature_name(kind, b))
         .collect()
+}
+
+/// The superblock's error record ([`Superblock::error_record`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorRecord {
+    main: [u8; S_ERR_END - S_ERROR_COUNT],
+    tail: [u8; 4],
+    error_fs: bool,
 }
 
 /// The superblock as raw bytes with typed accessors.
@@ -479,6 +513,68 @@ impl Superblock {
     }
     pub fn state(&self) -> u16 {
         self.r16(S_STATE)
+    }
+    /// `s_errors`: the behaviour on errors mkfs/tune2fs chose (`ERRORS_*`).
+    pub fn errors_behavior(&self) -> u16 {
+        self.r16(S_ERRORS)
+    }
+    pub fn error_count(&self) -> u32 {
+        self.r32(S_ERROR_COUNT)
+    }
+    pub fn last_error_func(&self) -> String {
+        let f = &self.raw[S_LAST_ERROR_FUNC..S_LAST_ERROR_FUNC + 32];
+        let n = f.iter().position(|&b| b == 0).unwrap_or(32);
+        String::from_utf8_lossy(&f[..n]).into_owned()
+    }
+    /// The error record (`s_error_count` .. `s_last_error_func`, the time high
+    /// bytes and error codes) and the ERROR_FS state bit, to carry across a
+    /// journal replay that rewrites the superblock (as the kernel does in
+    /// `ext4_load_journal`).
+    pub fn error_record(&self) -> ErrorRecord {
+        let mut r = ErrorRecord {
+            main: [0; S_ERR_END - S_ERROR_COUNT],
+            tail: [0; 4],
+            error_fs: self.state() & STATE_ERROR_FS != 0,
+        };
+        r.main.copy_from_slice(&self.raw[S_ERROR_COUNT..S_ERR_END]);
+        r.tail
+            .copy_from_slice(&self.raw[S_FIRST_ERROR_TIME_HI..S_LAST_ERROR_ERRCODE + 1]);
+        r
+    }
+    /// Put back a record taken with [`Self::error_record`] (ERROR_FS is only
+    /// ever added, never cleared: e2fsck clears it).
+    pub fn set_error_record(&mut self, r: &ErrorRecord) {
+        self.raw[S_ERROR_COUNT..S_ERR_END].copy_from_slice(&r.main);
+        self.raw[S_FIRST_ERROR_TIME_HI..S_LAST_ERROR_ERRCODE + 1].copy_from_slice(&r.tail);
+        if r.error_fs {
+            self.set_state(self.state() | STATE_ERROR_FS);
+        }
+    }
+    /// Record one error as ext4's `save_error_info` + `ext4_update_super` do:
+    /// ERROR_FS set, the count bumped, the first-error fields filled once and
+    /// the last-error fields every time.
+    pub fn note_error(&mut self, time: u64, ino: u32, block: u64, func: &str, line: u32, code: u8) {
+        self.set_state(self.state() | STATE_ERROR_FS);
+        let mut name = [0u8; 32];
+        let n = func.len().min(32);
+        name[..n].copy_from_slice(&func.as_bytes()[..n]);
+        if self.r32(S_FIRST_ERROR_TIME) == 0 && self.raw[S_FIRST_ERROR_TIME_HI] == 0 {
+            self.w32(S_FIRST_ERROR_TIME, time as u32);
+            self.raw[S_FIRST_ERROR_TIME_HI] = (time >> 32) as u8;
+            self.w32(S_FIRST_ERROR_INO, ino);
+            put_le64(&mut self.raw[..], S_FIRST_ERROR_BLOCK, block);
+            self.raw[S_FIRST_ERROR_FUNC..S_FIRST_ERROR_FUNC + 32].copy_from_slice(&name);
+            self.w32(S_FIRST_ERROR_LINE, line);
+            self.raw[S_FIRST_ERROR_ERRCODE] = code;
+        }
+        self.w32(S_LAST_ERROR_TIME, time as u32);
+        self.raw[S_LAST_ERROR_TIME_HI] = (time >> 32) as u8;
+        self.w32(S_LAST_ERROR_INO, ino);
+        put_le64(&mut self.raw[..], S_LAST_ERROR_BLOCK, block);
+        self.raw[S_LAST_ERROR_FUNC..S_LAST_ERROR_FUNC + 32].copy_from_slice(&name);
+        self.w32(S_LAST_ERROR_LINE, line);
+        self.raw[S_LAST_ERROR_ERRCODE] = code;
+        self.w32(S_ERROR_COUNT, self.error_count().saturating_add(1));
     }
     pub fn set_state(&mut self, v: u16) {
         self.w16(S_STATE, v)

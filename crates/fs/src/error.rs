@@ -48,6 +48,13 @@ pub enum FsError {
     Corrupt(#[from] FormatError),
     #[error("file system corrupt: {0}")]
     CorruptMsg(String),
+    /// A write of this file's data failed since its last fsync: the data is not
+    /// on the device (reported once, by the next fsync; EIO).
+    #[error("I/O error: an earlier write of this file's data failed")]
+    DataWriteFailed,
+    /// `errors=panic` after an I/O error: the file system serves nothing more.
+    #[error("I/O error: file system stopped after a device error (errors=panic)")]
+    Shutdown,
     #[error(transparent)]
     Device(#[from] DeviceError),
     #[error(transparent)]

@@ -164,6 +164,50 @@ impl Inner {
             let span = ((nblocks as u64 * bs) as usize - in_blk).min(data.len() - pos);
             let src = &data[pos..pos + span];
             let covered = (in_blk + span).div_ceil(self.bs);
+            let wr = self.write_chunk(pblk, in_blk, span, src, fresh, unwritten);
+            if let Err(e) = wr {
+                if matches!(e, FsError::Device(_)) {
+                    // The device refused the data: the file must not map fresh
+                    // blocks holding whatever was there before, and the next
+                    // fsync reports the loss (the writer sees it too, below).
+                    self.data_errors.insert(ino);
+                    if fresh {
+                        self.remove_blocks(h, ino, i, lblk, lblk as u64 + nblocks as u64)?;
+                    }
+                    if pos > 0 {
+                        return Ok(pos);
+                    }
+                }
+                return Err(e);
+            }
+            if unwritten {
+                self.ext_convert_written(h, ino, i, lblk, covered as u32)?;
+            }
+            // fc_data_csum: data and the fast commit share one flush, so a fast
+            // commit must name (ADD_RANGE, same mapping: a no-op at replay) and
+            // checksum every block written in place too. Otherwise a crash could
+            // keep the commit (its size change, a later append) and lose the
+            // overwritten bytes, e.g. the tail of the old last block on an append.
+            if unwritten || (self.fc_data_csum && !fresh) {
+                self.fc_track_inode(ino, h.tid(), Some((lblk, lblk as u64 + covered as u64)));
+            }
+            pos += span;
+        }
+        Ok(pos)
+    }
+
+    /// Write `span` bytes `src` at byte `in_blk` of the blocks from `pblk`.
+    fn write_chunk(
+        &mut self,
+        pblk: u64,
+        in_blk: usize,
+        span: usize,
+        src: &[u8],
+        fresh: bool,
+        unwritten: bool,
+    ) -> Result<()> {
+        let covered = (in_blk + span).div_ceil(self.bs);
+        {
             if in_blk == 0 && span.is_multiple_of(self.bs) {
                 self.write_data(pblk, src)?;
             } else {
@@ -183,20 +227,8 @@ impl Inner {
                 tmp[in_blk..in_blk + span].copy_from_slice(src);
                 self.write_data(pblk, &tmp)?;
             }
-            if unwritten {
-                self.ext_convert_written(h, ino, i, lblk, covered as u32)?;
-            }
-            // fc_data_csum: data and the fast commit share one flush, so a fast
-            // commit must name (ADD_RANGE, same mapping: a no-op at replay) and
-            // checksum every block written in place too. Otherwise a crash could
-            // keep the commit (its size change, a later append) and lose the
-            // overwritten bytes, e.g. the tail of the old last block on an append.
-            if unwritten || (self.fc_data_csum && !fresh) {
-                self.fc_track_inode(ino, h.tid(), Some((lblk, lblk as u64 + covered as u64)));
-            }
-            pos += span;
         }
-        Ok(pos)
+        Ok(())
     }
 
     /// Device runs `(pblk, len)` of the written or unwritten blocks `ino` maps in

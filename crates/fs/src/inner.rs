@@ -98,6 +98,11 @@ pub(crate) struct Inner {
     pub next_generation: u32,
     #[allow(dead_code)] // kept for the stats and later mount options
     pub opts: MountOptions,
+    /// `errors=` handling, shared with `Fs` and the committer (errors.rs).
+    pub errors: Arc<crate::errors::ErrorState>,
+    /// Inodes a data write failed for since their last fsync: the next fsync
+    /// reports EIO (errseq-like, once).
+    pub data_errors: HashSet<u32>,
 }
 
 /// Seconds of the coarse realtime clock, which is what `time()` (and so e2fsck)
@@ -187,6 +192,17 @@ impl Inner {
         };
         let journal = Arc::new(Journal::new(dev.clone(), bs, read_only));
         let groups = sb.group_count();
+        let mode = opts
+            .errors
+            .unwrap_or_else(|| crate::types::ErrorsBehavior::from_superblock(sb.errors_behavior()));
+        let errors = Arc::new(crate::errors::ErrorState::new(dev.clone(), mode, &sb));
+        if sb.state() & sbf::STATE_ERROR_FS != 0 && !inspect_only {
+            tracing::warn!(
+                "mounting a file system with errors ({} recorded, last in {}): run e2fsck -f",
+                sb.error_count(),
+                sb.last_error_func()
+            );
+        }
         let mut inner = Inner {
             dev,
             journal,
@@ -215,6 +231,8 @@ impl Inner {
             last_dir_group: 0,
             next_generation: now().nsec ^ 0x9E37_79B9,
             opts,
+            errors,
+            data_errors: HashSet::new(),
         };
         inner.load_group_descs()?;
         if inspect_only {
@@ -371,6 +389,9 @@ impl Inner {
             .read_at(sbf::SUPERBLOCK_OFFSET, &mut raw, IoCategory::Metadata)?;
         let mut sb = Superblock::parse(&raw)?;
         sb.set_feature_incompat(sb.feature_incompat() & !sbf::INCOMPAT_RECOVER);
+        // A replayed superblock copy predates the errors recorded since: keep
+        // the record (ext4_load_journal does the same).
+        self.errors.apply(&mut sb);
         self.sb = sb;
         self.journal = Arc::new(Journal::new(self.dev.clone(), self.bs, self.read_only));
         self.inodes.clear();
@@ -429,7 +450,18 @@ impl Inner {
                 "metadata block {blk} beyond the end of the file system"
             )));
         }
-        Ok(self.journal.bread(blk)?)
+        match self.journal.bread(blk) {
+            Ok(b) => Ok(b),
+            Err(e) => {
+                if let commitfs_journal::JournalError::Device(d) = &e {
+                    // A metadata read error is an ext4_error: errors= decides.
+                    let cause = format!("metadata read failed: {d}");
+                    self.errors
+                        .handle(&self.journal, "read_meta", 0, blk, &cause, true);
+                }
+                Err(e.into())
+            }
+        }
     }
 
     /// Modify an existing metadata block under handle `h`.
@@ -457,9 +489,7 @@ impl Inner {
 
     /// Start a handle (errors with ReadOnly on a read-only mount).
     pub fn start(&self, credits: u32) -> Result<Handle> {
-        if self.read_only {
-            return Err(FsError::ReadOnly);
-        }
+        self.check_writable()?;
         Ok(self.journal.start(credits)?)
     }
 
@@ -476,10 +506,21 @@ impl Inner {
         Ok(())
     }
 
-    pub fn write_data(&self, pblk: u64, buf: &[u8]) -> Result<()> {
-        if self.read_only {
+    /// `Err` when nothing may change any more: a read-only mount, a file
+    /// system turned read-only by an error, an aborted journal (EROFS, as
+    /// ext4's journal start says), or errors=panic (EIO).
+    pub fn check_writable(&self) -> Result<()> {
+        if self.errors.is_dead() {
+            return Err(FsError::Shutdown);
+        }
+        if self.read_only || self.errors.is_read_only() || self.journal.is_aborted() {
             return Err(FsError::ReadOnly);
         }
+        Ok(())
+    }
+
+    pub fn write_data(&self, pblk: u64, buf: &[u8]) -> Result<()> {
+        self.check_writable()?;
         self.check_data_range(pblk, buf.len())?;
         self.dev
             .write_at(pblk * self.bs as u64, buf, IoCategory::Data, false)?;
@@ -510,6 +551,7 @@ impl Inner {
     /// block 1 with 1 KiB blocks).
     pub fn write_super(&mut self, h: &Handle) -> Result<()> {
         let (blk, off) = if self.bs == 1024 { (1, 0) } else { (0, 1024) };
+        self.errors.apply(&mut self.sb);
         let bytes = self.sb.to_bytes();
         self.modify_meta(h, blk, |d| {
             d[off..off + sbf::SUPERBLOCK_SIZE].copy_from_slice(&bytes)
@@ -555,6 +597,10 @@ impl Inner {
             return Ok(());
         }
         self.refresh_super_counts();
+        if self.errors.take_sb_update() {
+            // errors=continue recorded an error: log the superblock carrying it.
+            self.sb_dirty = true;
+        }
         if self.journal.has_log() && !self.sb_dirty {
             // Like the kernel, free counts are not logged at every commit: the
             // descriptors are authoritative and the totals are rewritten at
@@ -570,6 +616,16 @@ impl Inner {
     /// system clean, write everything home.
     pub fn unmount(&mut self) -> Result<()> {
         if self.read_only {
+            return Ok(());
+        }
+        if self.errors.is_read_only() || self.journal.is_aborted() || self.errors.is_dead() {
+            // Like ext4_put_super on an aborted journal: no checkpoint, the log
+            // and needs_recovery stay for the next mount to replay; the error
+            // record is on disk already.
+            tracing::warn!(
+                "unmount after an I/O error: the journal is recovered at the next mount"
+            );
+            self.errors.retry_record();
             return Ok(());
         }
         let pending: Vec<u32> = self.unlinked_open.drain().collect();
@@ -597,6 +653,7 @@ impl Inner {
     /// Write the superblock to its home location and flush, bypassing the journal
     /// (mount and unmount state changes, like the kernel's ext4_commit_super).
     fn write_super_direct(&mut self) -> Result<()> {
+        self.errors.apply(&mut self.sb);
         let bytes = self.sb.to_bytes();
         self.dev
             .write_at(sbf::SUPERBLOCK_OFFSET, &bytes, IoCategory::Metadata, false)?;

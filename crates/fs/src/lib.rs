@@ -7,6 +7,7 @@
 mod alloc;
 mod dir;
 mod error;
+mod errors;
 mod extent;
 mod fc;
 mod fc_replay;
@@ -79,6 +80,8 @@ pub struct Fs {
     read_only: bool,
     unmounted: std::sync::atomic::AtomicBool,
     committer: Mutex<Option<Committer>>,
+    /// `errors=` state (errors.rs), shared with `Inner` and the committer.
+    errors: Arc<errors::ErrorState>,
     /// Serialises fsyncs (fast commits are written in the caller's thread).
     fc_lock: Mutex<()>,
 }
@@ -91,7 +94,11 @@ struct Committer {
 }
 
 impl Committer {
-    fn spawn(journal: Arc<commitfs_journal::Journal>, interval: std::time::Duration) -> Committer {
+    fn spawn(
+        journal: Arc<commitfs_journal::Journal>,
+        errors: Arc<errors::ErrorState>,
+        interval: std::time::Duration,
+    ) -> Committer {
         let stop = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
         let s2 = stop.clone();
         let thread = std::thread::Builder::new()
@@ -110,9 +117,10 @@ impl Committer {
                     if *stopped {
                         return;
                     }
-                    if journal.pending() > 0 {
+                    if journal.pending() > 0 && !journal.is_aborted() {
                         if let Err(e) = journal.commit() {
                             tracing::error!("periodic commit failed: {e}");
+                            errors.journal_failed(&journal, "periodic_commit", &e);
                         }
                     }
                 }
@@ -142,9 +150,11 @@ impl Fs {
         let committer = (!inner.read_only && interval > 0).then(|| {
             Committer::spawn(
                 inner.journal.clone(),
+                inner.errors.clone(),
                 std::time::Duration::from_secs(interval as u64),
             )
         });
+        let errors = inner.errors.clone();
         Ok(Fs {
             block_size: inner.bs as u32,
             read_only: inner.read_only,
@@ -152,8 +162,46 @@ impl Fs {
             dev,
             unmounted: Default::default(),
             committer: Mutex::new(committer),
+            errors,
             fc_lock: Mutex::new(()),
         })
+    }
+
+    /// The file-system lock; `Err(Shutdown)` once errors=panic fired.
+    fn lock(&self) -> Result<parking_lot::MutexGuard<'_, Inner>> {
+        // An error reported under the lock is recorded on disk here, outside it.
+        self.errors.write_deferred();
+        if self.errors.is_dead() {
+            return Err(FsError::Shutdown);
+        }
+        Ok(self.inner.lock())
+    }
+
+    /// Pass on the result of a journal operation; a failure that aborted the
+    /// journal is handled per `errors=` (once).
+    fn check<T>(&self, j: &commitfs_journal::Journal, func: &str, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            self.errors.journal_failed(j, func, e);
+        }
+        r
+    }
+
+    /// The `errors=` behaviour in effect (the option, or the superblock's).
+    pub fn errors_behavior(&self) -> ErrorsBehavior {
+        self.errors.mode()
+    }
+
+    /// errors=panic fired: the file system serves nothing more (the FUSE
+    /// daemon exits).
+    pub fn has_shut_down(&self) -> bool {
+        self.errors.is_dead()
+    }
+
+    /// Run `f` once when errors=panic fires (at once if it already has): the
+    /// FUSE daemon exits there, like a kernel panic, leaving recovery to the
+    /// next mount.
+    pub fn on_shutdown(&self, f: impl FnOnce() + Send + 'static) {
+        self.errors.on_shutdown(Box::new(f));
     }
 
     /// Run `f`; on ENOSPC while blocks freed by uncommitted transactions exist,
@@ -175,13 +223,14 @@ impl Fs {
             return first;
         }
         let j = {
-            let g = self.inner.lock();
+            let g = self.lock()?;
             if g.pending_free.is_empty() && g.pending_free_inodes.is_empty() {
                 return first;
             }
             g.journal.clone()
         };
-        j.commit()?;
+        let r = j.commit().map_err(FsError::from);
+        self.check(&j, "commit", r)?;
         f(&mut *self.lock_guarded(guard)?)
     }
 
@@ -200,7 +249,7 @@ impl Fs {
     /// commit and confirms it ([`Self::data_confirm`]).
     fn lock_guarded(&self, guard: Option<OverwriteGuard<'_>>) -> Result<Guarded<'_>> {
         loop {
-            let mut g = self.inner.lock();
+            let mut g = self.lock()?;
             let Some((ino, span)) = guard else {
                 return Ok(Guarded { h: None, g });
             };
@@ -236,14 +285,15 @@ impl Fs {
         // No fast commit is between plan and write while this is held.
         let _fcl = self.fc_lock.lock();
         let (j, bs) = {
-            let g = self.inner.lock();
+            let g = self.lock()?;
             (g.journal.clone(), g.bs)
         };
         let pack = |t: u32, head: bool, free: u32| {
             fc::pack(&[], t, head, bs, free).and_then(|mut b| (b.len() == 1).then(|| b.remove(0)))
         };
-        if j.confirm_data(tid, &pack)? {
-            self.inner.lock().fc.stats.confirms += 1;
+        let r = j.confirm_data(tid, &pack).map_err(FsError::from);
+        if self.check(&j, "confirm_data", r)? {
+            self.lock()?.fc.stats.confirms += 1;
         }
         Ok(())
     }
@@ -255,7 +305,7 @@ impl Fs {
         // No fast commit is between plan and write while this is held.
         let _fcl = self.fc_lock.lock();
         let (j, bs) = {
-            let g = self.inner.lock();
+            let g = self.lock()?;
             (g.journal.clone(), g.bs)
         };
         if !j.is_committed(tid) {
@@ -266,29 +316,33 @@ impl Fs {
                 _ => None,
             };
             let wrote = match block {
-                Some(b) => j.fc_confirm(tid, &b[0])?,
+                Some(b) => {
+                    let r = j.fc_confirm(tid, &b[0]).map_err(FsError::from);
+                    self.check(&j, "fast_commit", r)?
+                }
                 None => false,
             };
             if wrote {
-                self.inner.lock().fc.stats.confirms += 1;
+                self.lock()?.fc.stats.confirms += 1;
             } else {
                 self.sync()?;
             }
         }
-        self.inner.lock().fc_protect_confirmed();
+        self.lock()?.fc_protect_confirmed();
         Ok(())
     }
 
     /// Commit early when the running transaction has grown large.
     fn maybe_commit(&self) -> Result<()> {
         let j = {
-            let g = self.inner.lock();
+            let g = self.lock()?;
             if g.read_only || !g.journal.should_commit() {
                 return Ok(());
             }
             g.journal.clone()
         };
-        j.commit()?;
+        let r = j.commit().map_err(FsError::from);
+        self.check(&j, "commit", r)?;
         Ok(())
     }
 
@@ -310,11 +364,21 @@ impl Fs {
         if let Some(mut c) = self.committer.lock().take() {
             c.shutdown();
         }
-        self.inner.lock().unmount()
+        if self.errors.is_dead() {
+            // errors=panic: nothing more is written (the journal recovers).
+            return Ok(());
+        }
+        let (j, r) = {
+            let mut g = self.inner.lock();
+            (g.journal.clone(), g.unmount())
+        };
+        self.check(&j, "unmount", r)
     }
 
+    /// Read-only: mounted so, or turned so by an I/O error (errors=remount-ro,
+    /// or an aborted journal, which refuses every change in any errors= mode).
     pub fn is_read_only(&self) -> bool {
-        self.read_only
+        self.read_only || self.errors.is_read_only() || self.inner.lock().journal.is_aborted()
     }
     pub fn block_size(&self) -> u32 {
         self.block_size
@@ -369,7 +433,11 @@ impl Fs {
     /// flush happen outside the file-system lock.
     pub fn sync(&self) -> Result<()> {
         let journal = {
-            let mut g = self.inner.lock();
+            let mut g = self.lock()?;
+            if g.journal.is_aborted() {
+                // Nothing after the error can be made durable.
+                return Err(commitfs_journal::JournalError::Aborted.into());
+            }
             if g.read_only {
                 return Ok(());
             }
@@ -379,12 +447,13 @@ impl Fs {
                 .store(false, std::sync::atomic::Ordering::Relaxed);
             g.journal.clone()
         };
-        journal.commit()?;
+        let r = journal.commit().map_err(FsError::from);
+        self.check(&journal, "commit", r)?;
         Ok(())
     }
 
     pub fn statfs(&self) -> Result<StatFs> {
-        let g = self.inner.lock();
+        let g = self.lock()?;
         let (fb, fi) = g.free_counts();
         let r = g.sb.r_blocks_count();
         Ok(StatFs {
@@ -399,18 +468,18 @@ impl Fs {
     }
 
     pub fn getattr(&self, ino: Ino) -> Result<Attr> {
-        self.inner.lock().getattr(ino)
+        self.lock()?.getattr(ino)
     }
 
     pub fn lookup(&self, parent: Ino, name: &[u8]) -> Result<Attr> {
-        let mut g = self.inner.lock();
+        let mut g = self.lock()?;
         let ino = g.lookup_ino(parent, name)?;
         g.getattr(ino)
     }
 
     /// Resolve an absolute path (without following symlinks), e.g. `/a/b`.
     pub fn resolve(&self, path: &str) -> Result<Ino> {
-        let mut g = self.inner.lock();
+        let mut g = self.lock()?;
         let mut ino = ROOT_INO;
         for comp in path.split('/').filter(|c| !c.is_empty()) {
             ino = g.lookup_ino(ino, comp.as_bytes())?;
@@ -428,7 +497,7 @@ impl Fs {
                 };
                 self.lock_guarded(Some((ino, &span)))?.setattr(ino, set)?
             }
-            None => self.inner.lock().setattr(ino, set)?,
+            None => self.lock()?.setattr(ino, set)?,
         };
         self.maybe_commit()?;
         Ok(a)
@@ -442,7 +511,7 @@ impl Fs {
         offset: u64,
         mut f: impl FnMut(DirEntry) -> bool,
     ) -> Result<()> {
-        let mut g = self.inner.lock();
+        let mut g = self.lock()?;
         let d = g.read_inode(ino)?;
         if !d.is_dir() {
             return Err(FsError::NotDir);
@@ -514,7 +583,7 @@ impl Fs {
     }
 
     pub fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {
-        self.inner.lock().readlink(ino)
+        self.lock()?.readlink(ino)
     }
 
     pub fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> Result<Attr> {
@@ -522,12 +591,12 @@ impl Fs {
     }
 
     pub fn unlink(&self, parent: Ino, name: &[u8]) -> Result<()> {
-        self.inner.lock().unlink(parent, name)?;
+        self.lock()?.unlink(parent, name)?;
         self.maybe_commit()
     }
 
     pub fn rmdir(&self, parent: Ino, name: &[u8]) -> Result<()> {
-        self.inner.lock().rmdir(parent, name)
+        self.lock()?.rmdir(parent, name)
     }
 
     pub fn rename(
@@ -543,7 +612,7 @@ impl Fs {
 
     /// Note an open file handle (an unlinked file stays until its last close).
     pub fn open_inode(&self, ino: Ino) -> Result<()> {
-        let mut g = self.inner.lock();
+        let mut g = self.lock()?;
         g.read_inode(ino)?;
         *g.open_counts.entry(ino).or_insert(0) += 1;
         Ok(())
@@ -551,11 +620,11 @@ impl Fs {
 
     /// Close a file handle opened with [`Fs::open_inode`].
     pub fn release(&self, ino: Ino) -> Result<()> {
-        self.inner.lock().release(ino)
+        self.lock()?.release(ino)
     }
 
     pub fn read(&self, ino: Ino, offset: u64, buf: &mut [u8]) -> Result<usize> {
-        self.inner.lock().read(ino, offset, buf)
+        self.lock()?.read(ino, offset, buf)
     }
 
     pub fn write(&self, ino: Ino, offset: u64, data: &[u8]) -> Result<usize> {
@@ -580,7 +649,7 @@ impl Fs {
     }
 
     pub fn getxattr(&self, ino: Ino, name: &[u8]) -> Result<Vec<u8>> {
-        let mut g = self.inner.lock();
+        let mut g = self.lock()?;
         if name.starts_with(b"user.") && !g.user_xattr_allowed(ino)? {
             return Err(FsError::NoData);
         }
@@ -588,7 +657,7 @@ impl Fs {
     }
 
     pub fn listxattr(&self, ino: Ino) -> Result<Vec<Vec<u8>>> {
-        self.inner.lock().xattr_list(ino)
+        self.lock()?.xattr_list(ino)
     }
 
     pub fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
@@ -605,7 +674,7 @@ impl Fs {
     }
 
     pub fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()> {
-        let mut g = self.inner.lock();
+        let mut g = self.lock()?;
         if name.starts_with(b"user.") && !g.user_xattr_allowed(ino)? {
             return Err(FsError::Permission("user xattrs on a special file"));
         }
@@ -621,13 +690,33 @@ impl Fs {
     /// compact logical log in the caller's thread (usually one block, with a flush
     /// only when data or earlier log blocks must be durable first); otherwise, or
     /// when something ineligible happened, a full JBD2 commit.
-    pub fn fsync(&self, ino: Ino, _datasync: bool) -> Result<()> {
+    ///
+    /// After an I/O error an fsync never claims durability it lacks: EIO once
+    /// the journal is aborted (every later fsync too), and EIO once for a file
+    /// whose data write failed since its last fsync.
+    pub fn fsync(&self, ino: Ino, datasync: bool) -> Result<()> {
+        let (j, data_err) = {
+            let mut g = self.lock()?;
+            (g.journal.clone(), g.data_errors.remove(&ino))
+        };
+        if j.is_aborted() {
+            return Err(commitfs_journal::JournalError::Aborted.into());
+        }
+        let r = self.fsync_inner(ino, datasync);
+        self.check(&j, "fsync", r)?;
+        if data_err {
+            return Err(FsError::DataWriteFailed);
+        }
+        Ok(())
+    }
+
+    fn fsync_inner(&self, ino: Ino, _datasync: bool) -> Result<()> {
         // Concurrent fsyncs queue here and ride on each other's commits: the one
         // that runs next logs everything tracked so far.
         let _fcl = self.fc_lock.lock();
         let t0 = std::time::Instant::now();
         let (j, tid, blocks, flush, logged) = {
-            let mut g = self.inner.lock();
+            let mut g = self.lock()?;
             g.read_inode(ino)?;
             if !g.fc_on() {
                 drop(g);
@@ -638,9 +727,10 @@ impl Fs {
                     let flush = g
                         .data_dirty
                         .swap(false, std::sync::atomic::Ordering::Relaxed);
+                    let j = g.journal.clone();
                     drop(g);
                     if flush {
-                        self.dev.flush()?;
+                        j.flush_device()?;
                     }
                     return Ok(());
                 }
@@ -683,7 +773,7 @@ impl Fs {
             }
         };
         let wrote = j.fast_commit_mode(tid, &blocks, flush)?;
-        let mut g = self.inner.lock();
+        let mut g = self.lock()?;
         let st = &mut g.fc.stats;
         if wrote {
             st.commits += 1;

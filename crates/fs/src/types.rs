@@ -163,6 +163,41 @@ pub struct MountOptions {
     /// one flush. While mounted this way the image carries an incompat feature bit
     /// the kernel does not know, so it refuses such logs; a clean unmount clears it.
     pub fc_data_csum: bool,
+    /// `-o errors=`: what a metadata or journal I/O error does. `None`: the
+    /// superblock's `s_errors` decides (mkfs sets continue), like the kernel.
+    pub errors: Option<ErrorsBehavior>,
+}
+
+/// `errors=` (ext4 semantics, see docs/ARCHITECTURE.md "Device errors"). In every
+/// mode a failed journal write aborts the journal: nothing more is committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorsBehavior {
+    /// Record the error in the superblock and go on with what still works.
+    Continue,
+    /// Also abort the journal and refuse every change from then on (EROFS).
+    RemountRo,
+    /// Stop serving at once (everything EIO) and write nothing more, like a crash.
+    Panic,
+}
+
+impl ErrorsBehavior {
+    /// From the superblock's `s_errors`; unknown values mean remount-ro, as in
+    /// the kernel.
+    pub fn from_superblock(v: u16) -> ErrorsBehavior {
+        use commitfs_format::superblock as sbf;
+        match v {
+            sbf::ERRORS_CONTINUE => ErrorsBehavior::Continue,
+            sbf::ERRORS_PANIC => ErrorsBehavior::Panic,
+            _ => ErrorsBehavior::RemountRo,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorsBehavior::Continue => "continue",
+            ErrorsBehavior::RemountRo => "remount-ro",
+            ErrorsBehavior::Panic => "panic",
+        }
+    }
 }
 
 impl Default for MountOptions {
@@ -172,6 +207,7 @@ impl Default for MountOptions {
             commit_interval: 5,
             fast_commit: true,
             fc_data_csum: false,
+            errors: None,
         }
     }
 }

@@ -30,6 +30,7 @@ pub fn errno_of(e: &FsError) -> i32 {
         FsError::NotSupported(_) | FsError::UnsupportedFeature(_) => libc::EOPNOTSUPP,
         FsError::Corrupt(_) | FsError::CorruptMsg(_) => libc::EUCLEAN,
         FsError::NeedsRecovery | FsError::Device(_) | FsError::Journal(_) => libc::EIO,
+        FsError::DataWriteFailed | FsError::Shutdown => libc::EIO,
     }
 }
 

@@ -281,6 +281,49 @@ impl Journal {
         self.log.is_some()
     }
 
+    /// Whether the journal is aborted: a log, home or flush write failed (or the
+    /// file system gave up, [`Self::abort`]). Like `jbd2_journal_abort`, nothing
+    /// is committed, checkpointed or marked empty from then on: what the log holds
+    /// stays for recovery at the next mount, and handles cannot start.
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::Acquire)
+    }
+
+    /// Abort the journal (see [`Self::is_aborted`]). Returns whether this call
+    /// aborted it (false: it already was).
+    pub fn abort(&self) -> bool {
+        !self.aborted.swap(true, Ordering::AcqRel)
+    }
+
+    /// Flush the device for an fsync that has nothing to log (its data only). A
+    /// failure aborts the journal: the cache may have lost data and committed
+    /// blocks alike, and a later flush that succeeds proves nothing about them.
+    pub fn flush_device(&self) -> Result<()> {
+        self.check_live()?;
+        let r = self.dev.flush().map_err(Into::into);
+        self.or_abort(r)
+    }
+
+    /// `Err(Aborted)` once the journal is aborted.
+    fn check_live(&self) -> Result<()> {
+        if self.is_aborted() {
+            return Err(JournalError::Aborted);
+        }
+        Ok(())
+    }
+
+    /// Pass `r` on; an error aborts the journal: after a failed write the state
+    /// of the log (or of the home blocks and the device cache) is unknown, so no
+    /// later commit may build on it.
+    fn or_abort<T>(&self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            if self.abort() {
+                tracing::error!("journal aborted: {e}");
+            }
+        }
+        r
+    }
+
     /// A running transaction this large should be committed now (a quarter of the
     /// log, like the kernel's maximum transaction size).
     pub fn should_commit(&self) -> bool {
@@ -502,7 +545,8 @@ impl Journal {
     /// transaction written so far are durable afterwards and leave the list a
     /// commit must checksum. Call with the commit lock held.
     fn flush_data(&self) -> Result<usize> {
-        self.flushing_data(|| Ok(self.dev.flush()?))?;
+        let r = self.flushing_data(|| Ok(self.dev.flush()?));
+        self.or_abort(r)?;
         Ok(0)
     }
 
@@ -529,6 +573,7 @@ impl Journal {
             return Ok(0);
         }
         let _c = self.commit_lock.lock();
+        self.check_live()?;
         let (tid, buffers) = {
             let mut r = self.tx.running.lock();
             // T_LOCKED: wait until every handle of the transaction has stopped.
@@ -572,17 +617,16 @@ impl Journal {
             // re-queues it, so nothing is lost.
             b.dirty.store(false, Ordering::Release);
             let data = b.data.read();
-            if let Err(e) = self.dev.write_at(
+            let r = self.dev.write_at(
                 blocknr * self.block_size as u64,
                 &data,
                 IoCategory::Metadata,
                 false,
-            ) {
-                self.aborted.store(true, Ordering::Release);
-                return Err(e.into());
-            }
+            );
+            self.or_abort(r.map_err(Into::into))?;
         }
-        self.dev.flush()?;
+        let r = self.dev.flush();
+        self.or_abort(r.map_err(Into::into))?;
         self.committed_tid.store(tid, Ordering::Release);
         self.commits.fetch_add(1, Ordering::Relaxed);
         self.buffers_written.fetch_add(n as u64, Ordering::Relaxed);
@@ -621,13 +665,7 @@ impl Journal {
                 };
             }
         }
-        let written = match res {
-            Ok(w) => w,
-            Err(e) => {
-                self.aborted.store(true, Ordering::Release);
-                return Err(e);
-            }
-        };
+        let written = self.or_abort(res)?;
         if written.checkpointed {
             self.checkpoints.fetch_add(1, Ordering::Relaxed);
         }
@@ -726,6 +764,7 @@ impl Journal {
         };
         {
             let _c = self.commit_lock.lock();
+            self.check_live()?;
             let running = {
                 let r = self.tx.running.lock();
                 if r.data.protected.as_ref().is_none_or(|p| p.0 != tid) {
@@ -738,7 +777,8 @@ impl Journal {
             if let Some((t, head, free)) = st.fc_slot() {
                 if t == running && st.fc_has_room(1) {
                     if let Some(b) = pack(t, head, free) {
-                        st.fc_write(&*self.dev, &[b], FcFlush::Fua)?;
+                        let r = st.fc_write(&*self.dev, &[b], FcFlush::Fua);
+                        self.or_abort(r)?;
                         self.fc_blocks.fetch_add(1, Ordering::Relaxed);
                         self.tx.running.lock().data.protected = None;
                         return Ok(true);
@@ -779,6 +819,7 @@ impl Journal {
             return Err(JournalError::BadJournal("no journal log".into()));
         };
         let _c = self.commit_lock.lock();
+        self.check_live()?;
         if self.tx.running.lock().tid != tid {
             return Ok(false);
         }
@@ -790,12 +831,15 @@ impl Journal {
         };
         let mut st = l.lock();
         let mut write = || st.fc_write(&*self.dev, blocks, mode);
-        if mode == FcFlush::Together {
+        let r = if mode == FcFlush::Together {
             // Its flush makes the data written so far durable.
-            self.flushing_data(write)?;
+            self.flushing_data(write)
         } else {
-            write()?;
-        }
+            write()
+        };
+        // A failed fast commit leaves the area in an unknown state; the kernel
+        // falls back to a full commit, which then writes the same device: abort.
+        self.or_abort(r)?;
         // A durable fast commit of the next tid follows the last full commit:
         // that commit is no longer final.
         self.tx.running.lock().data.protected = None;
@@ -815,6 +859,7 @@ impl Journal {
             return Ok(false);
         };
         let _c = self.commit_lock.lock();
+        self.check_live()?;
         if self.tx.running.lock().tid != tid {
             return Ok(false);
         }
@@ -822,7 +867,8 @@ impl Journal {
         if !st.fc_has_room(1) || !st.fc_started() {
             return Ok(false);
         }
-        st.fc_write(&*self.dev, &[block.to_vec()], FcFlush::Fua)?;
+        let r = st.fc_write(&*self.dev, &[block.to_vec()], FcFlush::Fua);
+        self.or_abort(r)?;
         self.tx.running.lock().data.protected = None;
         self.fc_blocks.fetch_add(1, Ordering::Relaxed);
         Ok(true)
@@ -832,7 +878,11 @@ impl Journal {
     pub fn checkpoint(&self) -> Result<()> {
         if let Some(l) = &self.log {
             let _c = self.commit_lock.lock();
-            l.lock().checkpoint(&*self.dev)?;
+            self.check_live()?;
+            // A failed checkpoint leaves the log tail where it was: recovery
+            // replays those transactions again.
+            let r = l.lock().checkpoint(&*self.dev);
+            self.or_abort(r)?;
             // The log is empty: no commit in it is verified at recovery.
             self.tx.running.lock().data.protected = None;
             self.checkpoints.fetch_add(1, Ordering::Relaxed);
@@ -849,8 +899,10 @@ impl Journal {
         self.commit()?;
         if let Some(l) = &self.log {
             let _c = self.commit_lock.lock();
+            self.check_live()?;
             let next = self.tx.running.lock().tid;
-            l.lock().close(&*self.dev, next)?;
+            let r = l.lock().close(&*self.dev, next);
+            self.or_abort(r)?;
         }
         Ok(())
     }

@@ -31,6 +31,8 @@ pub struct MountCmdOptions {
     pub fast_commit: bool,
     /// `fc_data_csum`: checksum fsynced data in the fast-commit log (one flush).
     pub fc_data_csum: bool,
+    /// `errors=continue|remount-ro|panic`; `None`: the superblock's `s_errors`.
+    pub errors: Option<commitfs_fs::ErrorsBehavior>,
 }
 
 impl Default for MountCmdOptions {
@@ -43,6 +45,7 @@ impl Default for MountCmdOptions {
             no_fast_commit: false,
             fast_commit: false,
             fc_data_csum: false,
+            errors: None,
         }
     }
 }
@@ -64,6 +67,9 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             "nofast_commit" => o.no_fast_commit = true,
             "fast_commit" => o.fast_commit = true,
             "fc_data_csum" => o.fc_data_csum = true,
+            "errors=continue" => o.errors = Some(commitfs_fs::ErrorsBehavior::Continue),
+            "errors=remount-ro" => o.errors = Some(commitfs_fs::ErrorsBehavior::RemountRo),
+            "errors=panic" => o.errors = Some(commitfs_fs::ErrorsBehavior::Panic),
             // Always on / the default anyway.
             "defaults" | "default_permissions" | "async" | "dev" | "suid" | "exec" => {}
             _ => {
@@ -177,10 +183,17 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
             commit_interval: o.commit,
             fast_commit: !o.no_fast_commit,
             fc_data_csum: o.fc_data_csum && !o.no_fast_commit,
+            errors: o.errors,
         },
     )
     .map_err(|e| anyhow!("cannot mount {}: {e}", req.image.display()))?;
     let fs = Arc::new(fs);
+    // errors=panic: stop serving at once, like a kernel panic (the mount is left
+    // dead; the journal is recovered at the next mount).
+    fs.on_shutdown(|| {
+        tracing::error!("errors=panic: commitfs daemon exiting after an I/O error");
+        std::process::exit(2);
+    });
     let cfg = FuseConfig {
         read_only: o.read_only || fs.is_read_only(),
         writeback_cache: o.writeback_cache && !o.read_only,
@@ -372,5 +385,18 @@ mod tests {
         let e = p(&["bogus"]).unwrap_err().to_string();
         assert!(e.contains("bogus"), "{e}");
         assert_eq!(p(&[]).unwrap(), MountCmdOptions::default());
+    }
+
+    #[test]
+    fn errors_option() {
+        use commitfs_fs::ErrorsBehavior as E;
+        assert_eq!(p(&[]).unwrap().errors, None);
+        assert_eq!(p(&["errors=continue"]).unwrap().errors, Some(E::Continue));
+        assert_eq!(
+            p(&["rw,errors=remount-ro"]).unwrap().errors,
+            Some(E::RemountRo)
+        );
+        assert_eq!(p(&["errors=panic"]).unwrap().errors, Some(E::Panic));
+        assert!(p(&["errors=explode"]).is_err());
     }
 }
