@@ -15,6 +15,7 @@ use commitfs_format::superblock as sbf;
 use commitfs_format::xattr::{self as fx, acl, NameError, Xattr, XattrBlock};
 use commitfs_journal::Handle;
 
+use crate::acl::AclKind;
 use crate::error::{FsError, Result};
 use crate::inner::{now, Inner};
 use crate::types::XattrFlags;
@@ -113,6 +114,9 @@ impl Inner {
     /// Value of attribute `name` (full name, e.g. `user.foo`).
     pub fn xattr_get(&mut self, ino: u32, name: &[u8]) -> Result<Vec<u8>> {
         let (index, suffix) = parse_name(name)?;
+        if is_acl(index) {
+            self.acl_check_enabled()?;
+        }
         let inode = self.live_inode(ino)?;
         let l = self.xattr_load(ino, &inode)?;
         let e = l.find(index, suffix).ok_or(FsError::NoData)?;
@@ -129,10 +133,12 @@ impl Inner {
         let inode = self.live_inode(ino)?;
         let l = self.xattr_load(ino, &inode)?;
         let blk = l.block.iter().flat_map(|b| b.1.entries.iter());
+        // Under -o noacl ext4 does not list ACLs (posix_acl_xattr_list).
+        let acl_on = self.acl_on();
         Ok(l.ibody
             .iter()
             .chain(blk)
-            .filter(|e| listable(e.index))
+            .filter(|e| listable(e.index) && (acl_on || !is_acl(e.index)))
             .filter_map(|e| e.full_name())
             .collect())
     }
@@ -141,33 +147,35 @@ impl Inner {
     /// `flags.replace`: fail with `NoData` if absent. A value that cannot fit even
     /// alone, or beside the others, gives `NoSpace` (ENOSPC, as the kernel);
     /// `XattrTooBig` (E2BIG) is for values over the 64 KiB VFS limit.
-    pub fn xattr_set(
+    /// `kill_sgid` applies to POSIX ACLs only (see `Inner::acl_set`).
+    pub fn xattr_set_ext(
         &mut self,
         h: &Handle,
         ino: u32,
         name: &[u8],
         value: &[u8],
         flags: XattrFlags,
+        kill_sgid: bool,
     ) -> Result<()> {
         let (index, suffix) = parse_name(name)?;
         if value.len() > XATTR_SIZE_MAX {
             return Err(FsError::XattrTooBig);
         }
-        let stored = if is_acl(index) {
-            if value.is_empty() {
-                // An empty ACL value removes the ACL (the kernel's set_acl(NULL)).
-                return self.xattr_change(h, ino, index, suffix, None, flags);
-            }
-            acl::to_disk(value).ok_or(FsError::Invalid("malformed POSIX ACL"))?
-        } else {
-            value.to_vec()
-        };
-        self.xattr_change(h, ino, index, suffix, Some(stored), flags)
+        if let Some(kind) = AclKind::of_index(index) {
+            // ACLs have ext4's semantics (mode folding); the kernel ignores
+            // XATTR_CREATE/XATTR_REPLACE for them. An empty value removes.
+            return self.acl_set(h, ino, kind, value, kill_sgid);
+        }
+        self.xattr_change(h, ino, index, suffix, Some(value.to_vec()), flags)
     }
 
-    /// Remove attribute `name` (`NoData` if absent).
+    /// Remove attribute `name` (`NoData` if absent; an absent ACL is no error,
+    /// as in ext4).
     pub fn xattr_remove(&mut self, h: &Handle, ino: u32, name: &[u8]) -> Result<()> {
         let (index, suffix) = parse_name(name)?;
+        if let Some(kind) = AclKind::of_index(index) {
+            return self.acl_set(h, ino, kind, b"", false);
+        }
         let flags = XattrFlags {
             create: false,
             replace: true,
@@ -186,10 +194,7 @@ impl Inner {
         value: Option<Vec<u8>>,
         flags: XattrFlags,
     ) -> Result<()> {
-        if self.read_only {
-            return Err(FsError::ReadOnly);
-        }
-        let mut inode = self.live_inode(ino)?;
+        let inode = self.live_inode(ino)?;
         let old = self.xattr_load(ino, &inode)?;
         let existing = old.find(index, suffix);
         if flags.create && existing.is_some() {
@@ -198,6 +203,29 @@ impl Inner {
         if flags.replace && existing.is_none() {
             return Err(FsError::NoData);
         }
+        drop(old);
+        self.xattr_change_mode(h, ino, index, suffix, value, None)
+    }
+
+    /// Set or remove one attribute and, in the same inode write, set the mode to
+    /// `mode` (an access ACL changes both). Removing an absent attribute or
+    /// storing an unchanged value writes nothing unless the mode changes.
+    pub(crate) fn xattr_change_mode(
+        &mut self,
+        h: &Handle,
+        ino: u32,
+        index: u8,
+        suffix: &[u8],
+        value: Option<Vec<u8>>,
+        mode: Option<u16>,
+    ) -> Result<()> {
+        if self.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        let mut inode = self.live_inode(ino)?;
+        let old = self.xattr_load(ino, &inode)?;
+        let existing = old.find(index, suffix);
+        let mode = mode.filter(|&m| m != inode.mode);
         let mut ibody = old.ibody.clone();
         let mut block: Vec<Xattr> = old
             .block
@@ -206,19 +234,23 @@ impl Inner {
             .unwrap_or_default();
         let mut block_changed = false;
         match value {
-            None => {
-                if existing.is_none() {
+            None if existing.is_none() => {
+                if mode.is_none() {
                     return Ok(());
                 }
+            }
+            None => {
                 if !remove_key(&mut ibody, index, suffix) {
                     block_changed = remove_key(&mut block, index, suffix);
                 }
             }
-            Some(v) => {
-                if existing.is_some_and(|e| e.value == v) {
+            Some(v) if existing.is_some_and(|e| e.value == v) => {
+                if mode.is_none() {
                     // Unchanged: no write, no ctime update (as the kernel).
                     return Ok(());
                 }
+            }
+            Some(v) => {
                 let e = Xattr {
                     index,
                     name: suffix.to_vec(),
@@ -254,7 +286,10 @@ impl Inner {
         if block_changed {
             self.xattr_store_block(h, ino, &mut inode, old.block.as_ref(), &block)?;
         }
-        if !self.sb.has_compat(sbf::COMPAT_EXT_ATTR) {
+        if let Some(m) = mode {
+            inode.mode = m;
+        }
+        if (ibody != old.ibody || block_changed) && !self.sb.has_compat(sbf::COMPAT_EXT_ATTR) {
             let f = self.sb.feature_compat() | sbf::COMPAT_EXT_ATTR;
             self.sb.set_feature_compat(f);
             self.sb_dirty = true;

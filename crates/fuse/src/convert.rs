@@ -27,6 +27,7 @@ pub fn errno_of(e: &FsError) -> i32 {
         FsError::XattrTooBig => libc::E2BIG,
         FsError::FileTooBig => libc::EFBIG,
         FsError::Permission(_) => libc::EPERM,
+        FsError::AccessDenied(_) => libc::EACCES,
         FsError::NotSupported(_) | FsError::UnsupportedFeature(_) => libc::EOPNOTSUPP,
         FsError::Corrupt(_) | FsError::CorruptMsg(_) => libc::EUCLEAN,
         FsError::NeedsRecovery | FsError::Device(_) | FsError::Journal(_) => libc::EIO,

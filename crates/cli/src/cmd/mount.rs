@@ -31,6 +31,8 @@ pub struct MountCmdOptions {
     pub fast_commit: bool,
     /// `fc_data_csum`: checksum fsynced data in the fast-commit log (one flush).
     pub fc_data_csum: bool,
+    /// `noacl`: no POSIX ACLs (`acl`, the default, turns them back on).
+    pub noacl: bool,
 }
 
 impl Default for MountCmdOptions {
@@ -43,6 +45,7 @@ impl Default for MountCmdOptions {
             no_fast_commit: false,
             fast_commit: false,
             fc_data_csum: false,
+            noacl: false,
         }
     }
 }
@@ -64,6 +67,8 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             "nofast_commit" => o.no_fast_commit = true,
             "fast_commit" => o.fast_commit = true,
             "fc_data_csum" => o.fc_data_csum = true,
+            "acl" => o.noacl = false,
+            "noacl" => o.noacl = true,
             // Always on / the default anyway.
             "defaults" | "default_permissions" | "async" | "dev" | "suid" | "exec" => {}
             _ => {
@@ -177,6 +182,7 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
             commit_interval: o.commit,
             fast_commit: !o.no_fast_commit,
             fc_data_csum: o.fc_data_csum && !o.no_fast_commit,
+            acl: !o.noacl,
         },
     )
     .map_err(|e| anyhow!("cannot mount {}: {e}", req.image.display()))?;
@@ -186,6 +192,7 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         writeback_cache: o.writeback_cache && !o.read_only,
         allow_other: o.allow_other,
         fsname: req.image.display().to_string().replace(',', "_"),
+        acl: !o.noacl,
         ..FuseConfig::default()
     };
     let mut session = commitfs_fuse::mount(fs.clone(), &req.dir, &cfg)
@@ -372,5 +379,13 @@ mod tests {
         let e = p(&["bogus"]).unwrap_err().to_string();
         assert!(e.contains("bogus"), "{e}");
         assert_eq!(p(&[]).unwrap(), MountCmdOptions::default());
+    }
+
+    #[test]
+    fn acl_options() {
+        assert!(!p(&[]).unwrap().noacl, "ACLs are on by default, as in ext4");
+        assert!(p(&["noacl"]).unwrap().noacl);
+        assert!(!p(&["noacl,acl"]).unwrap().noacl);
+        assert!(p(&["acl", "rw,noacl"]).unwrap().noacl);
     }
 }
