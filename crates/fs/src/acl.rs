@@ -60,14 +60,19 @@ const S_IRWXG: u16 = 0o070;
 const S_IRWXO: u16 = 0o007;
 
 impl Acl {
-    /// Parse the VFS xattr format (`posix_acl_from_xattr` + `posix_acl_valid`).
-    /// `Ok(None)` for an ACL without entries, which the kernel treats as removal.
+    /// Parse the VFS xattr format (`posix_acl_from_xattr` + `posix_acl_valid`),
+    /// with the kernel's errors: a short value or bad entries are EINVAL, a wrong
+    /// version EOPNOTSUPP. `Ok(None)` for an ACL without entries, which the kernel
+    /// treats as removal.
     pub fn from_vfs(v: &[u8]) -> Result<Option<Acl>> {
         const BAD: FsError = FsError::Invalid("malformed POSIX ACL");
-        if v.len() < 4 || !(v.len() - 4).is_multiple_of(8) {
+        if v.len() < 4 {
             return Err(BAD);
         }
-        if u32::from_le_bytes(v[0..4].try_into().unwrap()) != fa::VFS_VERSION {
+        if u32::from_le_bytes([v[0], v[1], v[2], v[3]]) != fa::VFS_VERSION {
+            return Err(FsError::NotSupported("POSIX ACL version".into()));
+        }
+        if !(v.len() - 4).is_multiple_of(8) {
             return Err(BAD);
         }
         let entries: Vec<AclEntry> = v[4..]
@@ -271,15 +276,16 @@ impl Inner {
         kill_sgid: bool,
     ) -> Result<()> {
         self.acl_check_enabled()?;
-        let inode = self.live_inode(ino)?;
-        if inode.is_symlink() {
-            return Err(FsError::NotSupported("POSIX ACLs on symlinks".into()));
-        }
+        // Parsed first, as the VFS does before it looks at the inode.
         let mut acl = if value.is_empty() {
             None
         } else {
             Acl::from_vfs(value)?
         };
+        let inode = self.live_inode(ino)?;
+        if inode.is_symlink() {
+            return Err(FsError::NotSupported("POSIX ACLs on symlinks".into()));
+        }
         let mut mode = None;
         match kind {
             AclKind::Default if !inode.is_dir() => {
@@ -415,7 +421,14 @@ mod tests {
         // Round trip and the header-only ACL (= removal).
         assert_eq!(Acl::from_vfs(&named.to_vfs()).unwrap(), Some(named));
         assert_eq!(Acl::from_vfs(&2u32.to_le_bytes()).unwrap(), None);
-        assert!(Acl::from_vfs(&1u32.to_le_bytes()).is_err());
+        assert!(matches!(
+            Acl::from_vfs(&1u32.to_le_bytes()),
+            Err(FsError::NotSupported(_))
+        ));
+        assert!(matches!(
+            Acl::from_vfs(&[2, 0, 0, 0, 1]),
+            Err(FsError::Invalid(_))
+        ));
     }
 
     #[test]
