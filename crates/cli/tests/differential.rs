@@ -1185,7 +1185,7 @@ impl Gen {
             (18, 6),           // handles
             (19, 3),           // stat
             (20, 0),
-            (21, 5),           // acl
+            (21, 5), // acl
         ];
         let total: u32 = weights.iter().map(|w| w.1).sum();
         let mut x = self.rng.gen_range(0..total);

@@ -94,7 +94,11 @@ fn access_acl_sets_mode_and_chmod_rewrites_it() {
 
     // What `cp -p` does for a 0644 file: an ACL equivalent to the mode. It
     // becomes the mode and is not stored.
-    let equiv = acl(&[(USER_OBJ, 6, UNDEF), (GROUP_OBJ, 4, UNDEF), (OTHER, 4, UNDEF)]);
+    let equiv = acl(&[
+        (USER_OBJ, 6, UNDEF),
+        (GROUP_OBJ, 4, UNDEF),
+        (OTHER, 4, UNDEF),
+    ]);
     fs.setxattr(f, ACCESS, &equiv, none()).unwrap();
     assert_eq!(perm(&fs, f), 0o644, "the ACL must fold into the mode");
     assert!(matches!(fs.getxattr(f, ACCESS), Err(FsError::NoData)));
@@ -220,7 +224,9 @@ fn default_acl_is_inherited_and_replaces_the_umask() {
     // 0777 leaves every entry as it is: the access ACL is the default one.
     assert_eq!(fs.getxattr(sub.ino, ACCESS).unwrap(), dacl);
     // ... and one level further down, inherited again.
-    let deep = fs.create_umask(sub.ino, b"deep", 0o640, 0o777, 0, 0).unwrap();
+    let deep = fs
+        .create_umask(sub.ino, b"deep", 0o640, 0o777, 0, 0)
+        .unwrap();
     assert_eq!(deep.perm, 0o640);
 
     // A fifo inherits too; a symlink never.
@@ -232,7 +238,9 @@ fn default_acl_is_inherited_and_replaces_the_umask() {
     assert_eq!(l.perm, 0o777);
 
     // Without a default ACL the umask applies and nothing is stored.
-    let plain = fs.create_umask(ROOT_INO, b"plain", 0o666, 0o022, 0, 0).unwrap();
+    let plain = fs
+        .create_umask(ROOT_INO, b"plain", 0o666, 0o022, 0, 0)
+        .unwrap();
     assert_eq!(plain.perm, 0o644);
     assert!(fs.listxattr(plain.ino).unwrap().is_empty());
     fs.unmount().unwrap();
