@@ -13,6 +13,7 @@ use commitfs_journal::Handle;
 
 use crate::error::{FsError, Result};
 use crate::inner::Inner;
+use crate::types::XattrFlags;
 
 /// Which of an inode's two ACLs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -313,7 +314,15 @@ impl Inner {
             AclKind::Default => {}
         }
         let stored = acl.as_ref().map(Acl::to_disk).transpose()?;
-        self.xattr_change_mode(h, ino, kind.index(), b"", stored, mode)
+        self.xattr_change_mode(
+            h,
+            ino,
+            kind.index(),
+            b"",
+            stored,
+            XattrFlags::default(),
+            mode,
+        )
     }
 
     /// `posix_acl_chmod`: after a mode change, rewrite the stored access ACL to
@@ -327,7 +336,15 @@ impl Inner {
         };
         acl.chmod(inode.mode);
         let stored = acl.to_disk()?;
-        self.xattr_change_mode(h, ino, index::POSIX_ACL_ACCESS, b"", Some(stored), None)?;
+        self.xattr_change_mode(
+            h,
+            ino,
+            index::POSIX_ACL_ACCESS,
+            b"",
+            Some(stored),
+            XattrFlags::default(),
+            None,
+        )?;
         Ok(true)
     }
 
@@ -368,7 +385,15 @@ impl Inner {
         ] {
             if let Some(a) = acl {
                 let stored = a.to_disk()?;
-                self.xattr_change_mode(h, ino, kind.index(), b"", Some(stored), None)?;
+                self.xattr_change_mode(
+                    h,
+                    ino,
+                    kind.index(),
+                    b"",
+                    Some(stored),
+                    XattrFlags::default(),
+                    None,
+                )?;
             }
         }
         Ok(())
