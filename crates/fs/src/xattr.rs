@@ -378,7 +378,7 @@ impl Inner {
 }
 
 /// Tests on real images: random sequences against a model, e2fsck -fn, and the kernel
-/// (loop mount + getfattr) as judges. Need root, e2fsprogs, losetup and `attr`.
+/// (loop mount + llistxattr/lgetxattr) as judges. Need root, e2fsprogs and losetup.
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -512,44 +512,57 @@ mod tests {
         }
     }
 
-    /// Attributes as the kernel reports them (`getfattr -d -m - -e hex`).
+    /// Attributes as the kernel reports them (llistxattr + lgetxattr; the `attr`
+    /// tools are not needed).
     fn getfattr(path: &Path) -> AttrMap {
-        let out = run(
-            "getfattr",
-            &[
-                "-d",
-                "-m",
-                "-",
-                "-e",
-                "hex",
-                "--absolute-names",
-                path.to_str().unwrap(),
-            ],
-        );
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+        let mut names = vec![0u8; 65536];
+        // SAFETY: valid NUL-terminated path and a buffer of the given length.
+        let n = unsafe {
+            libc::llistxattr(
+                c.as_ptr(),
+                names.as_mut_ptr() as *mut libc::c_char,
+                names.len(),
+            )
+        };
+        assert!(n >= 0, "llistxattr {}", path.display());
+        names.truncate(n as usize);
         let mut m = AttrMap::new();
-        for line in out.lines() {
-            if line.starts_with('#') || line.is_empty() {
-                continue;
-            }
-            let (name, val) = line.split_once('=').unwrap_or((line, "0x"));
-            let hex = val.strip_prefix("0x").unwrap();
-            let bytes = (0..hex.len() / 2)
-                .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
-                .collect();
-            m.insert(name.as_bytes().to_vec(), bytes);
+        for name in names.split(|&b| b == 0).filter(|n| !n.is_empty()) {
+            let cn = std::ffi::CString::new(name).unwrap();
+            let mut buf = vec![0u8; 65536];
+            // SAFETY: as above.
+            let r = unsafe {
+                libc::lgetxattr(
+                    c.as_ptr(),
+                    cn.as_ptr(),
+                    buf.as_mut_ptr() as *mut libc::c_void,
+                    buf.len(),
+                )
+            };
+            assert!(r >= 0, "lgetxattr {}", path.display());
+            buf.truncate(r as usize);
+            m.insert(name.to_vec(), buf);
         }
         m
     }
 
     fn setfattr(path: &Path, name: &str, value: &[u8]) {
-        let hex: String = value.iter().map(|b| format!("{b:02x}")).collect();
-        let v = format!("0x{hex}");
-        let mut args = vec!["-n", name];
-        if !value.is_empty() {
-            args.extend(["-v", &v]);
-        }
-        args.push(path.to_str().unwrap());
-        run("setfattr", &args);
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+        let n = std::ffi::CString::new(name).unwrap();
+        // SAFETY: valid NUL-terminated strings and a buffer of the given length.
+        let r = unsafe {
+            libc::lsetxattr(
+                c.as_ptr(),
+                n.as_ptr(),
+                value.as_ptr() as *const libc::c_void,
+                value.len(),
+                0,
+            )
+        };
+        assert_eq!(r, 0, "lsetxattr {} {name}", path.display());
     }
 
     fn show(m: &AttrMap) -> BTreeMap<String, String> {
