@@ -675,18 +675,19 @@ impl Inner {
         } else {
             self.fc_ineligible(FcReason::NonRegularSetattr, h.tid());
         }
-        let mut r = self.write_inode(&h, ino, &i);
+        let mut r = self.write_inode(&h, ino, &i).map(|()| false);
         if r.is_ok() && set.mode.is_some() {
             // chmod rewrites a stored access ACL (posix_acl_chmod).
-            r = self.acl_chmod(&h, ino, &i).map(|rewritten| {
-                if rewritten {
-                    self.fc_ineligible(FcReason::Xattr, h.tid());
-                }
-            });
+            r = self.acl_chmod(&h, ino, &i);
+            if r.as_ref().is_ok_and(|&rewritten| rewritten) {
+                self.fc_ineligible(FcReason::Xattr, h.tid());
+            }
         }
         self.stop(h)?;
-        r?;
-        let i = self.read_inode(ino)?;
+        if r? {
+            // The ACL may have moved to (or out of) an xattr block: i_blocks.
+            i = self.read_inode(ino)?;
+        }
         self.attr_of(ino, &i)
     }
 
