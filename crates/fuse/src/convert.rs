@@ -157,6 +157,7 @@ mod tests {
             (FsError::XattrTooBig, libc::E2BIG),
             (FsError::FileTooBig, libc::EFBIG),
             (FsError::Permission("x"), libc::EPERM),
+            (FsError::AccessDenied("x"), libc::EACCES),
             (FsError::NotSupported("x".into()), libc::EOPNOTSUPP),
             (FsError::corrupt("x"), libc::EUCLEAN),
             (

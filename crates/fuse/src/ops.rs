@@ -705,3 +705,32 @@ impl Filesystem for CommitFuse {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Caller;
+
+    #[test]
+    fn caller_group_and_capability() {
+        // SAFETY: getpid/getegid/geteuid have no preconditions.
+        let (pid, gid, uid) = unsafe { (libc::getpid() as u32, libc::getegid(), libc::geteuid()) };
+        let me = Caller { uid, gid, pid };
+        assert!(me.in_group_or_capable(gid), "the fsgid is a member");
+        // Any other group: only CAP_FSETID (root here, as the tests run) lets it in.
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let capable = status
+            .lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .and_then(|c| u64::from_str_radix(c.trim(), 16).ok())
+            .is_some_and(|c| c & (1 << 4) != 0);
+        assert_eq!(me.in_group_or_capable(987_654), capable);
+        // No /proc entry: fall back to the request's ids (uid 0 counts as capable).
+        let gone = Caller {
+            uid: 1000,
+            gid: 1000,
+            pid: u32::MAX,
+        };
+        assert!(!gone.in_group_or_capable(5));
+        assert!(gone.in_group_or_capable(1000));
+    }
+}
