@@ -18,7 +18,7 @@
 //! * `COMMITFS_DIFF_OPS` — number of operations (default 2,000),
 //! * `COMMITFS_DIFF_SKIP` — comma-separated op groups not to generate (debugging:
 //!   create,mknod,mkdir,rmdir,unlink,rename,link,symlink,readlink,write,read,
-//!   truncate,fallocate,chmod,chown,utimens,xattr,fsync,handle,stat),
+//!   truncate,fallocate,chmod,chown,utimens,xattr,acl,fsync,handle,stat),
 //! * `COMMITFS_DIFF_KEEP_GOING=1` — do not stop at the first mismatching result,
 //! * `COMMITFS_DIFF_LOG=<file>` — write every operation with both results there.
 
@@ -152,6 +152,12 @@ enum Op {
     },
     ListXattr {
         path: String,
+    },
+    /// Set `system.posix_acl_access` or `_default` to a VFS-format ACL.
+    SetAcl {
+        path: String,
+        default: bool,
+        value: Vec<u8>,
     },
     Fsync {
         path: String,
@@ -531,6 +537,21 @@ impl Target for PosixTarget {
                     ))
                     .map(|_| Val::Unit)
                 }
+                Op::SetAcl {
+                    path,
+                    default,
+                    value,
+                } => {
+                    let n = CString::new(acl_name(*default)).expect("acl name");
+                    check(libc::lsetxattr(
+                        self.c(path).as_ptr(),
+                        n.as_ptr(),
+                        value.as_ptr() as *const libc::c_void,
+                        value.len(),
+                        0,
+                    ))
+                    .map(|_| Val::Unit)
+                }
                 Op::RemoveXattr { path, name } => {
                     let n = CString::new(name.as_str()).expect("xattr name");
                     check(libc::lremovexattr(self.c(path).as_ptr(), n.as_ptr())).map(|_| Val::Unit)
@@ -817,6 +838,19 @@ impl Target for LibTarget {
                     .map(|_| Val::Unit)
                     .map_err(lf)
             }
+            Op::SetAcl {
+                path,
+                default,
+                value,
+            } => fs
+                .setxattr(
+                    self.ino(path)?,
+                    acl_name(*default).as_bytes(),
+                    value,
+                    XattrFlags::default(),
+                )
+                .map(|_| Val::Unit)
+                .map_err(lf),
             Op::RemoveXattr { path, name } => fs
                 .removexattr(self.ino(path)?, name.as_bytes())
                 .map(|_| Val::Unit)
@@ -963,6 +997,40 @@ const XATTR_NAMES: &[&str] = &[
 ];
 const BIG_XATTR_NAMES: &[&str] = &["user.big1", "user.big2"];
 
+fn acl_name(default: bool) -> &'static str {
+    if default {
+        "system.posix_acl_default"
+    } else {
+        "system.posix_acl_access"
+    }
+}
+
+/// A VFS-format POSIX ACL (version 2, 8-byte entries): owner, named users, group,
+/// named groups, mask (if `mask`), other. Named entries without a mask make it
+/// invalid (EINVAL), which the generator uses on purpose now and then.
+fn acl_bytes(perms: [u16; 4], users: &[(u32, u16)], groups: &[(u32, u16)], mask: bool) -> Vec<u8> {
+    const UNDEF: u32 = u32::MAX;
+    let mut v = 2u32.to_le_bytes().to_vec();
+    let mut push = |tag: u16, perm: u16, id: u32| {
+        v.extend(tag.to_le_bytes());
+        v.extend(perm.to_le_bytes());
+        v.extend(id.to_le_bytes());
+    };
+    push(0x01, perms[0], UNDEF);
+    for &(id, p) in users {
+        push(0x02, p, id);
+    }
+    push(0x04, perms[1], UNDEF);
+    for &(id, p) in groups {
+        push(0x08, p, id);
+    }
+    if mask {
+        push(0x10, perms[2], UNDEF);
+    }
+    push(0x20, perms[3], UNDEF);
+    v
+}
+
 struct Gen {
     rng: StdRng,
     bs: u64,
@@ -1095,7 +1163,7 @@ impl Gen {
         // Keep the tree between roughly 50 and 400 entries.
         let w_create = if n_entries > 400 { 1 } else { 10 };
         let w_remove = if n_entries < 50 { 2 } else { 8 };
-        let weights: [(u32, u32); 21] = [
+        let weights: [(u32, u32); 22] = [
             (0, w_create),     // create
             (1, w_create / 2), // mknod
             (2, w_create / 2), // mkdir
@@ -1117,6 +1185,7 @@ impl Gen {
             (18, 6),           // handles
             (19, 3),           // stat
             (20, 0),
+            (21, 5), // acl
         ];
         let total: u32 = weights.iter().map(|w| w.1).sum();
         let mut x = self.rng.gen_range(0..total);
@@ -1577,6 +1646,76 @@ impl Gen {
                     }
                 }
             }
+            21 => {
+                // Mostly directories: their default ACLs are inherited by later
+                // creates, mkdirs and mknods of the sequence.
+                let dir = self.rng.gen_bool(0.6);
+                let path = self
+                    .pick(t, |i| {
+                        i.kind == if dir { Kind::Dir } else { Kind::File } && i.path != "/"
+                    })?
+                    .path
+                    .clone();
+                let default = dir && self.rng.gen_bool(0.6) || self.rng.gen_range(0..20) == 0;
+                let r = self.rng.gen_range(0..20);
+                if r < 3 {
+                    return g(
+                        Op::RemoveXattr {
+                            path,
+                            name: acl_name(default).into(),
+                        },
+                        "acl",
+                        vec!["acl_remove"],
+                    );
+                }
+                if r < 5 {
+                    return g(
+                        Op::GetXattr {
+                            path,
+                            name: acl_name(default).into(),
+                        },
+                        "acl",
+                        vec!["acl_get"],
+                    );
+                }
+                let mut perms = [0u16; 4];
+                for p in &mut perms {
+                    *p = self.rng.gen_range(0..8);
+                }
+                const IDS: [u32; 3] = [0, 1000, 4242];
+                let mut users = vec![];
+                let mut groups = vec![];
+                let named = self.rng.gen_bool(0.6);
+                if named {
+                    for id in IDS {
+                        if self.rng.gen_bool(0.4) {
+                            users.push((id, self.rng.gen_range(0..8)));
+                        }
+                        if self.rng.gen_bool(0.3) {
+                            groups.push((id, self.rng.gen_range(0..8)));
+                        }
+                    }
+                }
+                let needs_mask = !users.is_empty() || !groups.is_empty();
+                let broken = needs_mask && self.rng.gen_range(0..15) == 0;
+                let mask = (needs_mask && !broken) || self.rng.gen_bool(0.1);
+                let value = acl_bytes(perms, &users, &groups, mask);
+                let tag = match (default, mask) {
+                    _ if broken => "acl_set_invalid",
+                    (true, _) => "acl_set_default",
+                    (false, true) => "acl_set_access",
+                    (false, false) => "acl_set_access_equiv",
+                };
+                g(
+                    Op::SetAcl {
+                        path,
+                        default,
+                        value,
+                    },
+                    "acl",
+                    vec![tag],
+                )
+            }
             _ => {
                 let path = self.any_path(t);
                 g(Op::Stat { path }, "stat", vec!["stat"])
@@ -1623,6 +1762,10 @@ const REQUIRED: &[&str] = &[
     "xattr_set_large",
     "xattr_replace",
     "xattr_remove",
+    "acl_set_access",
+    "acl_set_access_equiv",
+    "acl_set_default",
+    "acl_remove",
     "fsync",
     "fsyncdir",
 ];

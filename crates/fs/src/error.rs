@@ -36,6 +36,9 @@ pub enum FsError {
     FileTooBig,
     #[error("operation not permitted: {0}")]
     Permission(&'static str),
+    /// EACCES, e.g. a default ACL on a non-directory.
+    #[error("permission denied: {0}")]
+    AccessDenied(&'static str),
     #[error("operation not supported: {0}")]
     NotSupported(String),
     #[error("cannot mount read-write: unsupported ext4 feature {0}")]

@@ -4,6 +4,7 @@
 //! Internally all state sits in one `Inner` behind a mutex (see `inner.rs` for the
 //! conventions every module follows).
 
+mod acl;
 mod alloc;
 mod dir;
 mod error;
@@ -27,6 +28,7 @@ use commitfs_device::{DeviceRef, FileDevice, StatsSnapshot};
 use commitfs_format::superblock::Superblock;
 use parking_lot::Mutex;
 
+pub use acl::{Acl, AclEntry, AclKind};
 pub use error::{FsError, Result};
 pub use fc::{FcReason, FcStats};
 pub use types::*;
@@ -537,10 +539,26 @@ impl Fs {
         Ok(v)
     }
 
-    /// Create a regular file with permission bits `perm`.
+    /// Create a regular file with permission bits `perm`. A default ACL of the
+    /// directory is inherited and masks `perm` (see [`Fs::create_umask`]).
     pub fn create(&self, parent: Ino, name: &[u8], perm: u16, uid: u32, gid: u32) -> Result<Attr> {
+        self.create_umask(parent, name, perm, 0, uid, gid)
+    }
+
+    /// [`Fs::create`] as the kernel's `open(O_CREAT)`: `umask` applies unless the
+    /// directory has a default ACL, which then masks `perm` instead (ext4).
+    pub fn create_umask(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        perm: u16,
+        umask: u16,
+        uid: u32,
+        gid: u32,
+    ) -> Result<Attr> {
         let mode = FileType::Regular.mode_bits() | (perm & 0o7777);
-        let a = self.retry_nospace(|g| g.create_node(parent, name, mode, 0, uid, gid, None))?;
+        let a = self
+            .retry_nospace(|g| g.create_node_umask(parent, name, mode, umask, 0, uid, gid, None))?;
         self.maybe_commit()?;
         Ok(a)
     }
@@ -555,19 +573,51 @@ impl Fs {
         uid: u32,
         gid: u32,
     ) -> Result<Attr> {
+        self.mknod_umask(parent, name, mode, 0, rdev, uid, gid)
+    }
+
+    /// [`Fs::mknod`] with the caller's umask (see [`Fs::create_umask`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn mknod_umask(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        mode: u16,
+        umask: u16,
+        rdev: u32,
+        uid: u32,
+        gid: u32,
+    ) -> Result<Attr> {
         match FileType::from_mode(mode) {
             Some(FileType::Directory) | Some(FileType::Symlink) | None => {
                 Err(FsError::Invalid("mknod: bad file type"))
             }
-            _ => self.retry_nospace(|g| g.create_node(parent, name, mode, rdev, uid, gid, None)),
+            _ => self.retry_nospace(|g| {
+                g.create_node_umask(parent, name, mode, umask, rdev, uid, gid, None)
+            }),
         }
     }
 
+    /// Create a directory; it inherits a default ACL of its parent as its own
+    /// default ACL and, masked, as its access ACL.
     pub fn mkdir(&self, parent: Ino, name: &[u8], perm: u16, uid: u32, gid: u32) -> Result<Attr> {
+        self.mkdir_umask(parent, name, perm, 0, uid, gid)
+    }
+
+    /// [`Fs::mkdir`] with the caller's umask (see [`Fs::create_umask`]).
+    pub fn mkdir_umask(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        perm: u16,
+        umask: u16,
+        uid: u32,
+        gid: u32,
+    ) -> Result<Attr> {
         let mode = FileType::Directory.mode_bits() | (perm & 0o7777);
         self.inner
             .lock()
-            .create_node(parent, name, mode, 0, uid, gid, None)
+            .create_node_umask(parent, name, mode, umask, 0, uid, gid, None)
     }
 
     pub fn symlink(
@@ -660,14 +710,31 @@ impl Fs {
         self.lock()?.xattr_list(ino)
     }
 
+    /// Set an attribute. `system.posix_acl_access` also sets the mode (and is not
+    /// stored when the mode says it all); `system.posix_acl_default` only exists
+    /// on directories. Both have the kernel's VFS format.
     pub fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
+        self.setxattr_ext(ino, name, value, flags, false)
+    }
+
+    /// [`Fs::setxattr`]; `acl_kill_sgid` (FUSE_SETXATTR_ACL_KILL_SGID): an access
+    /// ACL also clears S_ISGID, because the caller is neither in the file's group
+    /// nor has CAP_FSETID.
+    pub fn setxattr_ext(
+        &self,
+        ino: Ino,
+        name: &[u8],
+        value: &[u8],
+        flags: XattrFlags,
+        acl_kill_sgid: bool,
+    ) -> Result<()> {
         self.retry_nospace(|g| {
             if name.starts_with(b"user.") && !g.user_xattr_allowed(ino)? {
                 return Err(FsError::Permission("user xattrs on a special file"));
             }
             let h = g.start(8)?;
             g.fc_ineligible(fc::FcReason::Xattr, h.tid());
-            let r = g.xattr_set(&h, ino, name, value, flags);
+            let r = g.xattr_set_ext(&h, ino, name, value, flags, acl_kill_sgid);
             g.stop(h)?;
             r
         })

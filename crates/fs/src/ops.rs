@@ -148,6 +148,23 @@ impl Inner {
         gid: u32,
         symlink: Option<&[u8]>,
     ) -> Result<Attr> {
+        self.create_node_umask(parent, name, mode, 0, rdev, uid, gid, symlink)
+    }
+
+    /// [`Inner::create_node`] with the caller's umask, which applies unless the
+    /// directory has a default ACL (then the ACL masks the mode instead).
+    #[allow(clippy::too_many_arguments)]
+    pub fn create_node_umask(
+        &mut self,
+        parent: u32,
+        name: &[u8],
+        mode: u16,
+        umask: u16,
+        rdev: u32,
+        uid: u32,
+        gid: u32,
+        symlink: Option<&[u8]>,
+    ) -> Result<Attr> {
         // Errors in the kernel's order: empty target, parent walk, name length,
         // existing name, then the target length.
         if symlink.is_some_and(|t| t.is_empty()) {
@@ -167,9 +184,16 @@ impl Inner {
             }
         }
         let is_dir = mode & fi::S_IFMT == fi::S_IFDIR;
-        let h = self.start(32)?;
+        let inherited = self.acl_inherit(parent, mode, umask)?;
+        // Inherited ACLs may need an xattr block (block, bitmap, group, sb).
+        let credits = if inherited.access.is_some() || inherited.default.is_some() {
+            40
+        } else {
+            32
+        };
+        let h = self.start(credits)?;
         let r = self.create_node_in(
-            &h, parent, &pdir, name, mode, rdev, uid, gid, symlink, is_dir,
+            &h, parent, &pdir, name, &inherited, rdev, uid, gid, symlink, is_dir,
         );
         self.stop(h)?;
         r
@@ -182,13 +206,14 @@ impl Inner {
         parent: u32,
         pdir: &Inode,
         name: &[u8],
-        mode: u16,
+        inherited: &crate::acl::Inherited,
         rdev: u32,
         uid: u32,
         gid: u32,
         symlink: Option<&[u8]>,
         is_dir: bool,
     ) -> Result<Attr> {
+        let mode = inherited.mode;
         let ino = self.alloc_inode(h, parent, is_dir)?;
         let t = now();
         let extra = self
@@ -234,6 +259,11 @@ impl Inner {
                 self.dir_init(h, ino, &mut inode, parent)?;
             }
             self.write_inode(h, ino, &inode)?;
+            if inherited.access.is_some() || inherited.default.is_some() {
+                self.fc_ineligible(FcReason::Xattr, h.tid());
+                self.acl_store_inherited(h, ino, inherited)?;
+                inode = self.read_inode(ino)?;
+            }
             self.dir_add_entry(h, parent, name, ino, fi::file_type_of_mode(mode))
         })();
         if let Err(e) = built {
@@ -644,15 +674,26 @@ impl Inner {
             i.crtime = c;
         }
         i.ctime = set.ctime.unwrap_or(t);
-        let h = self.start(4)?;
+        // A mode change may rewrite the access ACL (xattr block copy included).
+        let h = self.start(if set.mode.is_some() { 12 } else { 4 })?;
         if i.is_reg() {
             self.fc_track_inode(ino, h.tid(), None);
         } else {
             self.fc_ineligible(FcReason::NonRegularSetattr, h.tid());
         }
-        let r = self.write_inode(&h, ino, &i);
+        let mut r = self.write_inode(&h, ino, &i).map(|()| false);
+        if r.is_ok() && set.mode.is_some() {
+            // chmod rewrites a stored access ACL (posix_acl_chmod).
+            r = self.acl_chmod(&h, ino, &i);
+            if r.as_ref().is_ok_and(|&rewritten| rewritten) {
+                self.fc_ineligible(FcReason::Xattr, h.tid());
+            }
+        }
         self.stop(h)?;
-        r?;
+        if r? {
+            // The ACL may have moved to (or out of) an xattr block: i_blocks.
+            i = self.read_inode(ino)?;
+        }
         self.attr_of(ino, &i)
     }
 

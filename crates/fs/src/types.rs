@@ -163,6 +163,9 @@ pub struct MountOptions {
     /// one flush. While mounted this way the image carries an incompat feature bit
     /// the kernel does not know, so it refuses such logs; a clean unmount clears it.
     pub fc_data_csum: bool,
+    /// POSIX ACLs with ext4's semantics (`-o acl`, the default; `-o noacl` refuses
+    /// `system.posix_acl_*` with EOPNOTSUPP and ignores stored ACLs).
+    pub acl: bool,
     /// `-o errors=`: what a metadata or journal I/O error does. `None`: the
     /// superblock's `s_errors` decides (mkfs sets continue), like the kernel.
     pub errors: Option<ErrorsBehavior>,
@@ -207,6 +210,7 @@ impl Default for MountOptions {
             commit_interval: 5,
             fast_commit: true,
             fc_data_csum: false,
+            acl: true,
             errors: None,
         }
     }

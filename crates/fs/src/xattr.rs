@@ -15,6 +15,7 @@ use commitfs_format::superblock as sbf;
 use commitfs_format::xattr::{self as fx, acl, NameError, Xattr, XattrBlock};
 use commitfs_journal::Handle;
 
+use crate::acl::AclKind;
 use crate::error::{FsError, Result};
 use crate::inner::{now, Inner};
 use crate::types::XattrFlags;
@@ -113,6 +114,9 @@ impl Inner {
     /// Value of attribute `name` (full name, e.g. `user.foo`).
     pub fn xattr_get(&mut self, ino: u32, name: &[u8]) -> Result<Vec<u8>> {
         let (index, suffix) = parse_name(name)?;
+        if is_acl(index) {
+            self.acl_check_enabled()?;
+        }
         let inode = self.live_inode(ino)?;
         let l = self.xattr_load(ino, &inode)?;
         let e = l.find(index, suffix).ok_or(FsError::NoData)?;
@@ -129,10 +133,12 @@ impl Inner {
         let inode = self.live_inode(ino)?;
         let l = self.xattr_load(ino, &inode)?;
         let blk = l.block.iter().flat_map(|b| b.1.entries.iter());
+        // Under -o noacl ext4 does not list ACLs (posix_acl_xattr_list).
+        let acl_on = self.acl_on();
         Ok(l.ibody
             .iter()
             .chain(blk)
-            .filter(|e| listable(e.index))
+            .filter(|e| listable(e.index) && (acl_on || !is_acl(e.index)))
             .filter_map(|e| e.full_name())
             .collect())
     }
@@ -141,33 +147,35 @@ impl Inner {
     /// `flags.replace`: fail with `NoData` if absent. A value that cannot fit even
     /// alone, or beside the others, gives `NoSpace` (ENOSPC, as the kernel);
     /// `XattrTooBig` (E2BIG) is for values over the 64 KiB VFS limit.
-    pub fn xattr_set(
+    /// `kill_sgid` applies to POSIX ACLs only (see `Inner::acl_set`).
+    pub fn xattr_set_ext(
         &mut self,
         h: &Handle,
         ino: u32,
         name: &[u8],
         value: &[u8],
         flags: XattrFlags,
+        kill_sgid: bool,
     ) -> Result<()> {
         let (index, suffix) = parse_name(name)?;
         if value.len() > XATTR_SIZE_MAX {
             return Err(FsError::XattrTooBig);
         }
-        let stored = if is_acl(index) {
-            if value.is_empty() {
-                // An empty ACL value removes the ACL (the kernel's set_acl(NULL)).
-                return self.xattr_change(h, ino, index, suffix, None, flags);
-            }
-            acl::to_disk(value).ok_or(FsError::Invalid("malformed POSIX ACL"))?
-        } else {
-            value.to_vec()
-        };
-        self.xattr_change(h, ino, index, suffix, Some(stored), flags)
+        if let Some(kind) = AclKind::of_index(index) {
+            // ACLs have ext4's semantics (mode folding); the kernel ignores
+            // XATTR_CREATE/XATTR_REPLACE for them. An empty value removes.
+            return self.acl_set(h, ino, kind, value, kill_sgid);
+        }
+        self.xattr_change(h, ino, index, suffix, Some(value.to_vec()), flags)
     }
 
-    /// Remove attribute `name` (`NoData` if absent).
+    /// Remove attribute `name` (`NoData` if absent; an absent ACL is no error,
+    /// as in ext4).
     pub fn xattr_remove(&mut self, h: &Handle, ino: u32, name: &[u8]) -> Result<()> {
         let (index, suffix) = parse_name(name)?;
+        if let Some(kind) = AclKind::of_index(index) {
+            return self.acl_set(h, ino, kind, b"", false);
+        }
         let flags = XattrFlags {
             create: false,
             replace: true,
@@ -186,6 +194,23 @@ impl Inner {
         value: Option<Vec<u8>>,
         flags: XattrFlags,
     ) -> Result<()> {
+        self.xattr_change_mode(h, ino, index, suffix, value, flags, None)
+    }
+
+    /// [`Inner::xattr_change`] that also sets the mode to `mode` in the same inode
+    /// write (an access ACL changes both). Removing an absent attribute or storing
+    /// an unchanged value writes nothing unless the mode changes.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn xattr_change_mode(
+        &mut self,
+        h: &Handle,
+        ino: u32,
+        index: u8,
+        suffix: &[u8],
+        value: Option<Vec<u8>>,
+        flags: XattrFlags,
+        mode: Option<u16>,
+    ) -> Result<()> {
         if self.read_only {
             return Err(FsError::ReadOnly);
         }
@@ -198,6 +223,7 @@ impl Inner {
         if flags.replace && existing.is_none() {
             return Err(FsError::NoData);
         }
+        let mode = mode.filter(|&m| m != inode.mode);
         let mut ibody = old.ibody.clone();
         let mut block: Vec<Xattr> = old
             .block
@@ -206,19 +232,23 @@ impl Inner {
             .unwrap_or_default();
         let mut block_changed = false;
         match value {
-            None => {
-                if existing.is_none() {
+            None if existing.is_none() => {
+                if mode.is_none() {
                     return Ok(());
                 }
+            }
+            None => {
                 if !remove_key(&mut ibody, index, suffix) {
                     block_changed = remove_key(&mut block, index, suffix);
                 }
             }
-            Some(v) => {
-                if existing.is_some_and(|e| e.value == v) {
+            Some(v) if existing.is_some_and(|e| e.value == v) => {
+                if mode.is_none() {
                     // Unchanged: no write, no ctime update (as the kernel).
                     return Ok(());
                 }
+            }
+            Some(v) => {
                 let e = Xattr {
                     index,
                     name: suffix.to_vec(),
@@ -254,7 +284,10 @@ impl Inner {
         if block_changed {
             self.xattr_store_block(h, ino, &mut inode, old.block.as_ref(), &block)?;
         }
-        if !self.sb.has_compat(sbf::COMPAT_EXT_ATTR) {
+        if let Some(m) = mode {
+            inode.mode = m;
+        }
+        if (ibody != old.ibody || block_changed) && !self.sb.has_compat(sbf::COMPAT_EXT_ATTR) {
             let f = self.sb.feature_compat() | sbf::COMPAT_EXT_ATTR;
             self.sb.set_feature_compat(f);
             self.sb_dirty = true;
@@ -345,7 +378,7 @@ impl Inner {
 }
 
 /// Tests on real images: random sequences against a model, e2fsck -fn, and the kernel
-/// (loop mount + getxattr) as judges. Need root, e2fsprogs and losetup.
+/// (loop mount + llistxattr/lgetxattr) as judges. Need root, e2fsprogs and losetup.
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -479,61 +512,57 @@ mod tests {
         }
     }
 
-    /// Every attribute of `path` as the kernel reports it (llistxattr + lgetxattr).
-    fn kernel_attrs(path: &Path) -> AttrMap {
+    /// Attributes as the kernel reports them (llistxattr + lgetxattr; the `attr`
+    /// tools are not needed).
+    fn getfattr(path: &Path) -> AttrMap {
         use std::os::unix::ffi::OsStrExt;
         let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
-        // SAFETY: NUL-terminated path; buffers sized by the preceding size query.
-        let get = |f: &dyn Fn(*mut libc::c_void, usize) -> isize| -> Vec<u8> {
-            let n = f(std::ptr::null_mut(), 0);
-            assert!(
-                n >= 0,
-                "xattr size query on {}: {}",
-                path.display(),
-                std::io::Error::last_os_error()
-            );
-            let mut buf = vec![0u8; n as usize];
-            let n = f(buf.as_mut_ptr().cast(), buf.len());
-            assert!(
-                n >= 0,
-                "xattr read on {}: {}",
-                path.display(),
-                std::io::Error::last_os_error()
-            );
-            buf.truncate(n as usize);
-            buf
+        let mut names = vec![0u8; 65536];
+        // SAFETY: valid NUL-terminated path and a buffer of the given length.
+        let n = unsafe {
+            libc::llistxattr(
+                c.as_ptr(),
+                names.as_mut_ptr() as *mut libc::c_char,
+                names.len(),
+            )
         };
-        let names = get(&|p, n| unsafe { libc::llistxattr(c.as_ptr(), p.cast(), n) });
+        assert!(n >= 0, "llistxattr {}", path.display());
+        names.truncate(n as usize);
         let mut m = AttrMap::new();
         for name in names.split(|&b| b == 0).filter(|n| !n.is_empty()) {
             let cn = std::ffi::CString::new(name).unwrap();
-            let v = get(&|p, n| unsafe { libc::lgetxattr(c.as_ptr(), cn.as_ptr(), p, n) });
-            m.insert(name.to_vec(), v);
+            let mut buf = vec![0u8; 65536];
+            // SAFETY: as above.
+            let r = unsafe {
+                libc::lgetxattr(
+                    c.as_ptr(),
+                    cn.as_ptr(),
+                    buf.as_mut_ptr() as *mut libc::c_void,
+                    buf.len(),
+                )
+            };
+            assert!(r >= 0, "lgetxattr {}", path.display());
+            buf.truncate(r as usize);
+            m.insert(name.to_vec(), buf);
         }
         m
     }
 
-    fn set_xattr(path: &Path, name: &str, value: &[u8]) {
+    fn setfattr(path: &Path, name: &str, value: &[u8]) {
         use std::os::unix::ffi::OsStrExt;
         let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
-        let cn = std::ffi::CString::new(name).unwrap();
-        // SAFETY: NUL-terminated path and name, value slice valid for its length.
+        let n = std::ffi::CString::new(name).unwrap();
+        // SAFETY: valid NUL-terminated strings and a buffer of the given length.
         let r = unsafe {
             libc::lsetxattr(
                 c.as_ptr(),
-                cn.as_ptr(),
-                value.as_ptr().cast(),
+                n.as_ptr(),
+                value.as_ptr() as *const libc::c_void,
                 value.len(),
                 0,
             )
         };
-        assert_eq!(
-            r,
-            0,
-            "setxattr {name} on {}: {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        );
+        assert_eq!(r, 0, "lsetxattr {} {name}", path.display());
     }
 
     fn show(m: &AttrMap) -> BTreeMap<String, String> {
@@ -556,6 +585,9 @@ mod tests {
     }
 
     /// A valid VFS-format POSIX ACL (sorted, with a mask when named entries exist).
+    /// Always with a named user: an ACL the mode can express would become the mode
+    /// instead of an attribute (see acl.rs and tests/acl.rs), which this model of
+    /// plain attribute storage does not follow.
     fn random_acl(rng: &mut StdRng) -> Vec<u8> {
         let mut v = acl::VFS_VERSION.to_le_bytes().to_vec();
         let mut push = |tag: u16, perm: u16, id: u32| {
@@ -564,7 +596,7 @@ mod tests {
             v.extend(id.to_le_bytes());
         };
         push(acl::USER_OBJ, rng.gen_range(0..8), acl::UNDEFINED_ID);
-        let users = rng.gen_range(0..3u32);
+        let users = rng.gen_range(1..3u32);
         for u in 0..users {
             push(acl::USER, rng.gen_range(0..8), 1000 + u * 7);
         }
@@ -636,6 +668,8 @@ mod tests {
                         _ => XattrFlags::default(),
                     };
                     let r = fs.setxattr(ino, &name, &value, flags);
+                    // The kernel ignores XATTR_CREATE/XATTR_REPLACE for ACLs.
+                    let flags = if is_acl { XattrFlags::default() } else { flags };
                     if flags.create && present {
                         assert!(matches!(r, Err(FsError::Exists)), "step {step}: {r:?}");
                     } else if flags.replace && !present {
@@ -667,7 +701,7 @@ mod tests {
                 }
                 6..=8 => {
                     let r = fs.removexattr(ino, &name);
-                    if present {
+                    if present || is_acl {
                         assert!(r.is_ok(), "step {step}: {r:?}");
                         m.remove(&name);
                         removes += 1;
@@ -716,7 +750,7 @@ mod tests {
         let mut km = KernelMount::new(&img.path);
         for (p, i) in paths.iter().zip(&inos) {
             assert_eq!(
-                show(&kernel_attrs(&km.dir.join(p))),
+                show(&getfattr(&km.dir.join(p))),
                 show(&model[i]),
                 "kernel view of {p}"
             );
@@ -799,8 +833,13 @@ mod tests {
             fs.setxattr(ino, b"user.", b"", none),
             Err(FsError::Invalid(_))
         ));
+        // Not version 2: EOPNOTSUPP, as posix_acl_from_xattr answers.
         assert!(matches!(
             fs.setxattr(ino, b"system.posix_acl_access", b"junk", none),
+            Err(FsError::NotSupported(_))
+        ));
+        assert!(matches!(
+            fs.setxattr(ino, b"system.posix_acl_access", b"\x02\0\0\0junk", none),
             Err(FsError::Invalid(_))
         ));
         // A 250-byte name does not fit in the 96-byte in-inode area: it is in the block.
@@ -875,8 +914,8 @@ mod tests {
             for n in names {
                 let p = km.dir.join(n);
                 std::fs::write(&p, b"").unwrap();
-                set_xattr(&p, "user.big", &big);
-                set_xattr(&p, "user.small", b"s");
+                setfattr(&p, "user.big", &big);
+                setfattr(&p, "user.small", b"s");
             }
             km.unmount();
         }
@@ -961,8 +1000,8 @@ mod tests {
             fs.unmount().unwrap();
         }
         let mut km = KernelMount::new(&img.path);
-        assert_eq!(show(&kernel_attrs(&km.dir.join("s1"))), show(&expect1));
-        assert_eq!(show(&kernel_attrs(&km.dir.join("s2"))), show(&expect2));
+        assert_eq!(show(&getfattr(&km.dir.join("s1"))), show(&expect1));
+        assert_eq!(show(&getfattr(&km.dir.join("s2"))), show(&expect2));
         km.unmount();
         assert_clean(&img.path);
     }

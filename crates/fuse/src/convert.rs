@@ -27,6 +27,7 @@ pub fn errno_of(e: &FsError) -> i32 {
         FsError::XattrTooBig => libc::E2BIG,
         FsError::FileTooBig => libc::EFBIG,
         FsError::Permission(_) => libc::EPERM,
+        FsError::AccessDenied(_) => libc::EACCES,
         FsError::NotSupported(_) | FsError::UnsupportedFeature(_) => libc::EOPNOTSUPP,
         FsError::Corrupt(_) | FsError::CorruptMsg(_) => libc::EUCLEAN,
         FsError::NeedsRecovery | FsError::Device(_) | FsError::Journal(_) => libc::EIO,
@@ -157,6 +158,7 @@ mod tests {
             (FsError::XattrTooBig, libc::E2BIG),
             (FsError::FileTooBig, libc::EFBIG),
             (FsError::Permission("x"), libc::EPERM),
+            (FsError::AccessDenied("x"), libc::EACCES),
             (FsError::NotSupported("x".into()), libc::EOPNOTSUPP),
             (FsError::corrupt("x"), libc::EUCLEAN),
             (

@@ -34,6 +34,10 @@ pub struct FuseConfig {
     pub fsname: String,
     /// Worker threads serving requests.
     pub workers: usize,
+    /// POSIX ACLs (`-o acl`, the default; `-o noacl`): the kernel checks them
+    /// (FUSE_POSIX_ACL) and leaves the umask to us (FUSE_DONT_MASK), so a default
+    /// ACL can replace it. Should match the `Fs`'s `MountOptions::acl`.
+    pub acl: bool,
 }
 
 impl Default for FuseConfig {
@@ -44,6 +48,7 @@ impl Default for FuseConfig {
             allow_other: false,
             fsname: "commitfs".into(),
             workers: 4,
+            acl: true,
         }
     }
 }

@@ -39,6 +39,7 @@ pub struct CommitFuse {
     shared: Arc<Shared>,
     pool: Pool<Shared>,
     writeback_cache: bool,
+    acl: bool,
     status: UnmountStatus,
 }
 
@@ -92,6 +93,48 @@ fn reply_empty(op: &str, reply: ReplyEmpty, r: commitfs_fs::Result<()>) {
     }
 }
 
+/// Who sent a request, for the kernel's `in_group_or_capable` test.
+struct Caller {
+    uid: u32,
+    gid: u32,
+    pid: u32,
+}
+
+impl Caller {
+    fn of(req: &Request) -> Caller {
+        Caller {
+            uid: req.uid(),
+            gid: req.gid(),
+            pid: req.pid(),
+        }
+    }
+
+    /// Whether the caller is in group `gid` (fsgid or a supplementary group) or
+    /// holds CAP_FSETID; read from /proc, falling back to the request's ids.
+    fn in_group_or_capable(&self, gid: u32) -> bool {
+        if self.gid == gid {
+            return true;
+        }
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{}/status", self.pid)) else {
+            return self.uid == 0;
+        };
+        const CAP_FSETID: u32 = 4;
+        let mut found = false;
+        for line in status.lines() {
+            if let Some(caps) = line.strip_prefix("CapEff:") {
+                let caps = u64::from_str_radix(caps.trim(), 16).unwrap_or(0);
+                found |= caps & (1 << CAP_FSETID) != 0;
+            } else if let Some(groups) = line.strip_prefix("Groups:") {
+                found |= groups.split_whitespace().any(|g| g.parse() == Ok(gid));
+            } else if let Some(ids) = line.strip_prefix("Gid:") {
+                // real, effective, saved, filesystem: the last one is checked.
+                found |= ids.split_whitespace().nth(3).and_then(|g| g.parse().ok()) == Some(gid);
+            }
+        }
+        found
+    }
+}
+
 fn set_time(t: TimeOrNow) -> SetTime {
     match t {
         TimeOrNow::Now => SetTime::Now,
@@ -126,6 +169,7 @@ impl CommitFuse {
             shared,
             pool,
             writeback_cache: cfg.writeback_cache,
+            acl: cfg.acl,
             status,
         })
     }
@@ -141,6 +185,16 @@ impl Filesystem for CommitFuse {
             if let Err(missing) = config.add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE) {
                 tracing::warn!(
                     "kernel lacks writeback cache support ({missing:?}); continuing without it"
+                );
+            }
+        }
+        if self.acl {
+            // The kernel checks ACLs (with default_permissions) and caches them;
+            // it passes the umask unapplied so a default ACL can take its place.
+            let want = InitFlags::FUSE_POSIX_ACL | InitFlags::FUSE_DONT_MASK;
+            if let Err(missing) = config.add_capabilities(want) {
+                tracing::warn!(
+                    "kernel lacks POSIX ACL support ({missing:?}); ACLs are stored but not enforced"
                 );
             }
         }
@@ -253,9 +307,10 @@ impl Filesystem for CommitFuse {
         let parent = ino_or_reply!(parent, reply);
         let name = name.as_bytes().to_vec();
         let (uid, gid) = (req.uid(), req.gid());
-        let mode = (mode & !(umask & 0o7777)) as u16;
+        // The library applies the umask unless the directory has a default ACL.
+        let (mode, umask) = (mode as u16, (umask & 0o777) as u16);
         self.run(move |s| {
-            let r = s.fs.mknod(parent, &name, mode, rdev, uid, gid);
+            let r = s.fs.mknod_umask(parent, &name, mode, umask, rdev, uid, gid);
             reply_entry(s, "mknod", reply, r)
         });
     }
@@ -272,9 +327,9 @@ impl Filesystem for CommitFuse {
         let parent = ino_or_reply!(parent, reply);
         let name = name.as_bytes().to_vec();
         let (uid, gid) = (req.uid(), req.gid());
-        let perm = (mode & !umask & 0o7777) as u16;
+        let (perm, umask) = ((mode & 0o7777) as u16, (umask & 0o777) as u16);
         self.run(move |s| {
-            let r = s.fs.mkdir(parent, &name, perm, uid, gid);
+            let r = s.fs.mkdir_umask(parent, &name, perm, umask, uid, gid);
             reply_entry(s, "mkdir", reply, r)
         });
     }
@@ -517,7 +572,7 @@ impl Filesystem for CommitFuse {
 
     fn setxattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         name: &OsStr,
         value: &[u8],
@@ -536,7 +591,20 @@ impl Filesystem for CommitFuse {
         };
         let name = name.as_bytes().to_vec();
         let value = value.to_vec();
-        self.run(move |s| reply_empty("setxattr", reply, s.fs.setxattr(ino, &name, &value, xf)));
+        let caller = Caller::of(req);
+        self.run(move |s| {
+            let r = if name == b"system.posix_acl_access" {
+                // fuser cannot receive FUSE_SETXATTR_ACL_KILL_SGID (it needs
+                // FUSE_SETXATTR_EXT), so decide as the kernel would.
+                s.fs.getattr(ino).and_then(|a| {
+                    let kill = a.perm & 0o2000 != 0 && !caller.in_group_or_capable(a.gid);
+                    s.fs.setxattr_ext(ino, &name, &value, xf, kill)
+                })
+            } else {
+                s.fs.setxattr(ino, &name, &value, xf)
+            };
+            reply_empty("setxattr", reply, r)
+        });
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
@@ -582,13 +650,15 @@ impl Filesystem for CommitFuse {
         let parent = ino_or_reply!(parent, reply);
         let name = name.as_bytes().to_vec();
         let (uid, gid) = (req.uid(), req.gid());
-        let perm = (mode & !umask & 0o7777) as u16;
+        let (perm, umask) = ((mode & 0o7777) as u16, (umask & 0o777) as u16);
         self.run(move |s| {
             // One reference for the kernel's lookup count, one for the open handle.
-            let r = s.fs.create(parent, &name, perm, uid, gid).and_then(|a| {
-                s.fs.open_inode(a.ino)?;
-                s.fs.open_inode(a.ino).map(|()| a)
-            });
+            let r =
+                s.fs.create_umask(parent, &name, perm, umask, uid, gid)
+                    .and_then(|a| {
+                        s.fs.open_inode(a.ino)?;
+                        s.fs.open_inode(a.ino).map(|()| a)
+                    });
             match r {
                 Ok(a) => reply.created(&s.ttl, &file_attr(&a), gen(&a), s.fh(), FILE_OPEN_FLAGS),
                 Err(e) => reply.error(to_errno("create", &e)),
@@ -633,5 +703,34 @@ impl Filesystem for CommitFuse {
             let r = s.fs.fallocate(ino, offset, length, flags);
             reply_empty("fallocate", reply, r)
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Caller;
+
+    #[test]
+    fn caller_group_and_capability() {
+        // SAFETY: getpid/getegid/geteuid have no preconditions.
+        let (pid, gid, uid) = unsafe { (libc::getpid() as u32, libc::getegid(), libc::geteuid()) };
+        let me = Caller { uid, gid, pid };
+        assert!(me.in_group_or_capable(gid), "the fsgid is a member");
+        // Any other group: only CAP_FSETID (root here, as the tests run) lets it in.
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let capable = status
+            .lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .and_then(|c| u64::from_str_radix(c.trim(), 16).ok())
+            .is_some_and(|c| c & (1 << 4) != 0);
+        assert_eq!(me.in_group_or_capable(987_654), capable);
+        // No /proc entry: fall back to the request's ids (uid 0 counts as capable).
+        let gone = Caller {
+            uid: 1000,
+            gid: 1000,
+            pid: u32::MAX,
+        };
+        assert!(!gone.in_group_or_capable(5));
+        assert!(gone.in_group_or_capable(1000));
     }
 }

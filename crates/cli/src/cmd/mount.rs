@@ -33,6 +33,8 @@ pub struct MountCmdOptions {
     pub fc_data_csum: bool,
     /// `errors=continue|remount-ro|panic`; `None`: the superblock's `s_errors`.
     pub errors: Option<commitfs_fs::ErrorsBehavior>,
+    /// `noacl`: no POSIX ACLs (`acl`, the default, turns them back on).
+    pub noacl: bool,
 }
 
 impl Default for MountCmdOptions {
@@ -46,6 +48,7 @@ impl Default for MountCmdOptions {
             fast_commit: false,
             fc_data_csum: false,
             errors: None,
+            noacl: false,
         }
     }
 }
@@ -70,6 +73,8 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             "errors=continue" => o.errors = Some(commitfs_fs::ErrorsBehavior::Continue),
             "errors=remount-ro" => o.errors = Some(commitfs_fs::ErrorsBehavior::RemountRo),
             "errors=panic" => o.errors = Some(commitfs_fs::ErrorsBehavior::Panic),
+            "acl" => o.noacl = false,
+            "noacl" => o.noacl = true,
             // Always on / the default anyway.
             "defaults" | "default_permissions" | "async" | "dev" | "suid" | "exec" => {}
             _ => {
@@ -184,6 +189,7 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
             fast_commit: !o.no_fast_commit,
             fc_data_csum: o.fc_data_csum && !o.no_fast_commit,
             errors: o.errors,
+            acl: !o.noacl,
         },
     )
     .map_err(|e| anyhow!("cannot mount {}: {e}", req.image.display()))?;
@@ -199,6 +205,7 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         writeback_cache: o.writeback_cache && !o.read_only,
         allow_other: o.allow_other,
         fsname: req.image.display().to_string().replace(',', "_"),
+        acl: !o.noacl,
         ..FuseConfig::default()
     };
     let mut session = commitfs_fuse::mount(fs.clone(), &req.dir, &cfg)
@@ -398,5 +405,13 @@ mod tests {
         );
         assert_eq!(p(&["errors=panic"]).unwrap().errors, Some(E::Panic));
         assert!(p(&["errors=explode"]).is_err());
+    }
+
+    #[test]
+    fn acl_options() {
+        assert!(!p(&[]).unwrap().noacl, "ACLs are on by default, as in ext4");
+        assert!(p(&["noacl"]).unwrap().noacl);
+        assert!(!p(&["noacl,acl"]).unwrap().noacl);
+        assert!(p(&["acl", "rw,noacl"]).unwrap().noacl);
     }
 }

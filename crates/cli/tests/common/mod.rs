@@ -493,6 +493,7 @@ pub fn errno_of(e: &FsError) -> i32 {
         FsError::XattrTooBig => libc::E2BIG,
         FsError::FileTooBig => libc::EFBIG,
         FsError::Permission(_) => libc::EPERM,
+        FsError::AccessDenied(_) => libc::EACCES,
         FsError::NotSupported(_) => libc::EOPNOTSUPP,
         _ => libc::EIO,
     }
