@@ -98,6 +98,8 @@ pub(crate) struct Inner {
     pub next_generation: u32,
     #[allow(dead_code)] // kept for the stats and later mount options
     pub opts: MountOptions,
+    /// What this mount's recovery replayed (`None`: the journal was empty).
+    pub recovery: Option<crate::Recovery>,
 }
 
 /// Seconds of the coarse realtime clock, which is what `time()` (and so e2fsck)
@@ -215,6 +217,7 @@ impl Inner {
             last_dir_group: 0,
             next_generation: now().nsec ^ 0x9E37_79B9,
             opts,
+            recovery: None,
         };
         inner.load_group_descs()?;
         if inspect_only {
@@ -341,7 +344,11 @@ impl Inner {
             self.reload_after_recovery()?;
             // Fast commits after the JBD2 log (ext4-format.md §9.7): replayed now and
             // committed as one JBD2 transaction; see fc_replay.rs for the order.
-            self.replay_fast_commits(&map, &jsb, report.end_tid)?;
+            let fast_commits = self.replay_fast_commits(&map, &jsb, report.end_tid)?;
+            self.recovery = Some(crate::Recovery {
+                journal: report,
+                fast_commits,
+            });
         }
         if self.read_only {
             if self.sb.has_incompat(sbf::INCOMPAT_RECOVER) && jsb.start != 0 {
