@@ -118,7 +118,13 @@ impl Bench<'_> {
                 let mut t = Posix {
                     root: self.mnt.to_path_buf(),
                 };
-                let r = measure(&mut mail, &mut t, self.messages, &|| rig::disk_counts(dev), &tick);
+                let r = measure(
+                    &mut mail,
+                    &mut t,
+                    self.messages,
+                    &|| rig::disk_counts(dev),
+                    &tick,
+                );
                 guard.umount(self.mnt)?;
                 r?
             }
@@ -147,9 +153,7 @@ impl Bench<'_> {
                 } else {
                     let mut t = Lib { fs: fs.clone() };
                     let r = measure(&mut mail, &mut t, self.messages, &counts, &tick);
-                    fs.unmount()
-                        .map_err(|e| anyhow!("unmount: {e}"))
-                        .and(r)
+                    fs.unmount().map_err(|e| anyhow!("unmount: {e}")).and(r)
                 };
                 drop(fs);
                 r?
@@ -216,8 +220,7 @@ pub fn run(dir: Option<&Path>, keep: bool, messages: usize) -> Result<()> {
     let dir = match dir {
         Some(d) => {
             if !d.exists() {
-                std::fs::create_dir_all(d)
-                    .with_context(|| format!("creating {}", d.display()))?;
+                std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
                 guard.remove_dir(d);
             }
             std::fs::canonicalize(d)?
@@ -334,11 +337,11 @@ pub fn run(dir: Option<&Path>, keep: bool, messages: usize) -> Result<()> {
          only flushed and FUA writes;"
     );
     println!(
-        "   the power fails in the middle of an fsync, then commitfs{} recovers the image.",
+        "   the power fails in the middle of an fsync, then {} the image.",
         if loopdev.is_some() {
-            " and, on a copy, kernel ext4"
+            "commitfs and, on a copy, kernel ext4 recover"
         } else {
-            ""
+            "commitfs recovers"
         }
     );
     let pb = progress(pc_messages, "commitfs fast commit (recorded)");

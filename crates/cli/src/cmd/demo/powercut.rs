@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use commitfs_device::recording::Fate;
-use commitfs_device::{CrashLog, CrashSpec, DeviceRef, LogOp, RecordingDevice};
+use commitfs_device::{CrashLog, CrashSpec, DeviceRef, IoCategory, LogOp, RecordingDevice};
 use commitfs_format::superblock::{SUPERBLOCK_OFFSET, SUPERBLOCK_SIZE};
 use commitfs_fs::{Fs, MountOptions};
 use indicatif::ProgressBar;
@@ -34,6 +34,8 @@ pub struct Report {
     pub delivered: usize,
     /// 1-based number of the fsync the power cut interrupted.
     pub cut_fsync: usize,
+    /// That fsync was writing a fast commit (else a full JBD2 commit).
+    pub cut_fast: bool,
     pub requests: usize,
     pub cut_at: usize,
     /// Writes issued since the last flush before the cut, and their fates.
@@ -118,12 +120,25 @@ pub fn run(s: &Setup, guard: &mut Guard, pb: &ProgressBar) -> Result<Report> {
     pb.finish_and_clear();
 
     // The power fails during fsync `c`, at the request where the most writes are
-    // in the device's volatile cache.
-    let c = s.messages - s.messages / 4;
-    let (from, to) = marks[c - 1];
-    let (from, to) = (from as usize, to as usize);
+    // in the device's volatile cache. `c` is near three quarters of the run, an
+    // fsync that writes a fast commit after two that did too, so that recovery
+    // has fast commits to replay (when there are such runs).
     let sb = SUPERBLOCK_OFFSET..SUPERBLOCK_OFFSET + SUPERBLOCK_SIZE as u64;
     let log = rec.crash_log().with_atomic(vec![sb]);
+    let span = |c: usize| (marks[c - 1].0 as usize, marks[c - 1].1 as usize);
+    let fast = |c: usize| {
+        let (from, to) = span(c);
+        log.ops()[from..to].iter().any(|op| {
+            matches!(op, LogOp::Write { cat, fua: true, .. } if *cat == IoCategory::FastCommit)
+        })
+    };
+    let aim = s.messages - s.messages / 4;
+    let c = (s.messages / 2..s.messages)
+        .filter(|&c| c >= 3)
+        .min_by_key(|&c| (!(fast(c) && fast(c - 1) && fast(c - 2)), c.abs_diff(aim)))
+        .unwrap_or(aim);
+    let cut_fast = fast(c);
+    let (from, to) = span(c);
     let k = (from + 1..=to)
         .max_by_key(|&k| (volatile_writes(&log, k), k))
         .context("the cut fsync issued no I/O")?;
@@ -190,6 +205,7 @@ pub fn run(s: &Setup, guard: &mut Guard, pb: &ProgressBar) -> Result<Report> {
     Ok(Report {
         delivered: s.messages,
         cut_fsync: c,
+        cut_fast,
         requests: rec.op_count(),
         cut_at: k,
         in_flight: volatile_writes(&rec.crash_log(), k),
@@ -242,22 +258,28 @@ fn kernel_side(
 /// Print the report; `Err` when something failed.
 pub fn print(r: &Report) -> Result<()> {
     println!(
-        "   the power failed during fsync #{} of {} (at device request {} of {}): {} writes were in \
-         the volatile cache: {} lost, {} torn, {} survived",
-        r.cut_fsync, r.delivered, r.cut_at, r.requests, r.in_flight, r.lost, r.torn, r.survived
+        "   the power failed during fsync #{} of {} ({}), at device request {} of {}:",
+        r.cut_fsync,
+        r.delivered,
+        if r.cut_fast {
+            "a fast commit"
+        } else {
+            "a full JBD2 commit"
+        },
+        r.cut_at,
+        r.requests
+    );
+    println!(
+        "   the device's volatile cache held {} write(s) at that moment ({} lost, {} torn, {} survived)",
+        r.in_flight, r.lost, r.torn, r.survived
     );
     match &r.recovery {
         Some(rc) => {
             let fc = rc
                 .fast_commits
                 .as_ref()
-                .map(|f| {
-                    format!(
-                        " and {} fast commits ({} records)",
-                        f.commits, f.applied
-                    )
-                })
-                .unwrap_or_default();
+                .map(|f| format!(" and {} fast commits ({} records)", f.commits, f.applied))
+                .unwrap_or_else(|| ", no fast commits after them".into());
             println!(
                 "   commitfs recovery: replayed {} JBD2 transactions ({} blocks){fc}",
                 rc.journal.transactions, rc.journal.blocks_replayed

@@ -118,7 +118,9 @@ impl Target for Lib {
                 ensure!(w > 0, "write {p}: wrote nothing");
                 off += w;
             }
-            self.fs.fsync(ino, false).map_err(|e| lib_err("fsync", p, e))
+            self.fs
+                .fsync(ino, false)
+                .map_err(|e| lib_err("fsync", p, e))
         })();
         self.fs.release(ino).map_err(|e| lib_err("close", p, e))?;
         r
@@ -279,6 +281,7 @@ impl Mail {
     }
 
     /// Messages delivered and messages still there at the end.
+    #[cfg(test)]
     pub fn counts(&self) -> (usize, usize) {
         let live = self
             .msgs
