@@ -44,7 +44,8 @@ pub struct Report {
     pub torn: usize,
     pub survived: usize,
     pub recovery: Option<commitfs_fs::Recovery>,
-    pub verdict: Verdict,
+    /// The check of the recovered tree, or what it found missing or wrong.
+    pub verdict: std::result::Result<Verdict, String>,
     pub files: usize,
     pub fsck: std::result::Result<(), String>,
     /// The kernel's side: `None` when skipped.
@@ -191,9 +192,7 @@ pub fn run(s: &Setup, guard: &mut Guard, pb: &ProgressBar) -> Result<Report> {
     let recovery = fs.recovery();
     let tree = with_mount(&fs, s.fuse, s.mnt, "commitfs-recovered", read_tree)?;
     drop(fs);
-    let verdict = mail
-        .check(&tree, Some(c))
-        .context("after commitfs's recovery")?;
+    let verdict = mail.check(&tree, Some(c)).map_err(|e| format!("{e:#}"));
     let fsck = rig::fsck(&crash)?;
 
     // The kernel recovers its copy.
@@ -287,22 +286,29 @@ pub fn print(r: &Report) -> Result<()> {
         }
         None => println!("   commitfs recovery: the journal was empty (nothing to replay)"),
     }
-    let v = &r.verdict;
-    println!(
-        "   fsynced messages: all {} that must survive are there byte for byte \
-         ({} renamed before the cut: {} under the new name, {} the old)",
-        v.intact,
-        v.renamed_new + v.renamed_old,
-        v.renamed_new,
-        v.renamed_old
-    );
-    println!(
-        "   deleted before the cut: {} gone, {} still there; the message being fsynced: {}",
-        v.deleted_gone,
-        v.deleted_kept,
-        v.in_flight.unwrap_or("-")
-    );
     let mut failed = Vec::new();
+    match &r.verdict {
+        Ok(v) => {
+            println!(
+                "   fsynced messages: all {} that must survive are there byte for byte \
+                 ({} renamed before the cut: {} under the new name, {} the old)",
+                v.intact,
+                v.renamed_new + v.renamed_old,
+                v.renamed_new,
+                v.renamed_old
+            );
+            println!(
+                "   deleted before the cut: {} gone, {} still there; the message being fsynced: {}",
+                v.deleted_gone,
+                v.deleted_kept,
+                v.in_flight.unwrap_or("-")
+            );
+        }
+        Err(e) => {
+            println!("   fsynced messages: LOST after commitfs's recovery: {e}");
+            failed.push("fsynced messages lost");
+        }
+    }
     match &r.fsck {
         Ok(()) => println!("   e2fsck -fn after commitfs's recovery: clean"),
         Err(e) => {
