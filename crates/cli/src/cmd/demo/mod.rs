@@ -286,8 +286,8 @@ pub fn run(dir: Option<&Path>, keep: bool, messages: usize) -> Result<()> {
         ),
     }
     println!(
-        "   {:<34} {:>9} {:>13} {:>10} {:>14}  {}",
-        "system", "fsyncs/s", "writes/fsync", "KiB/fsync", "flushes/fsync", "check"
+        "   {:<34} {:>9} {:>13} {:>10} {:>14}  check",
+        "system", "fsyncs/s", "writes/fsync", "KiB/fsync", "flushes/fsync"
     );
     let mut systems = vec![
         System::Commitfs {

@@ -112,7 +112,7 @@ pub fn run(s: &Setup, guard: &mut Guard, pb: &ProgressBar) -> Result<Report> {
     let rec = Arc::new(RecordingDevice::new(bytes));
     let dev: DeviceRef = rec.clone();
     let fs = Arc::new(Fs::open(dev, opts()).map_err(|e| anyhow!("mount: {e}"))?);
-    let mut mail = Mail::new(0x5EED_0F_CA11);
+    let mut mail = Mail::new(0x5EED_0FCA_1100);
     let marks = with_mount(&fs, s.fuse, s.mnt, "commitfs-powercut", |t| {
         mail.setup(t)?;
         mail.run(t, s.messages, &|| rec.op_count() as u64, &|| pb.inc(1))

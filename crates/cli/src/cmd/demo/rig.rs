@@ -85,10 +85,8 @@ impl Guard {
     fn undo_all(&mut self) {
         while let Some(u) = self.undo.pop() {
             match u {
-                Undo::Umount(m) => {
-                    if umount(&m).is_err() {
-                        let _ = Command::new("umount").arg("-l").arg(&m).status();
-                    }
+                Undo::Umount(m) if umount(&m).is_err() => {
+                    let _ = Command::new("umount").arg("-l").arg(&m).status();
                 }
                 Undo::Detach(d) => {
                     let _ = Command::new("losetup").arg("-d").arg(&d).status();
