@@ -246,7 +246,12 @@ pub fn run(dir: Option<&Path>, keep: bool, messages: usize) -> Result<()> {
     guard.remove_file(&image);
 
     println!("commitfs demo in {}", dir.display());
-    let no_fuse = rig::fuse_unavailable();
+    let mut no_fuse = rig::fuse_unavailable();
+    if no_fuse.is_none() {
+        if let Err(e) = rig::probe_fuse(&dir, &mnt)? {
+            no_fuse = Some(e);
+        }
+    }
     let mut no_kernel = rig::kernel_unavailable();
     match &no_fuse {
         None => println!("   commitfs runs through a FUSE mount"),

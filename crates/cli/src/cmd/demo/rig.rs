@@ -171,7 +171,7 @@ pub fn kernel_unavailable() -> Option<String> {
         return Some("COMMITFS_DEMO_NO_KERNEL is set".into());
     }
     if !is_root() {
-        return Some("needs root (loop devices, mount)".into());
+        return Some("needs root for loop devices and mount".into());
     }
     for t in ["losetup", "mount", "umount"] {
         if !have_tool(t) {
@@ -281,6 +281,23 @@ pub fn mount_fuse(fs: Arc<Fs>, mnt: &Path, name: &str) -> Result<BackgroundMount
     let session = commitfs_fuse::mount(fs, mnt, &cfg)
         .map_err(|e| anyhow!("FUSE mount at {} failed: {e}", mnt.display()))?;
     Ok(session.spawn()?)
+}
+
+/// Why a FUSE mount fails here, if it does: mounts and unmounts a small scratch
+/// image on `mnt` (e.g. `/dev/fuse` or `fusermount3` not usable by this user).
+pub fn probe_fuse(dir: &Path, mnt: &Path) -> Result<std::result::Result<(), String>> {
+    let img = dir.join("fuse-probe.img");
+    mkfs(&img, 16, false)?;
+    let r = (|| -> Result<()> {
+        let fs = Arc::new(
+            Fs::open_path(&img, commitfs_fs::MountOptions::default())
+                .map_err(|e| anyhow!("opening {}: {e}", img.display()))?,
+        );
+        let m = mount_fuse(fs, mnt, "commitfs-probe")?;
+        unmount_fuse(m)
+    })();
+    let _ = std::fs::remove_file(&img);
+    Ok(r.map_err(|e| format!("{e:#}")))
 }
 
 /// Unmount a FUSE mount and write the file system home.
