@@ -447,30 +447,36 @@ pub fn read_tree(t: &mut dyn Target) -> Result<BTreeMap<String, Vec<u8>>> {
 mod tests {
     use super::*;
 
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    type Tree = BTreeMap<String, Vec<u8>>;
+
     /// An in-memory target, to test the checker.
     #[derive(Default)]
-    struct Mem(BTreeMap<String, Vec<u8>>);
+    struct Mem(Rc<RefCell<Tree>>);
     impl Target for Mem {
         fn mkdir(&mut self, _: &str) -> Result<()> {
             Ok(())
         }
         fn create_fsync(&mut self, p: &str, d: &[u8]) -> Result<()> {
-            self.0.insert(p.into(), d.to_vec());
+            self.0.borrow_mut().insert(p.into(), d.to_vec());
             Ok(())
         }
         fn fsync_dir(&mut self, _: &str) -> Result<()> {
             Ok(())
         }
         fn rename(&mut self, a: &str, b: &str) -> Result<()> {
-            let d = self.0.remove(a).context("rename source")?;
-            self.0.insert(b.into(), d);
+            let mut t = self.0.borrow_mut();
+            let d = t.remove(a).context("rename source")?;
+            t.insert(b.into(), d);
             Ok(())
         }
         fn unlink(&mut self, p: &str) -> Result<()> {
-            self.0.remove(p).map(|_| ()).context("unlink")
+            self.0.borrow_mut().remove(p).map(|_| ()).context("unlink")
         }
         fn read(&mut self, p: &str) -> Result<Vec<u8>> {
-            self.0.get(p).cloned().context("read")
+            self.0.borrow().get(p).cloned().context("read")
         }
         fn list(&mut self, _: &str) -> Result<Vec<String>> {
             unreachable!()
@@ -481,31 +487,63 @@ mod tests {
     fn checker_accepts_the_truth_and_catches_losses() {
         let mut mail = Mail::new(7);
         let mut t = Mem::default();
-        mail.run(&mut t, 40, &|| 0, &|| ()).unwrap();
-        let (delivered, live) = mail.counts();
+        let live = t.0.clone();
+        // The tree right after each fsync returned (before that round's rename or
+        // delete): what a power cut during the next fsync may leave at best.
+        let snaps: RefCell<Vec<Tree>> = RefCell::default();
+        mail.run(&mut t, 40, &|| 0, &|| {
+            snaps.borrow_mut().push(live.borrow().clone())
+        })
+        .unwrap();
+        let (delivered, left) = mail.counts();
         assert_eq!(delivered, 40);
-        assert_eq!(live, t.0.len());
-        let v = mail.check(&t.0, None).unwrap();
-        assert_eq!(v.intact, live);
-        // A cut during the last fsync: everything else must be there.
-        let v = mail.check(&t.0, Some(40)).unwrap();
+        let end = live.borrow().clone();
+        assert_eq!(left, end.len());
+        let v = mail.check(&end, None).unwrap();
+        assert_eq!(v.intact, left);
+        // The end state is a legal outcome of a cut during a 41st fsync.
+        assert_eq!(mail.check(&end, Some(41)).unwrap().intact, left);
+        // A cut during fsync 30: the state after fsync 30 (message 29 complete) or
+        // after fsync 29 (message 29 absent) are both fine.
+        let snaps = snaps.into_inner();
+        let after30 = &snaps[29];
+        let v = mail.check(after30, Some(30)).unwrap();
         assert_eq!(v.in_flight, Some("complete"));
-        // A lost fsynced message, a changed byte, a stray file: all caught.
-        let mut lost = t.0.clone();
-        lost.remove("/new/m00030");
-        assert!(mail.check(&lost, Some(40)).is_err());
-        let mut bad = t.0.clone();
-        bad.get_mut("/new/m00030").unwrap()[100] ^= 1;
-        assert!(mail.check(&bad, Some(40)).is_err());
-        let mut stray = t.0.clone();
-        stray.insert("/new/x".into(), vec![]);
-        assert!(mail.check(&stray, None).is_err());
-        // Message 39 is in flight at a cut during fsync 40: its absence is fine.
-        let mut inflight = t.0.clone();
-        inflight.remove("/new/m00039");
-        assert_eq!(
-            mail.check(&inflight, Some(40)).unwrap().in_flight,
-            Some("absent")
+        assert!(
+            v.intact > 0 && v.renamed_new > 0 && v.deleted_gone > 0,
+            "{v:?}"
         );
+        let v = mail.check(&snaps[28], Some(30)).unwrap();
+        assert_eq!(v.in_flight, Some("absent"));
+        let mut empty = after30.clone();
+        *empty.get_mut("/new/m00029").unwrap() = Vec::new();
+        assert_eq!(
+            mail.check(&empty, Some(30)).unwrap().in_flight,
+            Some("empty")
+        );
+        // A lost fsynced message, a changed byte, a half-written in-flight message,
+        // a stray file, a message under both names: all caught.
+        let mut lost = after30.clone();
+        lost.remove("/new/m00027");
+        assert!(mail.check(&lost, Some(30)).is_err());
+        let mut bad = after30.clone();
+        bad.get_mut("/new/m00027").unwrap()[100] ^= 1;
+        assert!(mail.check(&bad, Some(30)).is_err());
+        let mut half = after30.clone();
+        half.get_mut("/new/m00029").unwrap().truncate(4096);
+        assert!(mail.check(&half, Some(30)).is_err());
+        let mut stray = after30.clone();
+        stray.insert("/new/x".into(), vec![]);
+        assert!(mail.check(&stray, Some(30)).is_err());
+        let (p, d) = after30
+            .iter()
+            .find(|(p, _)| p.starts_with("/cur/"))
+            .map(|(p, d)| (p.clone(), d.clone()))
+            .expect("a read message");
+        let mut both = after30.clone();
+        both.insert(p.replace("/cur/", "/new/"), d);
+        assert!(mail.check(&both, Some(30)).is_err());
+        // Checked against a later cut, the early state has lost fsynced messages.
+        assert!(mail.check(&snaps[20], Some(30)).is_err());
     }
 }
