@@ -109,7 +109,10 @@ impl Bench<'_> {
         let target = self.target();
         rig::mkfs(&target, IMAGE_MIB, sys.fast_commit())?;
         let mut mail = Mail::new(0xDE30_0000 ^ self.messages as u64);
-        let tick = || pb.inc(1);
+        let tick = || {
+            pb.inc(1);
+            rig::interrupted()
+        };
         let (secs, c, tree) = match sys {
             System::Kernel { .. } => {
                 let dev = self.loopdev.context("kernel runs need a loop device")?;
@@ -180,7 +183,7 @@ fn measure(
     t: &mut dyn Target,
     n: usize,
     counts: &dyn Fn() -> Result<Counts>,
-    tick: &dyn Fn(),
+    tick: &dyn Fn() -> Result<()>,
 ) -> Result<(f64, Counts, std::collections::BTreeMap<String, Vec<u8>>)> {
     mail.setup(t)?;
     let c0 = counts()?;
@@ -214,6 +217,7 @@ pub fn run(dir: Option<&Path>, keep: bool, messages: usize) -> Result<()> {
             bail!("{t} not found: install e2fsprogs");
         }
     }
+    rig::install_interrupt();
     let t0 = Instant::now();
     let mut guard = Guard::default();
     guard.keep = keep;
@@ -321,6 +325,7 @@ pub fn run(dir: Option<&Path>, keep: bool, messages: usize) -> Result<()> {
     };
     let mut failures = Vec::new();
     for sys in systems {
+        rig::interrupted()?;
         let pb = progress(messages, sys.label());
         let row = bench.run(sys, &mut guard, &pb);
         pb.finish_and_clear();

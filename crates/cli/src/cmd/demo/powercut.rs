@@ -115,7 +115,10 @@ pub fn run(s: &Setup, guard: &mut Guard, pb: &ProgressBar) -> Result<Report> {
     let mut mail = Mail::new(0x5EED_0FCA_1100);
     let marks = with_mount(&fs, s.fuse, s.mnt, "commitfs-powercut", |t| {
         mail.setup(t)?;
-        mail.run(t, s.messages, &|| rec.op_count() as u64, &|| pb.inc(1))
+        mail.run(t, s.messages, &|| rec.op_count() as u64, &|| {
+            pb.inc(1);
+            rig::interrupted()
+        })
     })?;
     drop(fs);
     pb.finish_and_clear();

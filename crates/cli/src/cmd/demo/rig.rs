@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -120,6 +121,47 @@ fn umount(mnt: &Path) -> Result<()> {
         std::thread::sleep(Duration::from_millis(100));
     }
     Err(last)
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// On SIGINT, SIGTERM or SIGHUP the demo stops after the current fsync and its
+/// [`Guard`] undoes the mounts and loop devices; a second signal exits at once.
+/// Call before any thread is started: the signals are blocked in every thread and
+/// taken by one `sigwait` thread.
+pub fn install_interrupt() {
+    // SAFETY: sigemptyset/sigaddset fill a local set; pthread_sigmask changes this
+    // thread's mask with it.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    let _ = std::thread::Builder::new()
+        .name("demo-signals".into())
+        .spawn(move || loop {
+            let mut sig = 0;
+            // SAFETY: waits on a valid, initialised set.
+            if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+                return;
+            }
+            if INTERRUPTED.swap(true, Ordering::SeqCst) {
+                std::process::exit(130);
+            }
+            eprintln!("demo: interrupted; cleaning up (again to exit at once)");
+        });
+}
+
+/// `Err` once a termination signal arrived.
+pub fn interrupted() -> Result<()> {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        bail!("interrupted");
+    }
+    Ok(())
 }
 
 /// Run a command; its stdout, or an error with its output.

@@ -236,13 +236,13 @@ impl Mail {
 
     /// Deliver `n` messages (one fsync each). `probe` gives the device position;
     /// it is sampled around each delivery into the returned marks. `tick` runs
-    /// after each fsync returned (progress).
+    /// after each fsync returned (progress; an error stops the run).
     pub fn run(
         &mut self,
         t: &mut dyn Target,
         n: usize,
         probe: &dyn Fn() -> u64,
-        tick: &dyn Fn(),
+        tick: &dyn Fn() -> Result<()>,
     ) -> Result<Marks> {
         let mut marks = Vec::with_capacity(n);
         for i in 0..n {
@@ -251,7 +251,7 @@ impl Mail {
             let before = probe();
             t.create_fsync(&format!("/new/{name}"), &data)?;
             marks.push((before, probe()));
-            tick();
+            tick()?;
             self.msgs.push(Msg {
                 name,
                 data,
@@ -492,7 +492,8 @@ mod tests {
         // delete): what a power cut during the next fsync may leave at best.
         let snaps: RefCell<Vec<Tree>> = RefCell::default();
         mail.run(&mut t, 40, &|| 0, &|| {
-            snaps.borrow_mut().push(live.borrow().clone())
+            snaps.borrow_mut().push(live.borrow().clone());
+            Ok(())
         })
         .unwrap();
         let (delivered, left) = mail.counts();
