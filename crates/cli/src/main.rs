@@ -78,14 +78,18 @@ enum Cmd {
     Crashtest(crashtest_cmd::CrashtestArgs),
     /// Benchmark commitfs beside kernel ext4, XFS and fuse2fs on one device.
     Bench(bench::BenchArgs),
-    /// Make an image, mount it, run a workload, verify, unmount, e2fsck, report.
+    /// What commitfs is for, in under a minute: fsync cost beside kernel ext4,
+    /// then a power cut and the recovery.
     Demo {
         /// Work in this directory instead of a temporary one.
         #[arg(long)]
         dir: Option<PathBuf>,
-        /// Keep the image afterwards.
+        /// Keep the images afterwards.
         #[arg(long)]
         keep: bool,
+        /// Messages (one fsync each) per system; the power cut uses half as many.
+        #[arg(long, value_name = "N", default_value_t = demo::DEFAULT_MESSAGES)]
+        messages: usize,
     },
 }
 
@@ -152,9 +156,13 @@ fn run(cli: Cli) -> Result<()> {
             crashtest_cmd::run(a)
         }
         Cmd::Bench(a) => bench::run(a),
-        Cmd::Demo { dir, keep } => {
+        Cmd::Demo {
+            dir,
+            keep,
+            messages,
+        } => {
             init_cli_logging();
-            demo::run(dir.as_deref(), keep)
+            demo::run(dir.as_deref(), keep, messages)
         }
     }
 }

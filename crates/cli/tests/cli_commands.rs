@@ -313,8 +313,58 @@ fn mkfs_makes_what_was_asked() {
     }
 }
 
+/// The numbers of a table row of `commitfs demo` (fsyncs/s, writes, KiB and
+/// flushes per fsync) and its check column; `None` when there is no such row.
+fn demo_row(text: &str, label: &str) -> Option<([f64; 4], String)> {
+    let line = text.lines().find(|l| {
+        l.trim_start()
+            .strip_prefix(label)
+            .is_some_and(|r| r.starts_with("  "))
+            && l.trim_end().ends_with(['k', 'D'])
+    })?;
+    let rest = line.trim_start().strip_prefix(label)?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    assert_eq!(f.len(), 5, "row {line:?}");
+    let n = |i: usize| -> f64 { f[i].parse().unwrap_or_else(|_| panic!("row {line:?}")) };
+    Some(([n(0), n(1), n(2), n(3)], f[4].to_string()))
+}
+
+/// The first number after `prefix` in the line containing it.
+fn demo_num(text: &str, prefix: &str) -> u64 {
+    let line = text
+        .lines()
+        .find(|l| l.contains(prefix))
+        .unwrap_or_else(|| panic!("no {prefix:?} in:\n{text}"));
+    let after = &line[line.find(prefix).unwrap() + prefix.len()..];
+    after
+        .split(|c: char| !c.is_ascii_digit())
+        .find(|t| !t.is_empty())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no number after {prefix:?} in {line:?}"))
+}
+
+/// Nothing of the demo in `dir` is still mounted or attached to a loop device.
+fn assert_nothing_left(dir: &Path) {
+    let d = dir.to_string_lossy().into_owned();
+    let mi = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mi.contains(&d), "a mount under {d} is left:\n{mi}");
+    if let Ok(out) = Command::new("losetup").arg("-a").output() {
+        let l = String::from_utf8_lossy(&out.stdout);
+        assert!(!l.contains(&d), "a loop device on {d} is left:\n{l}");
+    }
+}
+
+const DEMO_COMMITFS_ROWS: [&str; 3] = [
+    "commitfs JBD2 (nofast_commit)",
+    "commitfs fast commit+fc_data_csum",
+    "commitfs fast commit",
+];
+const DEMO_KERNEL_ROWS: [&str; 2] = ["kernel ext4 JBD2", "kernel ext4 fast_commit"];
+
+/// The README's main command as it runs (default size): the fsync table with a
+/// row per system whose counts make sense, the power cut and both recoveries.
 #[test]
-fn demo_passes_with_fuse_and_with_the_library() {
+fn demo_shows_fsync_costs_and_survives_a_power_cut() {
     let dir = unique("demo");
     let _g = Gone(dir.clone());
     let out = Command::new(BIN)
@@ -329,28 +379,131 @@ fn demo_passes_with_fuse_and_with_the_library() {
         "demo failed:\n{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(text.contains("mounted with FUSE"), "{text}");
-    assert!(text.contains("e2fsck -fn: clean"), "{text}");
-    assert!(text.contains("demo: PASS"), "{text}");
-    assert!(dir.join("demo.img").exists(), "--keep keeps the image");
-    assert!(!dir.join("mnt").exists() || fs::read_dir(dir.join("mnt")).is_ok());
+    assert_nothing_left(&dir);
+    assert!(
+        text.contains("commitfs runs through a FUSE mount"),
+        "{text}"
+    );
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut rows = std::collections::HashMap::new();
+    let kernel_rows: &[&str] = if root { &DEMO_KERNEL_ROWS } else { &[] };
+    for label in DEMO_COMMITFS_ROWS.iter().chain(kernel_rows) {
+        let (v, check) =
+            demo_row(&text, label).unwrap_or_else(|| panic!("no row {label}:\n{text}"));
+        assert_eq!(check, "ok", "{label}:\n{text}");
+        assert!(
+            v[0] > 0.0 && v[1] >= 1.0 && v[2] >= 4.0,
+            "{label} {v:?}:\n{text}"
+        );
+        // Every fsync reached the media: at least one flush (or FUA write) each.
+        assert!(v[3] >= 1.0, "{label} flushes/fsync {}:\n{text}", v[3]);
+        rows.insert(*label, v);
+    }
+    if !root {
+        assert!(text.contains("NOTE: kernel ext4 skipped"), "{text}");
+    }
+    // What the modes are for: fast commits log far less than full JBD2 commits,
+    // fc_data_csum saves a flush per fsync.
+    let (jbd2, fc, csum) = (
+        rows["commitfs JBD2 (nofast_commit)"],
+        rows["commitfs fast commit"],
+        rows["commitfs fast commit+fc_data_csum"],
+    );
+    assert!(
+        fc[2] < jbd2[2] * 0.7,
+        "fast commit KiB/fsync {fc:?} vs JBD2 {jbd2:?}"
+    );
+    assert!(
+        csum[3] < fc[3],
+        "fc_data_csum flushes {csum:?} vs fast commit {fc:?}"
+    );
 
+    // The power cut: I/O was lost, recovery replayed the log, every fsynced
+    // message is there, e2fsck is happy, and the kernel agrees.
+    assert!(text.contains("the power failed during fsync #"), "{text}");
+    assert!(demo_num(&text, "volatile cache held ") > 0, "{text}");
+    let lost = demo_num(&text, "at that moment (");
+    let torn = demo_num(&text, " lost, ");
+    assert!(lost + torn > 0, "the power cut lost nothing:\n{text}");
+    assert!(
+        demo_num(&text, "commitfs recovery: replayed ") > 0,
+        "{text}"
+    );
+    assert!(
+        demo_num(&text, "blocks) and ") > 0,
+        "no fast commits replayed:\n{text}"
+    );
+    assert!(demo_num(&text, "fsynced messages: all ") > 0, "{text}");
+    assert!(
+        text.contains("e2fsck -fn after commitfs's recovery: clean"),
+        "{text}"
+    );
+    if root {
+        assert!(text.contains("same tree as commitfs ("), "{text}");
+        assert!(
+            text.contains("e2fsck -fn after the kernel's recovery: clean"),
+            "{text}"
+        );
+        assert!(dir.join("crash-kernel.img").exists());
+    }
+    assert!(text.contains("demo: PASS"), "{text}");
+    assert!(dir.join("crash.img").exists(), "--keep keeps the images");
+}
+
+/// Without FUSE and without the kernel the demo says so, runs through the library,
+/// still cuts the power and recovers, and leaves its temporary directory behind
+/// nowhere.
+#[test]
+fn demo_degrades_without_fuse_and_kernel() {
     let out = Command::new(BIN)
-        .arg("demo")
+        .args(["demo", "--messages", "40"])
         .env("COMMITFS_DEMO_NO_FUSE", "1")
+        .env("COMMITFS_DEMO_NO_KERNEL", "1")
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "library demo failed:\n{text}");
+    assert!(
+        out.status.success(),
+        "library demo failed:\n{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("FUSE unavailable (COMMITFS_DEMO_NO_FUSE is set)"),
+        "{text}"
+    );
     assert!(text.contains("through the library API"), "{text}");
+    assert!(
+        text.contains("kernel ext4 skipped (COMMITFS_DEMO_NO_KERNEL is set)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("Counted by commitfs's device layer"),
+        "{text}"
+    );
+    for label in DEMO_COMMITFS_ROWS {
+        let (v, check) =
+            demo_row(&text, label).unwrap_or_else(|| panic!("no row {label}:\n{text}"));
+        assert_eq!(check, "ok", "{label}:\n{text}");
+        assert!(v[3] >= 1.0, "{label} flushes/fsync:\n{text}");
+    }
+    for label in DEMO_KERNEL_ROWS {
+        assert!(demo_row(&text, label).is_none(), "{label} ran:\n{text}");
+    }
+    assert!(demo_num(&text, "fsynced messages: all ") > 0, "{text}");
+    assert!(
+        text.contains("e2fsck -fn after commitfs's recovery: clean"),
+        "{text}"
+    );
+    assert!(!text.contains("same tree as commitfs"), "{text}");
     assert!(text.contains("demo: PASS"), "{text}");
-    // The temporary directory is gone afterwards.
     let tmp = text
         .lines()
         .next()
         .and_then(|l| l.strip_prefix("commitfs demo in "))
         .expect("demo names its directory");
     assert!(!Path::new(tmp).exists(), "{tmp} left behind");
+    assert_nothing_left(Path::new(tmp));
 }
 
 /// `--version` names the commit the binary was built from (crates/cli/build.rs).

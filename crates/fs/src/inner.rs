@@ -103,6 +103,8 @@ pub(crate) struct Inner {
     /// Inodes a data write failed for since their last fsync: the next fsync
     /// reports EIO (errseq-like, once).
     pub data_errors: HashSet<u32>,
+    /// What this mount's recovery replayed (`None`: the journal was empty).
+    pub recovery: Option<crate::Recovery>,
 }
 
 /// Seconds of the coarse realtime clock, which is what `time()` (and so e2fsck)
@@ -233,6 +235,7 @@ impl Inner {
             opts,
             errors,
             data_errors: HashSet::new(),
+            recovery: None,
         };
         inner.load_group_descs()?;
         if inspect_only {
@@ -359,7 +362,11 @@ impl Inner {
             self.reload_after_recovery()?;
             // Fast commits after the JBD2 log (ext4-format.md §9.7): replayed now and
             // committed as one JBD2 transaction; see fc_replay.rs for the order.
-            self.replay_fast_commits(&map, &jsb, report.end_tid)?;
+            let fast_commits = self.replay_fast_commits(&map, &jsb, report.end_tid)?;
+            self.recovery = Some(crate::Recovery {
+                journal: report,
+                fast_commits,
+            });
         }
         if self.read_only {
             if self.sb.has_incompat(sbf::INCOMPAT_RECOVER) && jsb.start != 0 {

@@ -31,6 +31,7 @@ use parking_lot::Mutex;
 pub use acl::{Acl, AclEntry, AclKind};
 pub use error::{FsError, Result};
 pub use fc::{FcReason, FcStats};
+pub use fc_replay::FcReplayReport;
 pub use types::*;
 
 use inner::Inner;
@@ -72,6 +73,14 @@ pub struct Stats {
     pub device: StatsSnapshot,
     pub journal: commitfs_journal::JournalStats,
     pub journal_mode: &'static str,
+}
+
+/// What the recovery at mount replayed after a crash: the JBD2 log, then the
+/// fast commits after it (`None` on an image without a fast-commit area).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovery {
+    pub journal: commitfs_journal::RecoveryReport,
+    pub fast_commits: Option<FcReplayReport>,
 }
 
 /// A mounted commitfs file system.
@@ -410,6 +419,12 @@ impl Fs {
         };
         let mut inner = Inner::mount_with(dev, opts, true)?;
         inner.inspect_journal()
+    }
+
+    /// What this mount's journal recovery replayed; `None` when the image was
+    /// clean (nothing to replay). For reports such as `commitfs demo`'s power cut.
+    pub fn recovery(&self) -> Option<Recovery> {
+        self.inner.lock().recovery.clone()
     }
 
     /// Live counters: device I/O by category and journal activity.

@@ -58,10 +58,16 @@ fn scan_fast_commits(path: &Path) -> (FcScan, u32) {
 
 /// Recover with commitfs, return the tree, unmount cleanly.
 fn commitfs_recover(path: &Path) -> Tree {
+    commitfs_recover_report(path).0
+}
+
+/// [`commitfs_recover`], with what the mount reported it replayed.
+fn commitfs_recover_report(path: &Path) -> (Tree, Option<Recovery>) {
     let fs = Fs::open_path(path, MountOptions::default()).unwrap();
+    let rec = fs.recovery();
     let t = lib_tree(&fs);
     fs.unmount().unwrap();
-    t
+    (t, rec)
 }
 
 /// Recover with the kernel (a read-write mount replays), return the tree, unmount.
@@ -154,14 +160,20 @@ fn kernel_fast_commits_replayed(bs: &str, size_mib: u64) {
         scan.commits
     );
 
-    let by_us = commitfs_recover(&us.path);
+    let (by_us, rec) = commitfs_recover_report(&us.path);
     assert_clean(&us.path, "commitfs recovery");
+    // The mount reports what it replayed: the fast commits the scan found.
+    let rec = rec.expect("the crash copy needed recovery");
+    let fc = rec.fast_commits.as_ref().expect("a fast_commit image");
+    assert_eq!(fc.commits, scan.commits, "{rec:?}");
+    assert!(fc.applied > 0, "{rec:?}");
     let by_kernel = kernel_recover(&kern.path);
     assert_clean(&kern.path, "kernel recovery");
     assert_eq!(by_us, by_kernel, "{}", tree_diff(&by_us, &by_kernel));
     assert_eq!(by_us, live, "{}", tree_diff(&by_us, &live));
     // Recovery retired the fast-commit area: a second mount has nothing to replay.
     let again = Fs::open_path(&us.path, MountOptions::default()).unwrap();
+    assert_eq!(again.recovery(), None);
     assert_eq!(lib_tree(&again), live);
     again.unmount().unwrap();
     assert_clean(&us.path, "commitfs second mount");
