@@ -92,7 +92,7 @@ impl MountDir {
             "--pid-file".as_ref(),
             self.pid_file.as_os_str(),
         ];
-        args.extend(extra.iter().map(|s| std::ffi::OsStr::new(s)));
+        args.extend(extra.iter().map(std::ffi::OsStr::new));
         let out = commitfs(&args);
         assert!(out.status.success(), "mount failed: {}", text(&out));
         assert!(is_mounted(self.path(), "fuse"), "not mounted after mount");
@@ -464,7 +464,7 @@ fn mount_t_fuse_commitfs_fstab_and_plain_umount_through_the_helpers() {
 fn probe_ioctls(p: &Path) {
     let f = fs::File::open(p).unwrap();
     let mut buf = [0u8; 256];
-    for req in [libc::TCGETS as u64, 0x8008_6601u64] {
+    for req in [libc::TCGETS, 0x8008_6601] {
         // SAFETY: the buffer is larger than either request's argument.
         let r = unsafe { libc::ioctl(f.as_raw_fd(), req as _, buf.as_mut_ptr()) };
         assert_eq!(r, -1, "ioctl {req:#x} succeeded");
