@@ -59,6 +59,10 @@ enum Cmd {
         /// Detach now even if files are open; wait until they are closed.
         #[arg(long, short = 'l')]
         lazy: bool,
+        /// Do not wait for the daemon (as plain umount; the image is consistent
+        /// only once the daemon has exited).
+        #[arg(long)]
+        no_wait: bool,
         /// Internal (run as /sbin/umount.fuse): unmount any other FUSE mount with
         /// `umount` and these flags.
         #[arg(long, hide = true, value_name = "FLAGS", allow_hyphen_values = true)]
@@ -159,6 +163,7 @@ fn run(cli: Cli) -> Result<()> {
             dir,
             timeout,
             lazy,
+            no_wait,
             other_fuse,
         } => {
             init_cli_logging();
@@ -166,6 +171,7 @@ fn run(cli: Cli) -> Result<()> {
                 dir,
                 timeout: std::time::Duration::from_secs(timeout),
                 lazy,
+                wait: !no_wait,
                 other_fuse,
             })
         }

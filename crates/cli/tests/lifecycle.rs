@@ -255,6 +255,30 @@ fn busy_mount_is_refused_unless_lazy_and_lazy_waits_for_the_last_user() {
     assert!(out.status.success(), "umount --lazy: {}", text(&out));
     assert!(!alive(pid));
     assert_image_clean(&img.path, "after lazy unmount");
+    // --no-wait (what `umount -l` becomes through the helper) returns at once.
+    m.mount(&img.path, &[]);
+    let pid = m.pid();
+    let f = fs::File::create(m.path().join("open2")).unwrap();
+    let out = commitfs(&[
+        "umount".as_ref(),
+        "--lazy".as_ref(),
+        "--no-wait".as_ref(),
+        m.path().as_os_str(),
+    ]);
+    assert!(
+        out.status.success(),
+        "umount --lazy --no-wait: {}",
+        text(&out)
+    );
+    assert!(!is_mounted(m.path(), "fuse"));
+    assert!(alive(pid), "daemon gone while a file was open");
+    drop(f);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while alive(pid) {
+        assert!(Instant::now() < deadline, "daemon did not finish");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_image_clean(&img.path, "after lazy unmount without waiting");
 }
 
 #[test]

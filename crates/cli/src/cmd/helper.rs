@@ -127,7 +127,9 @@ fn umount_helper_args(argv0: OsString, rest: &[OsString]) -> Result<Vec<OsString
     }
     let mut v = vec![argv0, "umount".into(), pos[0].clone()];
     if lazy {
+        // `umount -l` returns at once: keep that (no waiting for open files).
         v.push("--lazy".into());
+        v.push("--no-wait".into());
     }
     // Not ours: `umount -i -FLAGS DIR` (no helper, same flags).
     v.push(format!("--other-fuse=-i{flags}").into());
@@ -220,6 +222,7 @@ mod tests {
                 "umount",
                 "/mnt",
                 "--lazy",
+                "--no-wait",
                 "--other-fuse=-il"
             ]
         );

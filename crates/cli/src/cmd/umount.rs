@@ -25,6 +25,9 @@ pub struct UmountRequest {
     /// Detach now even if busy; the daemon finishes when the last user leaves
     /// (and this command waits for that too).
     pub lazy: bool,
+    /// Wait for the daemon to exit (`false`: return once unmounted or detached,
+    /// as `umount -l` through the helper does).
+    pub wait: bool,
     /// Run as umount(8)'s helper for every FUSE mount: a mount that is not
     /// commitfs goes to `umount` with these flags (`-i...`: no helper).
     pub other_fuse: Option<String>,
@@ -280,6 +283,9 @@ pub fn run(req: &UmountRequest) -> Result<()> {
         Vec::new()
     };
     unmount(&dir, req.lazy)?;
+    if !req.wait {
+        return Ok(());
+    }
     if daemons.is_empty() {
         bail!(
             "unmounted {}, but found no process serving {} to wait for (is the daemon in \
