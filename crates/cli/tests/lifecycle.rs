@@ -205,6 +205,16 @@ fn commitfs_umount_waits_until_the_image_is_clean() {
     for round in 0..3 {
         m.mount(&img.path, &[]);
         let pid = m.pid();
+        if round == 0 {
+            // A second mount on top of a live one is refused, naming the first.
+            let out = commitfs(&["mount".as_ref(), img.path.as_os_str(), m.path().as_os_str()]);
+            assert!(!out.status.success(), "stacked mount succeeded");
+            assert!(
+                text(&out).contains("already a commitfs mount"),
+                "{}",
+                text(&out)
+            );
+        }
         dirty_workload(m.path(), round, 400);
         let out = commitfs(&["umount".as_ref(), m.path().as_os_str()]);
         assert!(out.status.success(), "commitfs umount: {}", text(&out));

@@ -138,6 +138,17 @@ pub fn run(req: &MountRequest) -> Result<()> {
     if !dir.is_dir() {
         bail!("mount point {} is not a directory", dir.display());
     }
+    // Stacking a second mount on a live one hides the first; almost always a mistake.
+    if let Ok(Some(m)) = super::umount::find_mount(&dir) {
+        if m.fstype == "fuse.commitfs" {
+            bail!(
+                "{} is already a commitfs mount (of {}); `commitfs umount {}` first",
+                dir.display(),
+                m.source,
+                dir.display()
+            );
+        }
+    }
     let abs = |p: &Option<PathBuf>| -> Result<Option<PathBuf>> {
         Ok(match p {
             Some(p) if p.is_relative() => Some(std::env::current_dir()?.join(p)),
