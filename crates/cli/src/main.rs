@@ -1,11 +1,11 @@
-//! The `commitfs` command: mount, info, mkfs, demo.
+//! The `commitfs` command: mount, umount, info, mkfs, stats, demo, bench.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
-use commitfs::cmd::{demo, info, mkfs, mount, size, stats};
+use clap::{CommandFactory, Parser, Subcommand};
+use commitfs::cmd::{demo, helper, info, mkfs, mount, size, stats, umount};
 
 use commitfs_bench as bench;
 mod crashtest_cmd;
@@ -30,7 +30,8 @@ enum Cmd {
         /// Mount point.
         dir: PathBuf,
         /// Mount options: ro, rw, commit=N, writeback_cache, allow_other,
-        /// fast_commit, nofast_commit, fc_data_csum (comma-separated; may be repeated).
+        /// fast_commit, nofast_commit, fc_data_csum, and those of ext4 fstab lines
+        /// (comma-separated; may be repeated).
         #[arg(short = 'o', value_name = "OPTS")]
         options: Vec<String>,
         /// Stay in the foreground instead of daemonizing.
@@ -39,9 +40,44 @@ enum Cmd {
         /// Write the serving process's pid here once mounted.
         #[arg(long, value_name = "FILE")]
         pid_file: Option<PathBuf>,
-        /// Append the daemon's log here (level from COMMITFS_LOG or RUST_LOG).
+        /// Append the daemon's log here instead of the journal/syslog (level from
+        /// COMMITFS_LOG or RUST_LOG).
         #[arg(long, value_name = "FILE")]
         log_file: Option<PathBuf>,
+        /// Internal: this process is the daemon a `commitfs mount` started.
+        #[arg(long, hide = true)]
+        daemon_child: bool,
+    },
+    /// Unmount and wait until the image is written home (plain `umount` does not
+    /// wait); also cleans up a mount whose daemon died.
+    Umount {
+        /// Mount point.
+        dir: PathBuf,
+        /// Give up waiting for the daemon after this many seconds.
+        #[arg(long, default_value_t = 300, value_name = "SECS")]
+        timeout: u64,
+        /// Detach now even if files are open; wait until they are closed.
+        #[arg(long, short = 'l')]
+        lazy: bool,
+        /// Do not wait for the daemon (as plain umount; the image is consistent
+        /// only once the daemon has exited).
+        #[arg(long)]
+        no_wait: bool,
+        /// Internal (run as /sbin/umount.fuse): unmount any other FUSE mount with
+        /// `umount` and these flags.
+        #[arg(long, hide = true, value_name = "FLAGS", allow_hyphen_values = true)]
+        other_fuse: Option<String>,
+    },
+    /// Install /sbin/mount.fuse.commitfs, /sbin/umount.fuse.commitfs and
+    /// /sbin/umount.fuse (symlinks to this program) so `mount -t fuse.commitfs` and
+    /// fstab entries work and `umount` waits (other FUSE mounts unmount as before).
+    InstallHelper {
+        /// Install into this directory instead.
+        #[arg(long, default_value = helper::HELPER_DIR)]
+        dir: PathBuf,
+        /// Remove the links instead.
+        #[arg(long)]
+        remove: bool,
     },
     /// Show features, space, state and the journal of an image (no mount needed).
     Info {
@@ -112,17 +148,46 @@ fn run(cli: Cli) -> Result<()> {
             foreground,
             pid_file,
             log_file,
+            daemon_child,
         } => {
-            // Logging is set up by the serving process itself (after the fork).
-            let options = mount::parse_options(&options)?;
+            // Logging is set up by the serving process itself.
+            let parsed = mount::parse_options(&options)?;
             mount::run(&mount::MountRequest {
                 image,
                 dir,
-                options,
+                options: parsed,
+                raw_options: options,
                 foreground,
                 pid_file,
                 log_file,
+                daemon_child,
             })
+        }
+        Cmd::Umount {
+            dir,
+            timeout,
+            lazy,
+            no_wait,
+            other_fuse,
+        } => {
+            init_cli_logging();
+            umount::run(&umount::UmountRequest {
+                dir,
+                timeout: std::time::Duration::from_secs(timeout),
+                lazy,
+                wait: !no_wait,
+                other_fuse,
+            })
+        }
+        Cmd::InstallHelper { dir, remove } => {
+            for l in helper::install(&dir, remove)? {
+                println!(
+                    "{} {}",
+                    if remove { "removed" } else { "installed" },
+                    l.display()
+                );
+            }
+            Ok(())
         }
         Cmd::Info { image, json } => {
             init_cli_logging();
@@ -168,7 +233,19 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() -> ExitCode {
-    match run(Cli::parse()) {
+    let names: Vec<String> = Cli::command()
+        .get_subcommands()
+        .map(|c| c.get_name().to_string())
+        .collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let args = match helper::rewrite_args(std::env::args_os().collect(), &names) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("commitfs: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(Cli::parse_from(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("commitfs: {e:#}");

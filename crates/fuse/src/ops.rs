@@ -704,6 +704,24 @@ impl Filesystem for CommitFuse {
             reply_empty("fallocate", reply, r)
         });
     }
+
+    /// No ioctls are supported. Programs probe them routinely (`lsattr`, terminal
+    /// checks such as TCGETS), so this is a quiet ENOTTY ("not for this file"),
+    /// not fuser's default warning per call.
+    fn ioctl(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: fuser::IoctlFlags,
+        cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: fuser::ReplyIoctl,
+    ) {
+        tracing::debug!("ioctl {cmd:#x} on inode {ino:?}: not supported");
+        reply.error(Errno::ENOTTY);
+    }
 }
 
 #[cfg(test)]

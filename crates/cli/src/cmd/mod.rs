@@ -2,9 +2,12 @@
 
 pub mod demo;
 pub mod fsck;
+pub mod helper;
 pub mod info;
+pub mod logging;
 pub mod mkfs;
 pub mod mount;
 /// Human sizes (`64M`, `1.5G`): one home, in the device crate.
 pub use commitfs_device::size;
 pub mod stats;
+pub mod umount;

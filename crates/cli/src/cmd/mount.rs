@@ -1,21 +1,24 @@
 //! `commitfs mount IMAGE DIR [-o OPTS] [--foreground]`.
 //!
-//! Without `--foreground` the command forks: the child (the daemon) opens the image,
-//! mounts the FUSE session and only then tells the parent, through a pipe, that the
-//! mount is usable (or why it failed); the parent exits 0 or non-zero with the
-//! message. `umount DIR`, `fusermount3 -u DIR` or SIGINT/SIGTERM make the daemon
-//! write everything home (`Fs::unmount`) and exit 0.
+//! Without `--foreground` the command starts itself again as the daemon, which opens
+//! the image, mounts the FUSE session and only then tells the parent, on its stdout,
+//! that the mount is usable (or why it failed); the parent exits 0 or non-zero with
+//! the message. `commitfs umount DIR` (which waits), `umount DIR`, `fusermount3 -u
+//! DIR` or SIGINT/SIGTERM make the daemon write everything home (`Fs::unmount`) and
+//! exit 0.
 
-use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::FromRawFd;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use commitfs_fs::{Fs, MountOptions};
 use commitfs_fuse::FuseConfig;
+use nix::mount::MntFlags;
+use nix::sys::signal::{SigSet, Signal};
+
+use super::logging::{self, LogSink};
 
 /// Options given with `-o`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -77,6 +80,25 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             "noacl" => o.noacl = true,
             // Always on / the default anyway.
             "defaults" | "default_permissions" | "async" | "dev" | "suid" | "exec" => {}
+            // Copied from ext4 fstab lines: user xattrs are always on; data is
+            // always written before the metadata that points at it is committed
+            // (data=ordered), which is also at least what data=writeback promises.
+            "user_xattr" | "data=ordered" | "data=writeback" => {}
+            // commitfs always flushes at commit and never discards: accepting these
+            // keeps copied fstab lines working and changes nothing (see README).
+            "barrier" | "barrier=1" | "nobarrier" | "barrier=0" | "discard" | "nodiscard" => {}
+            // For mount(8), systemd and mount.fuse3, not for the file system.
+            "auto" | "noauto" | "nofail" | "_netdev" | "user" | "nouser" | "users" | "owner"
+            | "group" | "subtype=commitfs" | "loop" => {}
+            "nouser_xattr" => bail!(
+                "mount option \"nouser_xattr\" is not supported: user extended attributes \
+                 are always on (as in current kernels)"
+            ),
+            "data=journal" => bail!(
+                "mount option \"data=journal\" is not supported: commitfs journals metadata \
+                 only (data=ordered)"
+            ),
+            _ if opt.starts_with("x-") || opt.starts_with("comment=") => {}
             _ => {
                 if let Some(v) = opt.strip_prefix("commit=") {
                     let n: u32 = v
@@ -91,7 +113,8 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                 } else {
                     bail!(
                         "unknown mount option {opt:?} (supported: ro, rw, commit=N, \
-                         writeback_cache, allow_other, fast_commit, nofast_commit, fc_data_csum)"
+                         writeback_cache, allow_other, fast_commit, nofast_commit, fc_data_csum, \
+                         and from ext4 fstab lines user_xattr, data=ordered, barrier, discard)"
                     );
                 }
             }
@@ -106,13 +129,19 @@ pub struct MountRequest {
     pub image: PathBuf,
     pub dir: PathBuf,
     pub options: MountCmdOptions,
+    /// The `-o` values as given (handed on to the daemon process).
+    pub raw_options: Vec<String>,
     pub foreground: bool,
     pub pid_file: Option<PathBuf>,
     pub log_file: Option<PathBuf>,
+    /// This process is the daemon started by a `commitfs mount` without
+    /// `--foreground`: report the outcome on stdout, then detach.
+    pub daemon_child: bool,
 }
 
 /// `commitfs mount`.
 pub fn run(req: &MountRequest) -> Result<()> {
+    check_mount_point(&req.dir)?;
     let image = std::fs::canonicalize(&req.image)
         .with_context(|| format!("image {}", req.image.display()))?;
     let dir = std::fs::canonicalize(&req.dir)
@@ -120,54 +149,64 @@ pub fn run(req: &MountRequest) -> Result<()> {
     if !dir.is_dir() {
         bail!("mount point {} is not a directory", dir.display());
     }
+    // Stacking a second mount on a live one hides the first; almost always a mistake.
+    if let Ok(Some(m)) = super::umount::find_mount(&dir) {
+        if m.fstype == "fuse.commitfs" {
+            bail!(
+                "{} is already a commitfs mount (of {}); `commitfs umount {}` first",
+                dir.display(),
+                m.source,
+                dir.display()
+            );
+        }
+    }
+    let abs = |p: &Option<PathBuf>| -> Result<Option<PathBuf>> {
+        Ok(match p {
+            Some(p) if p.is_relative() => Some(std::env::current_dir()?.join(p)),
+            other => other.clone(),
+        })
+    };
     let req = MountRequest {
         image,
         dir,
+        pid_file: abs(&req.pid_file)?,
+        log_file: abs(&req.log_file)?,
         ..req.clone()
     };
-    if req.foreground {
-        init_logging(req.log_file.as_deref(), "info")?;
+    if req.daemon_child {
+        daemon_main(&req)
+    } else if req.foreground {
+        logging::init(&LogSink::for_foreground(req.log_file.as_deref()), false)?;
         serve(&req, |_| Ok(()))
     } else {
-        daemonize(&req)
+        spawn_daemon(&req)
     }
 }
 
-fn init_logging(file: Option<&Path>, default_level: &str) -> Result<()> {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("COMMITFS_LOG")
-        .or_else(|_| EnvFilter::try_from_default_env())
-        .unwrap_or_else(|_| EnvFilter::new(default_level));
-    let b = tracing_subscriber::fmt().with_env_filter(filter);
-    let r = match file {
-        Some(p) => {
-            let f = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .with_context(|| format!("log file {}", p.display()))?;
-            b.with_ansi(false)
-                .with_writer(std::sync::Mutex::new(f))
-                .try_init()
-        }
-        None => b.with_writer(std::io::stderr).try_init(),
-    };
-    // Already initialised (e.g. by a test harness): keep that one.
-    drop(r);
-    Ok(())
+/// Refuse a mount point that is a FUSE mount whose daemon has died (every access
+/// fails with ENOTCONN), saying how to clean it up.
+fn check_mount_point(dir: &Path) -> Result<()> {
+    match std::fs::metadata(dir) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => bail!(
+            "{}: {e}: a FUSE mount whose daemon has died is still attached there.\n\
+             Clean it up with `commitfs umount {}` (or `fusermount3 -uz {}`), then mount \
+             again. If it was a commitfs mount, its image was not unmounted cleanly: the next \
+             mount recovers it from the journal (what was fsynced is kept).",
+            dir.display(),
+            dir.display(),
+            dir.display()
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// Signals that unmount the file system.
-fn term_signals() -> libc::sigset_t {
-    // SAFETY: sigemptyset/sigaddset initialise and fill a local sigset_t.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-            libc::sigaddset(&mut set, s);
-        }
-        set
+fn term_signals() -> SigSet {
+    let mut set = SigSet::empty();
+    for s in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        set.add(s);
     }
+    set
 }
 
 /// Open the image, mount, call `on_mounted` once the kernel can use the mount, then
@@ -176,10 +215,7 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
     // Block the termination signals before any thread exists, so every thread
     // inherits the mask and only the sigwait thread below sees them.
     let set = term_signals();
-    // SAFETY: changing this thread's signal mask with a valid set.
-    unsafe {
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-    }
+    set.thread_block().context("blocking signals")?;
     let o = &req.options;
     let fs = Fs::open_path(
         &req.image,
@@ -215,15 +251,14 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
     std::thread::Builder::new()
         .name("commitfs-signals".into())
         .spawn(move || loop {
-            let mut sig = 0;
-            // SAFETY: waiting for one of the blocked signals in `set`.
-            let r = unsafe { libc::sigwait(&set, &mut sig) };
-            if r != 0 {
+            let Ok(sig) = set.wait() else {
                 continue;
-            }
-            tracing::info!("signal {sig}: unmounting {}", dir.display());
+            };
+            tracing::info!("{sig}: unmounting {}", dir.display());
             if let Err(e) = unmounter.unmount() {
-                tracing::warn!("unmount failed ({e}); detaching lazily");
+                // Busy (open files): normal for a signal; the session ends when the
+                // last user leaves.
+                tracing::info!("unmount: {e}; detaching lazily");
                 lazy_unmount(&dir);
             }
         })
@@ -242,7 +277,8 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
     let r = session.run();
     let stats = fs.io_stats();
     tracing::info!(
-        "unmounted: {} device writes ({} bytes), {} flushes",
+        "unmounted {}: {} device writes ({} bytes), {} flushes",
+        req.image.display(),
         stats.total_writes(),
         stats.total_write_bytes(),
         stats.flushes
@@ -252,11 +288,8 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
 
 /// Detach the mount even while busy (the session ends when the last user leaves).
 fn lazy_unmount(dir: &Path) {
-    if let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) {
-        // SAFETY: umount2 with a valid NUL-terminated path.
-        if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
-            return;
-        }
+    if nix::mount::umount2(dir, MntFlags::MNT_DETACH).is_ok() {
+        return;
     }
     let _ = std::process::Command::new("fusermount3")
         .arg("-uz")
@@ -264,91 +297,95 @@ fn lazy_unmount(dir: &Path) {
         .status();
 }
 
-/// Fork; the child serves, the parent waits until the child reports the mount
-/// usable (exit 0) or failed (error with the child's message).
-fn daemonize(req: &MountRequest) -> Result<()> {
-    let mut fds = [0i32; 2];
-    // SAFETY: pipe2 fills two descriptors we then own.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(std::io::Error::last_os_error()).context("pipe");
+/// The first line the daemon writes to its stdout once mounted.
+const READY: &str = "OK";
+/// Prefix of the daemon's failure report.
+const FAILED: &str = "ERR ";
+
+/// Start this program again as the daemon (`mount --daemon-child`, in a session of
+/// its own) and wait until it reports on its stdout that the mount is usable, or
+/// why it is not. Running a fresh process instead of forking this one needs no
+/// unsafe code and no care about threads at fork time.
+fn spawn_daemon(req: &MountRequest) -> Result<()> {
+    let exe = std::env::current_exe().context("finding the commitfs executable")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("mount")
+        .arg(&req.image)
+        .arg(&req.dir)
+        .arg("--daemon-child");
+    for o in &req.raw_options {
+        cmd.arg("-o").arg(o);
     }
-    // SAFETY: the process is single-threaded here (nothing has spawned a thread
-    // yet), so the child may continue running ordinary Rust code.
-    let pid = unsafe { libc::fork() };
-    if pid < 0 {
-        return Err(std::io::Error::last_os_error()).context("fork");
+    if let Some(p) = &req.pid_file {
+        cmd.arg("--pid-file").arg(p);
     }
-    if pid == 0 {
-        // Child: the daemon.
-        // SAFETY: fds[0] is ours to close; fds[1] is owned by the File from here on.
-        unsafe {
-            libc::close(fds[0]);
-            libc::setsid();
-        }
-        let report = unsafe { File::from_raw_fd(fds[1]) };
-        std::process::exit(daemon_main(req, report));
+    if let Some(p) = &req.log_file {
+        cmd.arg("--log-file").arg(p);
     }
-    // Parent.
-    // SAFETY: closing our copy of the write end; reading the read end we own.
-    unsafe {
-        libc::close(fds[1]);
-    }
-    let mut rd = unsafe { File::from_raw_fd(fds[0]) };
+    // stderr stays the caller's until the daemon detaches, so early messages show.
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the mount daemon")?;
     let mut msg = String::new();
-    let _ = rd.read_to_string(&mut msg);
-    if msg.starts_with("OK") {
+    if let Some(mut out) = child.stdout.take() {
+        let _ = out.read_to_string(&mut msg);
+    }
+    if msg.starts_with(READY) {
+        // The daemon runs on; it is reparented to init when we exit.
         return Ok(());
     }
-    if let Some(e) = msg.strip_prefix("ERR ") {
-        let mut status = 0;
-        // SAFETY: reaping our own child.
-        unsafe {
-            libc::waitpid(pid, &mut status, 0);
-        }
-        bail!("{}", e.trim_end());
+    let status = child.wait().context("waiting for the mount daemon")?;
+    match msg.strip_prefix(FAILED) {
+        Some(e) => bail!("{}", e.trim_end()),
+        None => bail!("the mount daemon exited before mounting ({status})"),
     }
-    let mut status = 0;
-    // SAFETY: reaping our own child.
-    unsafe {
-        libc::waitpid(pid, &mut status, 0);
-    }
-    bail!("the mount daemon exited before mounting (wait status {status:#x})")
 }
 
-fn daemon_main(req: &MountRequest, mut report: File) -> i32 {
-    // A daemon without a log file only has the terminal until it detaches.
-    let level = if req.log_file.is_some() {
-        "info"
-    } else {
-        "warn"
-    };
-    if let Err(e) = init_logging(req.log_file.as_deref(), level) {
-        let _ = write!(report, "ERR {e:#}");
-        return 1;
-    }
-    let mut report = Some(report);
-    let r = serve(req, |req| {
-        if let Some(p) = &req.pid_file {
-            std::fs::write(p, format!("{}\n", std::process::id()))
-                .with_context(|| format!("pid file {}", p.display()))?;
-        }
-        detach_stdio();
-        if let Some(mut w) = report.take() {
-            let _ = w.write_all(b"OK\n");
-        }
-        Ok(())
+/// The daemon: detach from the terminal's session, serve, report to the parent.
+fn daemon_main(req: &MountRequest) -> Result<()> {
+    // Not a process-group leader (spawned into the parent's group), so this works;
+    // it leaves the controlling terminal behind.
+    let _ = nix::unistd::setsid();
+    let mut report = Some(std::io::stdout());
+    let sink = LogSink::for_daemon(req.log_file.as_deref());
+    // Only until it detaches does a daemon logging to stderr have a terminal:
+    // keep that quiet.
+    let r = logging::init(&sink, sink == LogSink::Stderr).and_then(|()| {
+        serve(req, |req| {
+            if let Some(p) = &req.pid_file {
+                std::fs::write(p, format!("{}\n", std::process::id()))
+                    .with_context(|| format!("pid file {}", p.display()))?;
+            }
+            if sink == LogSink::Stderr {
+                eprintln!(
+                    "commitfs: no journald or syslog socket: the daemon's log is discarded \
+                     (--log-file FILE keeps it)"
+                );
+            } else {
+                tracing::info!("logging to {}", sink.describe());
+            }
+            if let Some(mut w) = report.take() {
+                let _ = writeln!(w, "{READY}");
+                let _ = w.flush();
+            }
+            detach_stdio();
+            Ok(())
+        })
     });
     match r {
-        Ok(()) => 0,
+        Ok(()) => Ok(()),
+        // Not mounted yet: the parent prints the message.
+        Err(e) if report.is_some() => {
+            let mut w = std::io::stdout();
+            let _ = write!(w, "{FAILED}{e:#}");
+            let _ = w.flush();
+            std::process::exit(1);
+        }
         Err(e) => {
-            match report.take() {
-                // Not mounted yet: the parent prints the message.
-                Some(mut w) => {
-                    let _ = write!(w, "ERR {e:#}");
-                }
-                None => tracing::error!("{e:#}"),
-            }
-            1
+            tracing::error!("{e:#}");
+            Err(e)
         }
     }
 }
@@ -360,14 +397,9 @@ fn detach_stdio() {
         .write(true)
         .open("/dev/null")
     {
-        use std::os::fd::AsRawFd;
-        let n = null.as_raw_fd();
-        // SAFETY: duplicating a valid descriptor over the standard ones.
-        unsafe {
-            libc::dup2(n, 0);
-            libc::dup2(n, 1);
-            libc::dup2(n, 2);
-        }
+        let _ = nix::unistd::dup2_stdin(&null);
+        let _ = nix::unistd::dup2_stdout(&null);
+        let _ = nix::unistd::dup2_stderr(&null);
     }
     let _ = std::env::set_current_dir("/");
 }
@@ -413,5 +445,26 @@ mod tests {
         assert!(p(&["noacl"]).unwrap().noacl);
         assert!(!p(&["noacl,acl"]).unwrap().noacl);
         assert!(p(&["acl", "rw,noacl"]).unwrap().noacl);
+    }
+
+    #[test]
+    fn options_from_ext4_fstab_lines_and_mount_tools() {
+        // Accepted, and change nothing we model.
+        let o = p(&[
+            "defaults,user_xattr,data=ordered,barrier,discard,noauto,nofail,_netdev",
+            "users,x-systemd.automount,x-systemd.device-timeout=10,comment=x,subtype=commitfs",
+            "barrier=1,nobarrier,nodiscard,data=writeback",
+        ])
+        .unwrap();
+        assert_eq!(o, MountCmdOptions::default());
+        // Refused by name, with the reason.
+        for bad in ["data=journal", "nouser_xattr", "data=bogus", "subtype=ext4"] {
+            let e = p(&[bad]).unwrap_err().to_string();
+            assert!(e.contains(bad), "{e}");
+        }
+        assert!(p(&["data=journal"])
+            .unwrap_err()
+            .to_string()
+            .contains("not supported"));
     }
 }
