@@ -11,7 +11,7 @@ use commitfs_journal::Handle;
 use crate::error::{FsError, Result};
 use crate::extent::Mapping;
 use crate::inner::{now, Inner};
-use crate::types::FallocFlags;
+use crate::types::{Caller, FallocFlags};
 
 /// Largest file size: 2^32 logical blocks (extent logical block numbers are 32 bits).
 fn max_file_size(bs: usize) -> u64 {
@@ -303,7 +303,14 @@ impl Inner {
         Ok(())
     }
 
-    pub fn fallocate(&mut self, ino: u32, off: u64, len: u64, flags: FallocFlags) -> Result<()> {
+    pub fn fallocate(
+        &mut self,
+        ino: u32,
+        off: u64,
+        len: u64,
+        flags: FallocFlags,
+        caller: Option<&Caller>,
+    ) -> Result<()> {
         let mut i = self.live_inode(ino)?;
         if i.is_dir() {
             return Err(FsError::IsDir);
@@ -324,8 +331,15 @@ impl Inner {
         let h = self.start(64)?;
         let range = ((off / self.bs as u64) as u32, end.div_ceil(self.bs as u64));
         self.fc_track_inode(ino, h.tid(), Some(range));
-        let r = self.fallocate_in(&h, ino, &mut i, off, end, flags);
+        // Privileges go before the data changes, as the kernel's file_modified()
+        // does, so even a failed call has cleared them.
+        let killed = caller.map(|c| c.mode_after_change(i.mode, i.gid));
         let t = now();
+        if let Some(m) = killed.filter(|&m| m != i.mode) {
+            i.mode = m;
+            i.ctime = t;
+        }
+        let r = self.fallocate_in(&h, ino, &mut i, off, end, flags);
         if r.is_ok() {
             // The kernel stamps mtime and ctime on every successful fallocate.
             i.mtime = t;

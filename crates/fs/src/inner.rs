@@ -96,8 +96,12 @@ pub(crate) struct Inner {
     /// Last group a directory was placed in (spreads top-level directories).
     pub last_dir_group: u32,
     pub next_generation: u32,
-    #[allow(dead_code)] // kept for the stats and later mount options
     pub opts: MountOptions,
+    /// `lazytime`: inodes whose cached copy carries an atime the inode table does
+    /// not have yet -> coarse seconds when that started (`atime.rs`).
+    pub lazy_atime: HashMap<u32, u64>,
+    /// Oldest value in `lazy_atime` (a cheap expiry check per access).
+    pub lazy_oldest: Option<u64>,
 }
 
 /// Seconds of the coarse realtime clock, which is what `time()` (and so e2fsck)
@@ -215,6 +219,8 @@ impl Inner {
             last_dir_group: 0,
             next_generation: now().nsec ^ 0x9E37_79B9,
             opts,
+            lazy_atime: HashMap::new(),
+            lazy_oldest: None,
         };
         inner.load_group_descs()?;
         if inspect_only {
@@ -554,6 +560,8 @@ impl Inner {
         if self.read_only {
             return Ok(());
         }
+        // A sync writes lazytime atimes too, as the kernel's syncfs does.
+        self.flush_lazy_atimes(None)?;
         self.refresh_super_counts();
         if self.journal.has_log() && !self.sb_dirty {
             // Like the kernel, free counts are not logged at every commit: the
@@ -635,7 +643,9 @@ impl Inner {
             Inode::parse(&d[off..off + self.inode_size], ino, &self.csum, blk)?
         };
         if self.inodes.len() > 1 << 20 {
-            self.inodes.clear();
+            // Lazytime atimes live only in the cache until written: keep them.
+            let lazy = &self.lazy_atime;
+            self.inodes.retain(|i, _| lazy.contains_key(i));
         }
         self.inodes.insert(ino, inode.clone());
         Ok(inode)
@@ -650,6 +660,10 @@ impl Inner {
             inode.serialize(&mut d[off..off + isz], ino, &csum)
         })?;
         self.inodes.insert(ino, inode.clone());
+        // The table now holds whatever atime the cache had.
+        if !self.lazy_atime.is_empty() {
+            self.lazy_atime.remove(&ino);
+        }
         Ok(())
     }
 

@@ -5,6 +5,7 @@
 //! conventions every module follows).
 
 mod alloc;
+mod atime;
 mod dir;
 mod error;
 mod extent;
@@ -452,7 +453,9 @@ impl Fs {
                 name: name.to_vec(),
                 next_offset: next,
             })
-        })
+        })?;
+        g.touch_atime(ino);
+        Ok(())
     }
 
     /// All entries of a directory, including "." and "..".
@@ -551,8 +554,14 @@ impl Fs {
         self.inner.lock().release(ino)
     }
 
+    /// Read file data; updates atime under the mount's atime policy.
     pub fn read(&self, ino: Ino, offset: u64, buf: &mut [u8]) -> Result<usize> {
-        self.inner.lock().read(ino, offset, buf)
+        let mut g = self.inner.lock();
+        let n = g.read(ino, offset, buf)?;
+        if !buf.is_empty() {
+            g.touch_atime(ino);
+        }
+        Ok(n)
     }
 
     pub fn write(&self, ino: Ino, offset: u64, data: &[u8]) -> Result<usize> {
@@ -566,13 +575,31 @@ impl Fs {
         Ok(n)
     }
 
+    /// `fallocate` by a privileged caller (setuid/setgid bits stay).
     pub fn fallocate(&self, ino: Ino, offset: u64, len: u64, flags: FallocFlags) -> Result<()> {
+        self.fallocate_by(ino, offset, len, flags, None)
+    }
+
+    /// `fallocate` on behalf of `caller`: like every data change by a caller
+    /// without `CAP_FSETID`, it clears setuid (and setgid, by the kernel's rule:
+    /// [`Caller::mode_after_change`]) in the same transaction. FUSE passes no
+    /// "kill privileges" hint with fallocate, so the daemon must decide.
+    pub fn fallocate_by(
+        &self,
+        ino: Ino,
+        offset: u64,
+        len: u64,
+        flags: FallocFlags,
+        caller: Option<&Caller>,
+    ) -> Result<()> {
         let end = offset.saturating_add(len);
         let span = move |g: &mut Inner| -> Result<(u64, u64)> {
             let size = g.read_inode(ino)?.size;
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
-        self.retry_nospace_guarded(Some((ino, &span)), |g| g.fallocate(ino, offset, len, flags))?;
+        self.retry_nospace_guarded(Some((ino, &span)), |g| {
+            g.fallocate(ino, offset, len, flags, caller)
+        })?;
         self.maybe_commit()
     }
 
@@ -626,6 +653,8 @@ impl Fs {
         let (j, tid, blocks, flush, logged) = {
             let mut g = self.inner.lock();
             g.read_inode(ino)?;
+            // An fsync writes the inode's lazytime atime (as the kernel's does).
+            g.flush_lazy_atimes(Some(ino))?;
             if !g.fc_on() {
                 drop(g);
                 return self.sync();

@@ -598,7 +598,7 @@ impl Filesystem for CommitFuse {
 
     fn fallocate(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
@@ -629,8 +629,10 @@ impl Filesystem for CommitFuse {
                 return;
             }
         };
+        let (uid, gid, pid) = (req.uid(), req.gid(), req.pid());
         self.run(move |s| {
-            let r = s.fs.fallocate(ino, offset, length, flags);
+            let caller = crate::convert::caller_of(uid, gid, pid);
+            let r = s.fs.fallocate_by(ino, offset, length, flags, Some(&caller));
             reply_empty("fallocate", reply, r)
         });
     }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
-use commitfs_fs::{Fs, MountOptions};
+use commitfs_fs::{AtimeMode, Fs, MountOptions};
 use commitfs_fuse::FuseConfig;
 
 /// Options given with `-o`.
@@ -31,6 +31,16 @@ pub struct MountCmdOptions {
     pub fast_commit: bool,
     /// `fc_data_csum`: checksum fsynced data in the fast-commit log (one flush).
     pub fc_data_csum: bool,
+    /// `strictatime` / `relatime` (default) / `noatime`.
+    pub atime: AtimeMode,
+    /// `nodiratime`: directories keep their atime.
+    pub nodiratime: bool,
+    /// `lazytime`: atime updates are written lazily.
+    pub lazytime: bool,
+    /// `nodev`: device nodes cannot be opened (`dev`, the default, for root).
+    pub nodev: bool,
+    /// `nosuid`: setuid/setgid bits are ignored on exec (`suid` is the default).
+    pub nosuid: bool,
 }
 
 impl Default for MountCmdOptions {
@@ -43,6 +53,11 @@ impl Default for MountCmdOptions {
             no_fast_commit: false,
             fast_commit: false,
             fc_data_csum: false,
+            atime: AtimeMode::default(),
+            nodiratime: false,
+            lazytime: false,
+            nodev: false,
+            nosuid: false,
         }
     }
 }
@@ -64,8 +79,19 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             "nofast_commit" => o.no_fast_commit = true,
             "fast_commit" => o.fast_commit = true,
             "fc_data_csum" => o.fc_data_csum = true,
+            "strictatime" => o.atime = AtimeMode::Strict,
+            "relatime" => o.atime = AtimeMode::Relative,
+            "noatime" => o.atime = AtimeMode::Never,
+            "nodiratime" => o.nodiratime = true,
+            "diratime" => o.nodiratime = false,
+            "lazytime" => o.lazytime = true,
+            "nolazytime" => o.lazytime = false,
+            "nodev" => o.nodev = true,
+            "dev" => o.nodev = false,
+            "nosuid" => o.nosuid = true,
+            "suid" => o.nosuid = false,
             // Always on / the default anyway.
-            "defaults" | "default_permissions" | "async" | "dev" | "suid" | "exec" => {}
+            "defaults" | "default_permissions" | "async" | "exec" => {}
             _ => {
                 if let Some(v) = opt.strip_prefix("commit=") {
                     let n: u32 = v
@@ -80,7 +106,8 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                 } else {
                     bail!(
                         "unknown mount option {opt:?} (supported: ro, rw, commit=N, \
-                         writeback_cache, allow_other, fast_commit, nofast_commit, fc_data_csum)"
+                         writeback_cache, allow_other, fast_commit, nofast_commit, fc_data_csum, \
+                         strictatime, relatime, noatime, nodiratime, lazytime, nodev, nosuid)"
                     );
                 }
             }
@@ -177,6 +204,9 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
             commit_interval: o.commit,
             fast_commit: !o.no_fast_commit,
             fc_data_csum: o.fc_data_csum && !o.no_fast_commit,
+            atime: o.atime,
+            nodiratime: o.nodiratime,
+            lazytime: o.lazytime,
         },
     )
     .map_err(|e| anyhow!("cannot mount {}: {e}", req.image.display()))?;
@@ -186,6 +216,8 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         writeback_cache: o.writeback_cache && !o.read_only,
         allow_other: o.allow_other,
         fsname: req.image.display().to_string().replace(',', "_"),
+        dev: !o.nodev,
+        suid: !o.nosuid,
         ..FuseConfig::default()
     };
     let mut session = commitfs_fuse::mount(fs.clone(), &req.dir, &cfg)
@@ -372,5 +404,19 @@ mod tests {
         let e = p(&["bogus"]).unwrap_err().to_string();
         assert!(e.contains("bogus"), "{e}");
         assert_eq!(p(&[]).unwrap(), MountCmdOptions::default());
+    }
+
+    #[test]
+    fn atime_and_device_options() {
+        let d = p(&[]).unwrap();
+        assert_eq!(d.atime, AtimeMode::Relative);
+        assert!(!d.nodiratime && !d.lazytime && !d.nodev && !d.nosuid);
+        let o = p(&["strictatime,nodiratime,lazytime,nodev,nosuid"]).unwrap();
+        assert_eq!(o.atime, AtimeMode::Strict);
+        assert!(o.nodiratime && o.lazytime && o.nodev && o.nosuid);
+        let o = p(&["noatime", "nodev,dev,nosuid,suid,relatime"]).unwrap();
+        assert_eq!(o.atime, AtimeMode::Relative);
+        assert!(!o.nodev && !o.nosuid);
+        assert_eq!(p(&["noatime"]).unwrap().atime, AtimeMode::Never);
     }
 }
