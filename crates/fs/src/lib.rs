@@ -417,6 +417,12 @@ impl Fs {
     }
 
     pub fn setattr(&self, ino: Ino, set: &SetAttr) -> Result<Attr> {
+        self.setattr_by(ino, set, None)
+    }
+
+    /// [`Fs::setattr`] on behalf of `caller`: a truncate by a caller without
+    /// `CAP_FSETID` clears setuid/setgid (see [`Caller::mode_after_change`]).
+    pub fn setattr_by(&self, ino: Ino, set: &SetAttr, caller: CallerOf<'_>) -> Result<Attr> {
         let a = match set.size {
             // A truncate zeroes the tail of the new last block in place.
             Some(new) => {
@@ -424,9 +430,10 @@ impl Fs {
                     let size = g.read_inode(ino)?.size;
                     Ok((new.min(size) / g.bs64(), u64::MAX))
                 };
-                self.lock_guarded(Some((ino, &span)))?.setattr(ino, set)?
+                self.lock_guarded(Some((ino, &span)))?
+                    .setattr(ino, set, caller)?
             }
-            None => self.inner.lock().setattr(ino, set)?,
+            None => self.inner.lock().setattr(ino, set, caller)?,
         };
         self.maybe_commit()?;
         Ok(a)
@@ -564,13 +571,28 @@ impl Fs {
         Ok(n)
     }
 
+    /// Write by a privileged caller (setuid/setgid bits stay).
     pub fn write(&self, ino: Ino, offset: u64, data: &[u8]) -> Result<usize> {
+        self.write_by(ino, offset, data, None)
+    }
+
+    /// Write on behalf of `caller`, clearing setuid/setgid like the kernel's
+    /// `file_remove_privs` (see [`Caller::mode_after_change`]).
+    pub fn write_by(
+        &self,
+        ino: Ino,
+        offset: u64,
+        data: &[u8],
+        caller: CallerOf<'_>,
+    ) -> Result<usize> {
         let end = offset.saturating_add(data.len() as u64);
         let span = move |g: &mut Inner| -> Result<(u64, u64)> {
             let size = g.read_inode(ino)?.size;
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
-        let n = self.retry_nospace_guarded(Some((ino, &span)), |g| g.write(ino, offset, data))?;
+        let n = self.retry_nospace_guarded(Some((ino, &span)), |g| {
+            g.write(ino, offset, data, caller)
+        })?;
         self.maybe_commit()?;
         Ok(n)
     }
@@ -590,7 +612,7 @@ impl Fs {
         offset: u64,
         len: u64,
         flags: FallocFlags,
-        caller: Option<&Caller>,
+        caller: CallerOf<'_>,
     ) -> Result<()> {
         let end = offset.saturating_add(len);
         let span = move |g: &mut Inner| -> Result<(u64, u64)> {

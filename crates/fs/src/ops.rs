@@ -610,7 +610,9 @@ impl Inner {
         Ok(())
     }
 
-    pub fn setattr(&mut self, ino: u32, set: &SetAttr) -> Result<Attr> {
+    /// Change attributes; a size change by `caller` also clears setuid/setgid
+    /// as the kernel's truncate does (unless the call sets the mode itself).
+    pub fn setattr(&mut self, ino: u32, set: &SetAttr, caller: CallerOf<'_>) -> Result<Attr> {
         let mut i = self.live_inode(ino)?;
         if self.read_only {
             return Err(FsError::ReadOnly);
@@ -624,6 +626,9 @@ impl Inner {
             }
             self.set_size(ino, size)?;
             i = self.read_inode(ino)?;
+            if set.mode.is_none() {
+                Self::drop_privs(&mut i, caller);
+            }
         }
         let t = now();
         if let Some(m) = set.mode {

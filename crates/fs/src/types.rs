@@ -198,6 +198,11 @@ pub struct Caller {
     pub cap_fsetid: bool,
 }
 
+/// The caller of a data-changing call, looked up only when the file has a
+/// setuid or setgid bit (looking up supplementary groups and capabilities costs
+/// a `/proc` read at the FUSE boundary). `None`: a privileged caller.
+pub type CallerOf<'a> = Option<&'a (dyn Fn() -> Caller + Sync)>;
+
 impl Caller {
     /// Is the caller a member of group `gid`?
     pub fn in_group(&self, gid: u32) -> bool {

@@ -257,7 +257,8 @@ fn unprivileged_fallocate_clears_setuid_setgid() {
                 },
             )
             .unwrap();
-            fs.fallocate_by(f, 0, 8192, flags, Some(who)).unwrap();
+            let lookup = || who.clone();
+            fs.fallocate_by(f, 0, 8192, flags, Some(&lookup)).unwrap();
             let got = fs.getattr(f).unwrap().perm;
             assert_eq!(
                 got, after,
@@ -266,7 +267,42 @@ fn unprivileged_fallocate_clears_setuid_setgid() {
             );
         }
     }
-    // The plain call is a privileged one.
+    // Writes and truncates by the caller follow the same rule.
+    for (before, who, after) in cases {
+        for truncate in [false, true] {
+            fs.setattr(
+                f,
+                &SetAttr {
+                    mode: Some(before),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let lookup = || who.clone();
+            if truncate {
+                let set = SetAttr {
+                    size: Some(100),
+                    ..Default::default()
+                };
+                fs.setattr_by(f, &set, Some(&lookup)).unwrap();
+            } else {
+                fs.write_by(f, 10, b"abc", Some(&lookup)).unwrap();
+            }
+            let got = fs.getattr(f).unwrap().perm;
+            assert_eq!(got, after, "truncate {truncate} by {} on {before:o}", who.uid);
+        }
+    }
+    // The plain calls are privileged ones.
+    fs.setattr(
+        f,
+        &SetAttr {
+            mode: Some(0o6666),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    fs.write(f, 0, b"x").unwrap();
+    assert_eq!(fs.getattr(f).unwrap().perm, 0o6666);
     fs.setattr(
         f,
         &SetAttr {
