@@ -611,7 +611,7 @@ impl Inner {
     }
 
     /// Change attributes; a size change by `caller` also clears setuid/setgid
-    /// as the kernel's truncate does (unless the call sets the mode itself).
+    /// as the kernel's truncate does.
     pub fn setattr(&mut self, ino: u32, set: &SetAttr, caller: CallerOf<'_>) -> Result<Attr> {
         let mut i = self.live_inode(ino)?;
         if self.read_only {
@@ -626,13 +626,15 @@ impl Inner {
             }
             self.set_size(ino, size)?;
             i = self.read_inode(ino)?;
-            if set.mode.is_none() {
-                Self::drop_privs(&mut i, caller);
-            }
         }
         let t = now();
         if let Some(m) = set.mode {
             i.mode = (i.mode & fi::S_IFMT) | (m & 0o7777);
+        }
+        if set.size.is_some() {
+            // After any mode in the same call: the kernel's FUSE sends its own
+            // (partial) privilege kill as a mode with the size.
+            Self::drop_privs(&mut i, caller);
         }
         if let Some(u) = set.uid {
             i.uid = u;
