@@ -123,11 +123,8 @@ fn setuid_setgid_cleared_by_unprivileged_data_changes() {
                 for uid in [NOBODY, 0] {
                     let p = root.join(format!("f{i}-{j}-{uid}"));
                     std::fs::write(&p, vec![7u8; 20_000]).unwrap();
-                    std::fs::set_permissions(
-                        &p,
-                        std::os::unix::fs::PermissionsExt::from_mode(m),
-                    )
-                    .unwrap();
+                    std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(m))
+                        .unwrap();
                     assert_eq!(mode_of(&p), m);
                     let err = change_as(&p, uid, uid, *ch);
                     out.push((*ch, m, uid, err, mode_of(&p)));
@@ -138,7 +135,10 @@ fn setuid_setgid_cleared_by_unprivileged_data_changes() {
     };
     let (k, f) = on_both("rw", &["-o", "allow_other"], scenario);
     for (kr, fr) in k.iter().zip(&f) {
-        assert_eq!(kr, fr, "kernel ext4 vs commitfs (change, mode, uid, errno, mode after)");
+        assert_eq!(
+            kr, fr,
+            "kernel ext4 vs commitfs (change, mode, uid, errno, mode after)"
+        );
         let (ch, m, uid, err, after) = *fr;
         assert_eq!(err, 0, "{ch:?} on {m:o} by {uid}");
         // The kernel's rule: without CAP_FSETID, setuid always goes; setgid goes

@@ -590,9 +590,8 @@ impl Fs {
             let size = g.read_inode(ino)?.size;
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
-        let n = self.retry_nospace_guarded(Some((ino, &span)), |g| {
-            g.write(ino, offset, data, caller)
-        })?;
+        let n =
+            self.retry_nospace_guarded(Some((ino, &span)), |g| g.write(ino, offset, data, caller))?;
         self.maybe_commit()?;
         Ok(n)
     }

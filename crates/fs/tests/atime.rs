@@ -70,7 +70,11 @@ fn relatime_updates_only_stale_atimes() {
     let h0 = handles(&fs);
     read1(&fs, f);
     assert_eq!(fs.getattr(f).unwrap().atime, ts(n - 100));
-    assert_eq!(handles(&fs), h0, "an access that changes nothing started a handle");
+    assert_eq!(
+        handles(&fs),
+        h0,
+        "an access that changes nothing started a handle"
+    );
     // atime older than mtime: updated to now.
     set_times(&fs, f, n - 1000, n - 100, n - 1000);
     read1(&fs, f);
@@ -112,7 +116,11 @@ fn atime_update_forces_no_commit() {
     assert!(handles(&fs) > h0, "no atime update was journalled");
     let a = fs.getattr(f).unwrap().atime;
     assert!(a.sec >= n, "strictatime read left atime at {a:?}");
-    assert_eq!(fs.stats().journal.commits, c0, "atime updates forced commits");
+    assert_eq!(
+        fs.stats().journal.commits,
+        c0,
+        "atime updates forced commits"
+    );
 }
 
 #[test]
@@ -243,7 +251,7 @@ fn unprivileged_fallocate_clears_setuid_setgid() {
     // (mode before, caller, mode after): the kernel's setattr_should_drop_suidgid.
     let cases: [(u16, &Caller, u16); 7] = [
         (0o4666, &nobody, 0o0666),
-        (0o2666, &nobody, 0o0666), // not in the file's group
+        (0o2666, &nobody, 0o0666),   // not in the file's group
         (0o2666, &in_group, 0o2666), // no group exec, in the group: kept
         (0o2676, &in_group, 0o0676), // group exec: always cleared
         (0o6766, &nobody, 0o0766),
@@ -292,7 +300,11 @@ fn unprivileged_fallocate_clears_setuid_setgid() {
                 fs.write_by(f, 10, b"abc", Some(&lookup)).unwrap();
             }
             let got = fs.getattr(f).unwrap().perm;
-            assert_eq!(got, after, "truncate {truncate} by {} on {before:o}", who.uid);
+            assert_eq!(
+                got, after,
+                "truncate {truncate} by {} on {before:o}",
+                who.uid
+            );
         }
     }
     // The plain calls are privileged ones.
@@ -330,7 +342,9 @@ fn removed_directory_stays_until_released() {
     fs.open_inode(d).unwrap();
     fs.rename(ROOT_INO, b"b", ROOT_INO, b"d", RenameFlags::default())
         .unwrap();
-    let a = fs.getattr(d).expect("getattr of an open replaced directory");
+    let a = fs
+        .getattr(d)
+        .expect("getattr of an open replaced directory");
     assert_eq!(a.nlink, 0);
     assert_eq!(a.kind, FileType::Directory);
     assert_eq!(fs.lookup(ROOT_INO, b"d").unwrap().ino, b);

@@ -222,7 +222,10 @@ fn parse_status(text: &str, c: &mut commitfs_fs::Caller) {
     const CAP_FSETID: u32 = 4;
     for line in text.lines() {
         if let Some(v) = line.strip_prefix("Groups:") {
-            c.groups = v.split_whitespace().filter_map(|g| g.parse().ok()).collect();
+            c.groups = v
+                .split_whitespace()
+                .filter_map(|g| g.parse().ok())
+                .collect();
         } else if let Some(v) = line.strip_prefix("CapEff:") {
             if let Ok(bits) = u64::from_str_radix(v.trim(), 16) {
                 c.cap_fsetid = bits & (1 << CAP_FSETID) != 0;
