@@ -67,10 +67,12 @@ enum Change {
     Fallocate(i32),
 }
 
-/// Open `path` and change its data as `uid`/`gid` (no supplementary groups), in a
-/// forked child; returns the child's errno (0: success).
-fn change_as(path: &Path, uid: u32, gid: u32, change: Change) -> i32 {
+/// Open `path` and change its data as `uid`/`gid` with supplementary `groups`
+/// (uid 0: as the test runs), in a forked child; returns the child's errno (0:
+/// success).
+fn change_as(path: &Path, uid: u32, gid: u32, groups: &[u32], change: Change) -> i32 {
     let p = c(path);
+    let groups: Vec<libc::gid_t> = groups.to_vec();
     // SAFETY: the child only makes system calls (async-signal-safe) and _exits.
     unsafe {
         let pid = libc::fork();
@@ -78,7 +80,7 @@ fn change_as(path: &Path, uid: u32, gid: u32, change: Change) -> i32 {
         if pid == 0 {
             let fail = || *libc::__errno_location();
             if uid != 0
-                && (libc::setgroups(0, std::ptr::null()) != 0
+                && (libc::setgroups(groups.len(), groups.as_ptr()) != 0
                     || libc::setresgid(gid, gid, gid) != 0
                     || libc::setresuid(uid, uid, uid) != 0)
             {
@@ -116,18 +118,26 @@ fn setuid_setgid_cleared_by_unprivileged_data_changes() {
         Change::Fallocate(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE),
     ];
     let modes = [0o4666u32, 0o2666, 0o6766, 0o2676, 0o0666];
+    // (uid, gid, supplementary groups): nobody; nobody in root's group as primary
+    // and as supplementary group (the files are root:root); root.
+    let callers: [(u32, u32, &[u32]); 4] = [
+        (NOBODY, NOBODY, &[]),
+        (NOBODY, 0, &[]),
+        (NOBODY, NOBODY, &[0]),
+        (0, 0, &[]),
+    ];
     let scenario = |root: &Path| {
         let mut out = Vec::new();
         for (i, ch) in changes.iter().enumerate() {
             for (j, &m) in modes.iter().enumerate() {
-                for uid in [NOBODY, 0] {
-                    let p = root.join(format!("f{i}-{j}-{uid}"));
+                for (k, &(uid, gid, groups)) in callers.iter().enumerate() {
+                    let p = root.join(format!("f{i}-{j}-{k}"));
                     std::fs::write(&p, vec![7u8; 20_000]).unwrap();
                     std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(m))
                         .unwrap();
                     assert_eq!(mode_of(&p), m);
-                    let err = change_as(&p, uid, uid, *ch);
-                    out.push((*ch, m, uid, err, mode_of(&p)));
+                    let err = change_as(&p, uid, gid, groups, *ch);
+                    out.push((*ch, m, k, err, mode_of(&p)));
                 }
             }
         }
@@ -137,15 +147,20 @@ fn setuid_setgid_cleared_by_unprivileged_data_changes() {
     for (kr, fr) in k.iter().zip(&f) {
         assert_eq!(
             kr, fr,
-            "kernel ext4 vs commitfs (change, mode, uid, errno, mode after)"
+            "kernel ext4 vs commitfs (change, mode, caller, errno, mode after)"
         );
-        let (ch, m, uid, err, after) = *fr;
-        assert_eq!(err, 0, "{ch:?} on {m:o} by {uid}");
+        let (ch, m, k, err, after) = *fr;
+        assert_eq!(err, 0, "{ch:?} on {m:o} by caller {k}");
         // The kernel's rule: without CAP_FSETID, setuid always goes; setgid goes
-        // too when group-executable or the caller is not in the group (nobody
-        // is not in root's group); root keeps both.
-        let want = if uid == 0 { m } else { m & !0o6000 };
-        assert_eq!(after, want, "{ch:?} on {m:o} by {uid}: {after:o}");
+        // too when group-executable or the caller is not in the file's group;
+        // root keeps both.
+        let want = match k {
+            3 => m,
+            0 => m & !0o6000,
+            _ if m & 0o010 != 0 => m & !0o6000,
+            _ => m & !0o4000,
+        };
+        assert_eq!(after, want, "{ch:?} on {m:o} by caller {k}: {after:o}");
     }
 }
 
