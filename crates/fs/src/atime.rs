@@ -42,18 +42,24 @@ fn atime_due(opts: &MountOptions, i: &Inode, t: Timestamp) -> bool {
 }
 
 impl Inner {
-    /// Note an access (read, readdir) of `ino`. Never fails the access: an atime
-    /// that cannot be written is only logged, as in the kernel.
-    pub fn touch_atime(&mut self, ino: u32) {
+    /// Note an access (read, readdir) of `ino`; true if the running transaction
+    /// got an inode update (the caller may then commit early when it has grown
+    /// large). Never fails the access: an atime that cannot be written is only
+    /// logged, as in the kernel.
+    pub fn touch_atime(&mut self, ino: u32) -> bool {
         if self.read_only || self.opts.atime == AtimeMode::Never {
-            return;
+            return false;
         }
-        if let Err(e) = self.try_touch_atime(ino) {
-            tracing::warn!("atime update of inode {ino}: {e}");
+        match self.try_touch_atime(ino) {
+            Ok(journalled) => journalled,
+            Err(e) => {
+                tracing::warn!("atime update of inode {ino}: {e}");
+                false
+            }
         }
     }
 
-    fn try_touch_atime(&mut self, ino: u32) -> Result<()> {
+    fn try_touch_atime(&mut self, ino: u32) -> Result<bool> {
         let t = now();
         // Decide on the cached copy without cloning it (the common case: no update).
         let due = match self.inodes.get(&ino) {
@@ -64,7 +70,7 @@ impl Inner {
             }
         };
         if !due {
-            return Ok(());
+            return Ok(false);
         }
         let mut i = self.read_inode(ino)?;
         i.atime = t;
@@ -78,8 +84,9 @@ impl Inner {
                 .is_some_and(|o| secs.saturating_sub(o) >= LAZYTIME_EXPIRY)
             {
                 self.flush_lazy_expired(secs)?;
+                return Ok(true);
             }
-            return Ok(());
+            return Ok(false);
         }
         let h = self.start(1)?;
         // Directories are never tracked by fast commits (as in the kernel); a lost
@@ -89,7 +96,7 @@ impl Inner {
         }
         let r = self.write_inode(&h, ino, &i);
         self.stop(h)?;
-        r
+        r.map(|()| true)
     }
 
     /// Write lazytime atimes to the inode table: of `only`, or of every inode.

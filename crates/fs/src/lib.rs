@@ -290,6 +290,14 @@ impl Fs {
         Ok(())
     }
 
+    /// [`Self::maybe_commit`] after an access updated atime: a failure there is
+    /// only logged, the access itself succeeded.
+    fn commit_after_access(&self) {
+        if let Err(e) = self.maybe_commit() {
+            tracing::warn!("commit after an atime update: {e}");
+        }
+    }
+
     /// Mount an image file or block device by path.
     pub fn open_path(path: &Path, opts: MountOptions) -> Result<Fs> {
         let dev: DeviceRef = Arc::new(FileDevice::open(path, opts.read_only)?);
@@ -461,7 +469,10 @@ impl Fs {
                 next_offset: next,
             })
         })?;
-        g.touch_atime(ino);
+        if g.touch_atime(ino) {
+            drop(g);
+            self.commit_after_access();
+        }
         Ok(())
     }
 
@@ -565,8 +576,9 @@ impl Fs {
     pub fn read(&self, ino: Ino, offset: u64, buf: &mut [u8]) -> Result<usize> {
         let mut g = self.inner.lock();
         let n = g.read(ino, offset, buf)?;
-        if !buf.is_empty() {
-            g.touch_atime(ino);
+        if !buf.is_empty() && g.touch_atime(ino) {
+            drop(g);
+            self.commit_after_access();
         }
         Ok(n)
     }
