@@ -2094,7 +2094,8 @@ fn fuse_case(case: &Case) {
     let ctx = format!("[{}] seed {seed}", case.name);
     let mut km = KernelMount::mount(&kimg.path, "noatime").expect("kernel mount");
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_commitfs"));
-    let mut fm = FuseMount::mount(&bin, &fimg.path, &[]).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+    let mut fm = FuseMount::mount(&bin, &fimg.path, &["-o", "noatime"])
+        .unwrap_or_else(|e| panic!("{ctx}: {e}"));
     let wd = Watchdog::new(ctx.clone(), 600, fm.pid(), Some(fm.path().to_path_buf()));
     let mut fuse = PosixTarget {
         root: fm.path().to_path_buf(),

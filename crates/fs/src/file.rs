@@ -11,7 +11,7 @@ use commitfs_journal::Handle;
 use crate::error::{FsError, Result};
 use crate::extent::Mapping;
 use crate::inner::{now, Inner};
-use crate::types::FallocFlags;
+use crate::types::{CallerOf, FallocFlags};
 
 /// Largest file size: 2^32 logical blocks (extent logical block numbers are 32 bits).
 fn max_file_size(bs: usize) -> u64 {
@@ -79,7 +79,28 @@ impl Inner {
         Ok(n)
     }
 
-    pub fn write(&mut self, ino: u32, off: u64, data: &[u8]) -> Result<usize> {
+    /// Clear setuid/setgid of a regular file whose data `caller` changes, by
+    /// the kernel's rule ([`crate::Caller::mode_after_change`]); true if changed.
+    pub fn drop_privs(i: &mut Inode, caller: CallerOf<'_>) -> bool {
+        let Some(who) = caller else {
+            return false;
+        };
+        if i.mode & 0o6000 == 0 || !i.is_reg() {
+            return false;
+        }
+        let m = who().mode_after_change(i.mode, i.gid);
+        let changed = m != i.mode;
+        i.mode = m;
+        changed
+    }
+
+    pub fn write(
+        &mut self,
+        ino: u32,
+        off: u64,
+        data: &[u8],
+        caller: CallerOf<'_>,
+    ) -> Result<usize> {
         let mut i = self.live_inode(ino)?;
         if i.is_dir() {
             return Err(FsError::IsDir);
@@ -95,6 +116,10 @@ impl Inner {
             .ok_or(FsError::FileTooBig)?;
         let h = self.start(64)?;
         self.fc_track_inode(ino, h.tid(), None);
+        // Like file_remove_privs(): before the data changes, whatever follows.
+        if Self::drop_privs(&mut i, caller) {
+            i.ctime = now();
+        }
         let r = self.write_in(&h, ino, &mut i, off, data);
         // Whatever part was written is recorded, even after an error (ENOSPC).
         let written = match &r {
@@ -335,7 +360,14 @@ impl Inner {
         Ok(())
     }
 
-    pub fn fallocate(&mut self, ino: u32, off: u64, len: u64, flags: FallocFlags) -> Result<()> {
+    pub fn fallocate(
+        &mut self,
+        ino: u32,
+        off: u64,
+        len: u64,
+        flags: FallocFlags,
+        caller: CallerOf<'_>,
+    ) -> Result<()> {
         let mut i = self.live_inode(ino)?;
         if i.is_dir() {
             return Err(FsError::IsDir);
@@ -356,8 +388,13 @@ impl Inner {
         let h = self.start(64)?;
         let range = ((off / self.bs as u64) as u32, end.div_ceil(self.bs as u64));
         self.fc_track_inode(ino, h.tid(), Some(range));
-        let r = self.fallocate_in(&h, ino, &mut i, off, end, flags);
+        // Privileges go before the data changes, as the kernel's file_modified()
+        // does, so even a failed call has cleared them.
         let t = now();
+        if Self::drop_privs(&mut i, caller) {
+            i.ctime = t;
+        }
+        let r = self.fallocate_in(&h, ino, &mut i, off, end, flags);
         if r.is_ok() {
             // The kernel stamps mtime and ctime on every successful fallocate.
             i.mtime = t;

@@ -96,7 +96,6 @@ pub(crate) struct Inner {
     /// Last group a directory was placed in (spreads top-level directories).
     pub last_dir_group: u32,
     pub next_generation: u32,
-    #[allow(dead_code)] // kept for the stats and later mount options
     pub opts: MountOptions,
     /// `errors=` handling, shared with `Fs` and the committer (errors.rs).
     pub errors: Arc<crate::errors::ErrorState>,
@@ -105,6 +104,11 @@ pub(crate) struct Inner {
     pub data_errors: HashSet<u32>,
     /// What this mount's recovery replayed (`None`: the journal was empty).
     pub recovery: Option<crate::Recovery>,
+    /// `lazytime`: inodes whose cached copy carries an atime the inode table does
+    /// not have yet -> coarse seconds when that started (`atime.rs`).
+    pub lazy_atime: HashMap<u32, u64>,
+    /// Oldest value in `lazy_atime` (a cheap expiry check per access).
+    pub lazy_oldest: Option<u64>,
 }
 
 /// Seconds of the coarse realtime clock, which is what `time()` (and so e2fsck)
@@ -236,6 +240,8 @@ impl Inner {
             errors,
             data_errors: HashSet::new(),
             recovery: None,
+            lazy_atime: HashMap::new(),
+            lazy_oldest: None,
         };
         inner.load_group_descs()?;
         if inspect_only {
@@ -603,6 +609,8 @@ impl Inner {
         if self.read_only {
             return Ok(());
         }
+        // A sync writes lazytime atimes too, as the kernel's syncfs does.
+        self.flush_lazy_atimes(None)?;
         self.refresh_super_counts();
         if self.errors.take_sb_update() {
             // errors=continue recorded an error: log the superblock carrying it.
@@ -699,7 +707,9 @@ impl Inner {
             Inode::parse(&d[off..off + self.inode_size], ino, &self.csum, blk)?
         };
         if self.inodes.len() > 1 << 20 {
-            self.inodes.clear();
+            // Lazytime atimes live only in the cache until written: keep them.
+            let lazy = &self.lazy_atime;
+            self.inodes.retain(|i, _| lazy.contains_key(i));
         }
         self.inodes.insert(ino, inode.clone());
         Ok(inode)
@@ -714,6 +724,10 @@ impl Inner {
             inode.serialize(&mut d[off..off + isz], ino, &csum)
         })?;
         self.inodes.insert(ino, inode.clone());
+        // The table now holds whatever atime the cache had.
+        if !self.lazy_atime.is_empty() {
+            self.lazy_atime.remove(&ino);
+        }
         Ok(())
     }
 

@@ -6,6 +6,7 @@
 
 mod acl;
 mod alloc;
+mod atime;
 mod dir;
 mod error;
 mod errors;
@@ -357,6 +358,14 @@ impl Fs {
         Ok(())
     }
 
+    /// [`Self::maybe_commit`] after an access updated atime: a failure there is
+    /// only logged, the access itself succeeded.
+    fn commit_after_access(&self) {
+        if let Err(e) = self.maybe_commit() {
+            tracing::warn!("commit after an atime update: {e}");
+        }
+    }
+
     /// Mount an image file or block device by path.
     pub fn open_path(path: &Path, opts: MountOptions) -> Result<Fs> {
         let dev: DeviceRef = Arc::new(FileDevice::open(path, opts.read_only)?);
@@ -505,6 +514,12 @@ impl Fs {
     }
 
     pub fn setattr(&self, ino: Ino, set: &SetAttr) -> Result<Attr> {
+        self.setattr_by(ino, set, None)
+    }
+
+    /// [`Fs::setattr`] on behalf of `caller`: a truncate by a caller without
+    /// `CAP_FSETID` clears setuid/setgid (see [`Caller::mode_after_change`]).
+    pub fn setattr_by(&self, ino: Ino, set: &SetAttr, caller: CallerOf<'_>) -> Result<Attr> {
         let a = match set.size {
             // A truncate zeroes the tail of the new last block in place.
             Some(new) => {
@@ -512,9 +527,10 @@ impl Fs {
                     let size = g.read_inode(ino)?.size;
                     Ok((new.min(size) / g.bs64(), u64::MAX))
                 };
-                self.lock_guarded(Some((ino, &span)))?.setattr(ino, set)?
+                self.lock_guarded(Some((ino, &span)))?
+                    .setattr(ino, set, caller)?
             }
-            None => self.lock()?.setattr(ino, set)?,
+            None => self.lock()?.setattr(ino, set, caller)?,
         };
         self.maybe_commit()?;
         Ok(a)
@@ -541,7 +557,12 @@ impl Fs {
                 name: name.to_vec(),
                 next_offset: next,
             })
-        })
+        })?;
+        if g.touch_atime(ino) {
+            drop(g);
+            self.commit_after_access();
+        }
+        Ok(())
     }
 
     /// All entries of a directory, including "." and "..".
@@ -688,28 +709,67 @@ impl Fs {
         self.lock()?.release(ino)
     }
 
+    /// Read file data; updates atime under the mount's atime policy.
     pub fn read(&self, ino: Ino, offset: u64, buf: &mut [u8]) -> Result<usize> {
-        self.lock()?.read(ino, offset, buf)
+        let mut g = self.lock()?;
+        let n = g.read(ino, offset, buf)?;
+        if !buf.is_empty() && g.touch_atime(ino) {
+            drop(g);
+            self.commit_after_access();
+        }
+        Ok(n)
     }
 
+    /// Write by a privileged caller (setuid/setgid bits stay).
     pub fn write(&self, ino: Ino, offset: u64, data: &[u8]) -> Result<usize> {
+        self.write_by(ino, offset, data, None)
+    }
+
+    /// Write on behalf of `caller`, clearing setuid/setgid like the kernel's
+    /// `file_remove_privs` (see [`Caller::mode_after_change`]).
+    pub fn write_by(
+        &self,
+        ino: Ino,
+        offset: u64,
+        data: &[u8],
+        caller: CallerOf<'_>,
+    ) -> Result<usize> {
         let end = offset.saturating_add(data.len() as u64);
         let span = move |g: &mut Inner| -> Result<(u64, u64)> {
             let size = g.read_inode(ino)?.size;
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
-        let n = self.retry_nospace_guarded(Some((ino, &span)), |g| g.write(ino, offset, data))?;
+        let n =
+            self.retry_nospace_guarded(Some((ino, &span)), |g| g.write(ino, offset, data, caller))?;
         self.maybe_commit()?;
         Ok(n)
     }
 
+    /// `fallocate` by a privileged caller (setuid/setgid bits stay).
     pub fn fallocate(&self, ino: Ino, offset: u64, len: u64, flags: FallocFlags) -> Result<()> {
+        self.fallocate_by(ino, offset, len, flags, None)
+    }
+
+    /// `fallocate` on behalf of `caller`: like every data change by a caller
+    /// without `CAP_FSETID`, it clears setuid (and setgid, by the kernel's rule:
+    /// [`Caller::mode_after_change`]) in the same transaction. FUSE passes no
+    /// "kill privileges" hint with fallocate, so the daemon must decide.
+    pub fn fallocate_by(
+        &self,
+        ino: Ino,
+        offset: u64,
+        len: u64,
+        flags: FallocFlags,
+        caller: CallerOf<'_>,
+    ) -> Result<()> {
         let end = offset.saturating_add(len);
         let span = move |g: &mut Inner| -> Result<(u64, u64)> {
             let size = g.read_inode(ino)?.size;
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
-        self.retry_nospace_guarded(Some((ino, &span)), |g| g.fallocate(ino, offset, len, flags))?;
+        self.retry_nospace_guarded(Some((ino, &span)), |g| {
+            g.fallocate(ino, offset, len, flags, caller)
+        })?;
         self.maybe_commit()
     }
 
@@ -800,6 +860,8 @@ impl Fs {
         let (j, tid, blocks, flush, logged) = {
             let mut g = self.lock()?;
             g.read_inode(ino)?;
+            // An fsync writes the inode's lazytime atime (as the kernel's does).
+            g.flush_lazy_atimes(Some(ino))?;
             if !g.fc_on() {
                 drop(g);
                 return self.sync();

@@ -389,6 +389,22 @@ impl Inner {
         self.write_inode(h, ino, &i)
     }
 
+    /// A directory lost its name (rmdir, or replaced by rename): free it, or,
+    /// while still referenced (open, or known to the kernel), keep it without
+    /// links on the orphan list until the last reference goes, as ext4 does: an
+    /// `fstat` of an open removed directory answers with nlink 0.
+    fn drop_dir(&mut self, h: &Handle, ino: u32, mut i: Inode) -> Result<()> {
+        i.links_count = 0;
+        i.ctime = now();
+        if self.open_counts.get(&ino).copied().unwrap_or(0) == 0 {
+            return self.evict_with(h, ino, i);
+        }
+        self.write_inode(h, ino, &i)?;
+        self.orphan_add(h, ino)?;
+        self.unlinked_open.insert(ino);
+        Ok(())
+    }
+
     pub fn rmdir(&mut self, parent: u32, name: &[u8]) -> Result<()> {
         if name == b"." {
             return Err(FsError::Invalid("rmdir ."));
@@ -409,10 +425,8 @@ impl Inner {
             self.fc_ineligible(FcReason::DirCreateRemove, h.tid());
             self.dir_remove_entry(&h, parent, name)?;
             self.touch_dir(&h, parent, -1)?;
-            let mut i = self.read_inode(ino)?;
-            i.links_count = 0;
-            i.ctime = now();
-            self.evict_with(&h, ino, i)
+            let i = self.read_inode(ino)?;
+            self.drop_dir(&h, ino, i)
         })();
         self.stop(h)?;
         r
@@ -566,11 +580,8 @@ impl Inner {
                 if di.is_dir() {
                     // The replaced directory loses both its links; its parent loses
                     // the ".." reference.
-                    let mut di = di;
-                    di.links_count = 0;
-                    di.ctime = now();
                     self.touch_dir(h, new_parent, -1)?;
-                    self.evict_with(h, d, di)?;
+                    self.drop_dir(h, d, di)?;
                 } else {
                     self.drop_link(h, d)?;
                 }
@@ -635,7 +646,9 @@ impl Inner {
         Ok(())
     }
 
-    pub fn setattr(&mut self, ino: u32, set: &SetAttr) -> Result<Attr> {
+    /// Change attributes; a size change by `caller` also clears setuid/setgid
+    /// as the kernel's truncate does.
+    pub fn setattr(&mut self, ino: u32, set: &SetAttr, caller: CallerOf<'_>) -> Result<Attr> {
         let mut i = self.live_inode(ino)?;
         if self.read_only {
             return Err(FsError::ReadOnly);
@@ -653,6 +666,11 @@ impl Inner {
         let t = now();
         if let Some(m) = set.mode {
             i.mode = (i.mode & fi::S_IFMT) | (m & 0o7777);
+        }
+        if set.size.is_some() {
+            // After any mode in the same call: the kernel's FUSE sends its own
+            // (partial) privilege kill as a mode with the size.
+            Self::drop_privs(&mut i, caller);
         }
         if let Some(u) = set.uid {
             i.uid = u;

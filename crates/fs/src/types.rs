@@ -169,6 +169,13 @@ pub struct MountOptions {
     /// `-o errors=`: what a metadata or journal I/O error does. `None`: the
     /// superblock's `s_errors` decides (mkfs sets continue), like the kernel.
     pub errors: Option<ErrorsBehavior>,
+    /// When reads and readdirs update atime (`-o relatime`, the default, as ext4).
+    pub atime: AtimeMode,
+    /// `-o nodiratime`: never update the atime of directories.
+    pub nodiratime: bool,
+    /// `-o lazytime`: atime updates stay in memory until the inode changes
+    /// otherwise, is fsynced or synced, at unmount, or after 12 h (ext4's rule).
+    pub lazytime: bool,
 }
 
 /// `errors=` (ext4 semantics, see docs/ARCHITECTURE.md "Device errors"). In every
@@ -203,6 +210,58 @@ impl ErrorsBehavior {
     }
 }
 
+/// Access-time update policy (ext4's `strictatime`, `relatime`, `noatime`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AtimeMode {
+    /// Every access updates atime.
+    Strict,
+    /// Update only when atime is not newer than mtime or ctime, or is a day old.
+    #[default]
+    Relative,
+    /// Never update atime on access.
+    Never,
+}
+
+/// Who makes a data-changing call, for the kernel's setuid/setgid rule
+/// (`setattr_should_drop_suidgid`): a caller without `CAP_FSETID` clears
+/// S_ISUID, and S_ISGID when the file is group-executable or the caller is not
+/// in the file's group.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+    /// Supplementary groups.
+    pub groups: Vec<u32>,
+    /// Holds `CAP_FSETID` (root normally does).
+    pub cap_fsetid: bool,
+}
+
+/// The caller of a data-changing call, looked up only when the file has a
+/// setuid or setgid bit (looking up supplementary groups and capabilities costs
+/// a `/proc` read at the FUSE boundary). `None`: a privileged caller.
+pub type CallerOf<'a> = Option<&'a (dyn Fn() -> Caller + Sync)>;
+
+impl Caller {
+    /// Is the caller a member of group `gid`?
+    pub fn in_group(&self, gid: u32) -> bool {
+        self.gid == gid || self.groups.contains(&gid)
+    }
+
+    /// `mode` with the bits a change of file data by this caller clears
+    /// (only regular files lose them, as in the kernel).
+    pub fn mode_after_change(&self, mode: u16, file_gid: u32) -> u16 {
+        use commitfs_format::inode::{S_IFMT, S_IFREG};
+        if self.cap_fsetid || mode & S_IFMT != S_IFREG {
+            return mode;
+        }
+        let mut m = mode & !0o4000;
+        if mode & 0o2000 != 0 && (mode & 0o010 != 0 || !self.in_group(file_gid)) {
+            m &= !0o2000;
+        }
+        m
+    }
+}
+
 impl Default for MountOptions {
     fn default() -> Self {
         MountOptions {
@@ -212,6 +271,9 @@ impl Default for MountOptions {
             fc_data_csum: false,
             acl: true,
             errors: None,
+            atime: AtimeMode::default(),
+            nodiratime: false,
+            lazytime: false,
         }
     }
 }

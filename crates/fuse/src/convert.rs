@@ -201,3 +201,64 @@ mod tests {
         }
     }
 }
+
+/// The credentials of a request's caller for the setuid/setgid rule: FUSE
+/// passes uid, gid and pid only, so the supplementary groups and `CAP_FSETID`
+/// come from `/proc/PID/status`. Without it (the caller is gone, or in another
+/// pid namespace) only root counts as privileged.
+pub fn caller_of(uid: u32, gid: u32, pid: u32) -> commitfs_fs::Caller {
+    let mut c = commitfs_fs::Caller {
+        uid,
+        gid,
+        groups: Vec::new(),
+        cap_fsetid: uid == 0,
+    };
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return c;
+    };
+    parse_status(&text, &mut c);
+    c
+}
+
+/// Fill groups and `CAP_FSETID` (capability 4) from a `/proc/PID/status` text.
+fn parse_status(text: &str, c: &mut commitfs_fs::Caller) {
+    const CAP_FSETID: u32 = 4;
+    for line in text.lines() {
+        if let Some(v) = line.strip_prefix("Groups:") {
+            c.groups = v
+                .split_whitespace()
+                .filter_map(|g| g.parse().ok())
+                .collect();
+        } else if let Some(v) = line.strip_prefix("CapEff:") {
+            if let Ok(bits) = u64::from_str_radix(v.trim(), 16) {
+                c.cap_fsetid = bits & (1 << CAP_FSETID) != 0;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod caller_tests {
+    use super::*;
+
+    #[test]
+    fn status_gives_groups_and_fsetid() {
+        let mut c = commitfs_fs::Caller {
+            uid: 1000,
+            gid: 1000,
+            ..Default::default()
+        };
+        parse_status(
+            "Name:\tx\nGroups:\t4 24 27 \nCapEff:\t0000000000000000\n",
+            &mut c,
+        );
+        assert_eq!(c.groups, vec![4, 24, 27]);
+        assert!(!c.cap_fsetid);
+        parse_status("CapEff:\t000001ffffffffff\n", &mut c);
+        assert!(c.cap_fsetid);
+        parse_status("CapEff:\t0000000000000010\n", &mut c);
+        assert!(c.cap_fsetid);
+        parse_status("CapEff:\t00000000000000ef\n", &mut c);
+        assert!(!c.cap_fsetid);
+    }
+}

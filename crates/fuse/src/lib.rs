@@ -38,6 +38,11 @@ pub struct FuseConfig {
     /// (FUSE_POSIX_ACL) and leaves the umask to us (FUSE_DONT_MASK), so a default
     /// ACL can replace it. Should match the `Fs`'s `MountOptions::acl`.
     pub acl: bool,
+    /// Honour device nodes (`dev`, ext4's default; `-o nodev` clears it). Only a
+    /// root mount can have it: fusermount3 always mounts `nodev` for others.
+    pub dev: bool,
+    /// Honour setuid/setgid bits on exec (`suid`, ext4's default; `-o nosuid`).
+    pub suid: bool,
 }
 
 impl Default for FuseConfig {
@@ -49,6 +54,8 @@ impl Default for FuseConfig {
             fsname: "commitfs".into(),
             workers: 4,
             acl: true,
+            dev: true,
+            suid: true,
         }
     }
 }
@@ -78,6 +85,15 @@ impl FuseConfig {
         } else {
             MountOption::RW
         });
+        // fuser mounts `nodev,nosuid` unless told otherwise; as root, mount as
+        // the kernel's ext4 would (only root's mount(2) can grant them anyway).
+        let root = euid_is_root();
+        if self.dev && root {
+            o.push(MountOption::Dev);
+        }
+        if self.suid && root {
+            o.push(MountOption::Suid);
+        }
         c.mount_options = o;
         c.acl = if self.allow_other {
             SessionACL::All
@@ -87,6 +103,12 @@ impl FuseConfig {
         c.n_threads = Some(1);
         c
     }
+}
+
+/// Does this process run with root's effective uid?
+fn euid_is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
 }
 
 /// Why a mount session ended badly.

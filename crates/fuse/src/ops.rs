@@ -246,7 +246,7 @@ impl Filesystem for CommitFuse {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -273,11 +273,14 @@ impl Filesystem for CommitFuse {
             ctime: ctime.map(request_timestamp),
             crtime: crtime.map(request_timestamp),
         };
+        let (uid, gid, pid) = (req.uid(), req.gid(), req.pid());
         self.run(move |s| {
+            // A truncate (incl. open with O_TRUNC) clears privileges as a write does.
+            let caller = move || crate::convert::caller_of(uid, gid, pid);
             let r = if set == SetAttr::default() {
                 s.fs.getattr(ino)
             } else {
-                s.fs.setattr(ino, &set)
+                s.fs.setattr_by(ino, &set, Some(&caller))
             };
             match r {
                 Ok(a) => reply.attr(&s.ttl, &file_attr(&a)),
@@ -442,7 +445,7 @@ impl Filesystem for CommitFuse {
 
     fn write(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
@@ -454,9 +457,16 @@ impl Filesystem for CommitFuse {
     ) {
         let ino = ino_or_reply!(ino, reply);
         let data = data.to_vec();
-        self.run(move |s| match s.fs.write(ino, offset, &data) {
-            Ok(n) => reply.written(n as u32),
-            Err(e) => reply.error(to_errno("write", &e)),
+        // The kernel clears setuid, and setgid of group-executable files, itself
+        // (a SETATTR before the write); the rest of its rule (setgid of a file
+        // whose group the caller is not in) is ours: see `Caller`.
+        let (uid, gid, pid) = (req.uid(), req.gid(), req.pid());
+        self.run(move |s| {
+            let caller = move || crate::convert::caller_of(uid, gid, pid);
+            match s.fs.write_by(ino, offset, &data, Some(&caller)) {
+                Ok(n) => reply.written(n as u32),
+                Err(e) => reply.error(to_errno("write", &e)),
+            }
         });
     }
 
@@ -668,7 +678,7 @@ impl Filesystem for CommitFuse {
 
     fn fallocate(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
@@ -699,8 +709,10 @@ impl Filesystem for CommitFuse {
                 return;
             }
         };
+        let (uid, gid, pid) = (req.uid(), req.gid(), req.pid());
         self.run(move |s| {
-            let r = s.fs.fallocate(ino, offset, length, flags);
+            let caller = move || crate::convert::caller_of(uid, gid, pid);
+            let r = s.fs.fallocate_by(ino, offset, length, flags, Some(&caller));
             reply_empty("fallocate", reply, r)
         });
     }

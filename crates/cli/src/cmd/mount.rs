@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
-use commitfs_fs::{Fs, MountOptions};
+use commitfs_fs::{AtimeMode, Fs, MountOptions};
 use commitfs_fuse::FuseConfig;
 use nix::mount::MntFlags;
 use nix::sys::signal::{SigSet, Signal};
@@ -38,6 +38,16 @@ pub struct MountCmdOptions {
     pub errors: Option<commitfs_fs::ErrorsBehavior>,
     /// `noacl`: no POSIX ACLs (`acl`, the default, turns them back on).
     pub noacl: bool,
+    /// `strictatime` / `relatime` (default) / `noatime`.
+    pub atime: AtimeMode,
+    /// `nodiratime`: directories keep their atime.
+    pub nodiratime: bool,
+    /// `lazytime`: atime updates are written lazily.
+    pub lazytime: bool,
+    /// `nodev`: device nodes cannot be opened (`dev`, the default, for root).
+    pub nodev: bool,
+    /// `nosuid`: setuid/setgid bits are ignored on exec (`suid` is the default).
+    pub nosuid: bool,
 }
 
 impl Default for MountCmdOptions {
@@ -52,6 +62,11 @@ impl Default for MountCmdOptions {
             fc_data_csum: false,
             errors: None,
             noacl: false,
+            atime: AtimeMode::default(),
+            nodiratime: false,
+            lazytime: false,
+            nodev: false,
+            nosuid: false,
         }
     }
 }
@@ -78,8 +93,6 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             "errors=panic" => o.errors = Some(commitfs_fs::ErrorsBehavior::Panic),
             "acl" => o.noacl = false,
             "noacl" => o.noacl = true,
-            // Always on / the default anyway.
-            "defaults" | "default_permissions" | "async" | "dev" | "suid" | "exec" => {}
             // Copied from ext4 fstab lines: user xattrs are always on; data is
             // always written before the metadata that points at it is committed
             // (data=ordered), which is also at least what data=writeback promises.
@@ -99,6 +112,19 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                  only (data=ordered)"
             ),
             _ if opt.starts_with("x-") || opt.starts_with("comment=") => {}
+            "strictatime" => o.atime = AtimeMode::Strict,
+            "relatime" => o.atime = AtimeMode::Relative,
+            "noatime" => o.atime = AtimeMode::Never,
+            "nodiratime" => o.nodiratime = true,
+            "diratime" => o.nodiratime = false,
+            "lazytime" => o.lazytime = true,
+            "nolazytime" => o.lazytime = false,
+            "nodev" => o.nodev = true,
+            "dev" => o.nodev = false,
+            "nosuid" => o.nosuid = true,
+            "suid" => o.nosuid = false,
+            // Always on / the default anyway.
+            "defaults" | "default_permissions" | "async" | "exec" => {}
             _ => {
                 if let Some(v) = opt.strip_prefix("commit=") {
                     let n: u32 = v
@@ -114,6 +140,8 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                     bail!(
                         "unknown mount option {opt:?} (supported: ro, rw, commit=N, \
                          writeback_cache, allow_other, fast_commit, nofast_commit, fc_data_csum, \
+                         errors=continue|remount-ro|panic, acl, noacl, strictatime, relatime, \
+                         noatime, nodiratime, lazytime, dev, nodev, suid, nosuid, \
                          and from ext4 fstab lines user_xattr, data=ordered, barrier, discard)"
                     );
                 }
@@ -226,6 +254,9 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
             fc_data_csum: o.fc_data_csum && !o.no_fast_commit,
             errors: o.errors,
             acl: !o.noacl,
+            atime: o.atime,
+            nodiratime: o.nodiratime,
+            lazytime: o.lazytime,
         },
     )
     .map_err(|e| anyhow!("cannot mount {}: {e}", req.image.display()))?;
@@ -242,6 +273,8 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         allow_other: o.allow_other,
         fsname: req.image.display().to_string().replace(',', "_"),
         acl: !o.noacl,
+        dev: !o.nodev,
+        suid: !o.nosuid,
         ..FuseConfig::default()
     };
     let mut session = commitfs_fuse::mount(fs.clone(), &req.dir, &cfg)
@@ -466,5 +499,19 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("not supported"));
+    }
+
+    #[test]
+    fn atime_and_device_options() {
+        let d = p(&[]).unwrap();
+        assert_eq!(d.atime, AtimeMode::Relative);
+        assert!(!d.nodiratime && !d.lazytime && !d.nodev && !d.nosuid);
+        let o = p(&["strictatime,nodiratime,lazytime,nodev,nosuid"]).unwrap();
+        assert_eq!(o.atime, AtimeMode::Strict);
+        assert!(o.nodiratime && o.lazytime && o.nodev && o.nosuid);
+        let o = p(&["noatime", "nodev,dev,nosuid,suid,relatime"]).unwrap();
+        assert_eq!(o.atime, AtimeMode::Relative);
+        assert!(!o.nodev && !o.nosuid);
+        assert_eq!(p(&["noatime"]).unwrap().atime, AtimeMode::Never);
     }
 }

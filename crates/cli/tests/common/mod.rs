@@ -1404,12 +1404,14 @@ pub fn now_secs() -> i64 {
         .unwrap_or(0)
 }
 
-/// The library's file-system handle for an image (read-write unless `ro`).
+/// The library's file-system handle for an image (read-write unless `ro`);
+/// `noatime`, like the kernel mounts it is compared with.
 pub fn open_lib(image: &Path, ro: bool) -> Result<Fs, FsError> {
     Fs::open_path(
         image,
         commitfs_fs::MountOptions {
             read_only: ro,
+            atime: commitfs_fs::AtimeMode::Never,
             ..Default::default()
         },
     )

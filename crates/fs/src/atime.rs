@@ -1,0 +1,142 @@
+//! Access times, by ext4's rules (the kernel's `atime_needs_update`,
+//! `relatime_need_update` and lazytime writeback).
+//!
+//! Reads and readdirs served by the library update atime under the mount's policy.
+//! An update is ordinary inode dirtiness in the running transaction: it forces no
+//! commit (the periodic commit or the next sync writes it). With `lazytime` the new
+//! atime stays in the inode cache only; it reaches the inode table with the next
+//! other change of the inode, an fsync of it, a sync, unmount, or after
+//! [`LAZYTIME_EXPIRY`].
+
+use commitfs_format::inode::{Inode, Timestamp, FL_NOATIME};
+
+use crate::error::Result;
+use crate::inner::{coarse_secs, now, Inner};
+use crate::types::{AtimeMode, MountOptions};
+
+/// relatime: an atime older than this is refreshed even if newer than m/ctime.
+const RELATIME_WINDOW_SECS: i64 = 24 * 60 * 60;
+
+/// lazytime: an in-memory atime is written at the latest after this long (the
+/// kernel's `dirtytime_expire_interval`, 12 h).
+pub(crate) const LAZYTIME_EXPIRY: u64 = 12 * 60 * 60;
+
+/// Does an access to `i` at time `t` update its atime? (`atime_needs_update`).
+fn atime_due(opts: &MountOptions, i: &Inode, t: Timestamp) -> bool {
+    if i.flags & FL_NOATIME != 0 || (opts.nodiratime && i.is_dir()) {
+        return false;
+    }
+    match opts.atime {
+        AtimeMode::Never => return false,
+        AtimeMode::Strict => {}
+        AtimeMode::Relative => {
+            let stale = i.mtime >= i.atime
+                || i.ctime >= i.atime
+                || t.sec.saturating_sub(i.atime.sec) >= RELATIME_WINDOW_SECS;
+            if !stale {
+                return false;
+            }
+        }
+    }
+    i.atime != t
+}
+
+impl Inner {
+    /// Note an access (read, readdir) of `ino`; true if the running transaction
+    /// got an inode update (the caller may then commit early when it has grown
+    /// large). Never fails the access: an atime that cannot be written is only
+    /// logged, as in the kernel.
+    pub fn touch_atime(&mut self, ino: u32) -> bool {
+        if self.read_only || self.opts.atime == AtimeMode::Never {
+            return false;
+        }
+        match self.try_touch_atime(ino) {
+            Ok(journalled) => journalled,
+            Err(e) => {
+                tracing::warn!("atime update of inode {ino}: {e}");
+                false
+            }
+        }
+    }
+
+    fn try_touch_atime(&mut self, ino: u32) -> Result<bool> {
+        let t = now();
+        // Decide on the cached copy without cloning it (the common case: no update).
+        let due = match self.inodes.get(&ino) {
+            Some(i) => atime_due(&self.opts, i, t),
+            None => {
+                let i = self.read_inode(ino)?;
+                atime_due(&self.opts, &i, t)
+            }
+        };
+        if !due {
+            return Ok(false);
+        }
+        let mut i = self.read_inode(ino)?;
+        i.atime = t;
+        if self.opts.lazytime {
+            self.inodes.insert(ino, i);
+            let secs = coarse_secs();
+            self.lazy_atime.entry(ino).or_insert(secs);
+            self.lazy_oldest.get_or_insert(secs);
+            if self
+                .lazy_oldest
+                .is_some_and(|o| secs.saturating_sub(o) >= LAZYTIME_EXPIRY)
+            {
+                self.flush_lazy_expired(secs)?;
+                return Ok(true);
+            }
+            return Ok(false);
+        }
+        let h = self.start(1)?;
+        // Directories are never tracked by fast commits (as in the kernel); a lost
+        // atime of one after a crash is harmless.
+        if i.is_reg() {
+            self.fc_track_inode(ino, h.tid(), None);
+        }
+        let r = self.write_inode(&h, ino, &i);
+        self.stop(h)?;
+        r.map(|()| true)
+    }
+
+    /// Write lazytime atimes to the inode table: of `only`, or of every inode.
+    pub fn flush_lazy_atimes(&mut self, only: Option<u32>) -> Result<()> {
+        if self.lazy_atime.is_empty() {
+            return Ok(());
+        }
+        let inos: Vec<u32> = match only {
+            Some(ino) if self.lazy_atime.contains_key(&ino) => vec![ino],
+            Some(_) => return Ok(()),
+            None => self.lazy_atime.keys().copied().collect(),
+        };
+        self.write_lazy(&inos)
+    }
+
+    /// Write the lazytime atimes older than [`LAZYTIME_EXPIRY`].
+    fn flush_lazy_expired(&mut self, now_secs: u64) -> Result<()> {
+        let inos: Vec<u32> = self
+            .lazy_atime
+            .iter()
+            .filter(|(_, &since)| now_secs.saturating_sub(since) >= LAZYTIME_EXPIRY)
+            .map(|(&ino, _)| ino)
+            .collect();
+        self.write_lazy(&inos)
+    }
+
+    fn write_lazy(&mut self, inos: &[u32]) -> Result<()> {
+        if !inos.is_empty() {
+            let h = self.start(inos.len().min(64) as u32)?;
+            let r: Result<()> = inos.iter().try_for_each(|&ino| {
+                let i = self.read_inode(ino)?;
+                if i.is_reg() {
+                    self.fc_track_inode(ino, h.tid(), None);
+                }
+                self.write_inode(&h, ino, &i)
+            });
+            self.stop(h)?;
+            r?;
+        }
+        self.lazy_oldest = self.lazy_atime.values().copied().min();
+        Ok(())
+    }
+}
