@@ -48,6 +48,9 @@ pub enum FsError {
     Corrupt(#[from] FormatError),
     #[error("file system corrupt: {0}")]
     CorruptMsg(String),
+    /// The image cannot be opened at all (see [`crate::probe`]).
+    #[error(transparent)]
+    Open(#[from] crate::probe::OpenError),
     #[error(transparent)]
     Device(#[from] DeviceError),
     #[error(transparent)]
@@ -67,6 +70,7 @@ impl FsError {
                 | FsError::CorruptMsg(_)
                 | FsError::Journal(JournalError::Format(_))
                 | FsError::Journal(JournalError::BadJournal(_))
+                | FsError::Open(crate::probe::OpenError::DamagedSuperblock { .. })
         )
     }
 }

@@ -29,6 +29,8 @@ pub fn errno_of(e: &FsError) -> i32 {
         FsError::Permission(_) => libc::EPERM,
         FsError::NotSupported(_) | FsError::UnsupportedFeature(_) => libc::EOPNOTSUPP,
         FsError::Corrupt(_) | FsError::CorruptMsg(_) => libc::EUCLEAN,
+        // Only at mount time; the kernel's answer for a missing superblock.
+        FsError::Open(_) => libc::EINVAL,
         FsError::NeedsRecovery | FsError::Device(_) | FsError::Journal(_) => libc::EIO,
     }
 }
