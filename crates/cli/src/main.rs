@@ -65,6 +65,9 @@ enum Cmd {
         /// Volume label.
         #[arg(long, short = 'L')]
         label: Option<String>,
+        /// Overwrite an existing file system (and shrink a larger image file).
+        #[arg(long, short = 'f')]
+        force: bool,
     },
     /// Live counters of a mounted file system (I/O by category, journal, fast commit).
     Stats {
@@ -130,6 +133,7 @@ fn run(cli: Cli) -> Result<()> {
             fast_commit,
             block_size,
             label,
+            force,
         } => {
             init_cli_logging();
             let size = size.as_deref().map(size::parse_size).transpose()?;
@@ -140,6 +144,7 @@ fn run(cli: Cli) -> Result<()> {
                     fast_commit,
                     block_size,
                     label,
+                    force,
                 },
             )
         }

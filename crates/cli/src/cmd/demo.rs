@@ -827,6 +827,8 @@ pub fn run(dir: Option<&Path>, keep: bool) -> Result<()> {
         &image,
         &MkfsOptions {
             size: Some(256 << 20),
+            // The demo's own scratch image: a kept one is remade on the next run.
+            force: true,
             ..Default::default()
         },
     )?;
