@@ -274,10 +274,10 @@ fn loop_ro(sys: &Path) -> bool {
 }
 
 /// Processes with `id` open that hold a lock on it (from `/proc/PID/fdinfo`, which
-/// also lists OFD locks, whose `/proc/locks` pid is -1), excluding this process.
+/// also lists OFD locks, whose `/proc/locks` pid is -1). This process counts
+/// too: the descriptor that just failed to lock holds none.
 fn lock_holders(id: Ident) -> Vec<OtherUser> {
     let mut out = Vec::new();
-    let me = std::process::id();
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return out;
     };
@@ -285,9 +285,6 @@ fn lock_holders(id: Ident) -> Vec<OtherUser> {
         let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
             continue;
         };
-        if pid == me {
-            continue;
-        }
         let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
             continue;
         };
