@@ -269,6 +269,14 @@ fn loop_devices_backed_by(id: Ident) -> Vec<(PathBuf, bool)> {
     out
 }
 
+fn loop_autoclear(dev: &Path) -> bool {
+    let Some(name) = dev.file_name() else {
+        return false;
+    };
+    std::fs::read_to_string(Path::new("/sys/block").join(name).join("loop/autoclear"))
+        .is_ok_and(|s| s.trim() == "1")
+}
+
 fn loop_ro(sys: &Path) -> bool {
     std::fs::read_to_string(sys.join("ro")).is_ok_and(|s| s.trim() == "1")
 }
@@ -349,7 +357,10 @@ fn mount_users(target: Ident, want: Want, with_commitfs: bool) -> Vec<OtherUser>
     }
     if want == Want::Write {
         for (dev, ro) in &loops {
-            if !mounted_loops.contains(dev) {
+            // Unmounted with autoclear: detached (`losetup -d` while something
+            // still had it open, or the loop of an unmounted `mount -o loop`),
+            // gone at its last close.
+            if !mounted_loops.contains(dev) && !loop_autoclear(dev) {
                 out.push(OtherUser::LoopDevice {
                     dev: dev.clone(),
                     read_only: *ro,

@@ -104,7 +104,8 @@ fn a_second_writer_is_refused_and_named_readers_share() {
         // The probe sees the writer and takes nothing.
         let users = FileDevice::users(&img.0).unwrap();
         assert_eq!(users.len(), 1, "{users:?}");
-        w.write_at(0, b"still mine", IoCategory::Data, true).unwrap();
+        w.write_at(0, b"still mine", IoCategory::Data, true)
+            .unwrap();
     }
     // Released with the device: readers share, and keep writers out.
     assert!(FileDevice::users(&img.0).unwrap().is_empty());
@@ -236,7 +237,11 @@ fn block_devices_are_opened_exclusively() {
 #[test]
 fn an_immutable_image_is_named_on_open() {
     let img = Image::new("immutable", 1 << 20);
-    let st = Command::new("chattr").arg("+i").arg(&img.0).status().unwrap();
+    let st = Command::new("chattr")
+        .arg("+i")
+        .arg(&img.0)
+        .status()
+        .unwrap();
     assert!(st.success(), "chattr +i");
     match FileDevice::open(&img.0, false) {
         Err(e @ DeviceError::Attribute { .. }) => {

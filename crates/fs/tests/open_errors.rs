@@ -29,7 +29,10 @@ fn empty_and_all_zero_images_say_there_is_no_file_system() {
     std::fs::File::create(&img.path).unwrap(); // truncate to 0 bytes
     for ro in [false, true] {
         let e = open_err(&img, ro);
-        assert!(matches!(e, FsError::Open(OpenError::Empty { size: 0 })), "{e:?}");
+        assert!(
+            matches!(e, FsError::Open(OpenError::Empty { size: 0 })),
+            "{e:?}"
+        );
         let msg = e.to_string();
         assert!(msg.contains("empty (0 bytes)"), "{msg}");
         assert!(msg.contains("commitfs mkfs"), "{msg}");
