@@ -314,10 +314,11 @@ fn lock_holders(id: Ident) -> Vec<OtherUser> {
     out
 }
 
-/// Mounts and loop devices that conflict with opening `meta`'s file for `want`:
-/// the e2fsprogs check. commitfs FUSE mounts are only listed when `with_commitfs`
-/// (to name the mount point of a lock holder).
-fn mount_users(target: Ident, want: Want, with_commitfs: bool) -> Vec<OtherUser> {
+/// Mounts of the file or device `target` (directly, or through a loop device
+/// backed by it), and loop devices backed by it that are not mounted: the
+/// e2fsprogs check. commitfs FUSE mounts only when `with_commitfs` (to name the
+/// mount point of a lock holder).
+fn mount_users(target: Ident, with_commitfs: bool) -> Vec<OtherUser> {
     let loops = loop_devices_backed_by(target);
     let loop_ids: Vec<(Ident, &PathBuf)> = loops
         .iter()
@@ -326,11 +327,7 @@ fn mount_users(target: Ident, want: Want, with_commitfs: bool) -> Vec<OtherUser>
     let mut out = Vec::new();
     let mut mounted_loops = Vec::new();
     for m in mounts() {
-        if !m.source.starts_with('/') {
-            continue;
-        }
-        let commitfs = is_commitfs_mount(&m.fstype);
-        if commitfs && !with_commitfs {
+        if !m.source.starts_with('/') || (is_commitfs_mount(&m.fstype) && !with_commitfs) {
             continue;
         }
         let Some(src) = ident_of(Path::new(&m.source)) else {
@@ -344,10 +341,6 @@ fn mount_users(target: Ident, want: Want, with_commitfs: bool) -> Vec<OtherUser>
         } else {
             continue;
         };
-        // A read-only opener can share with read-only mounts.
-        if want == Want::Read && m.read_only && !commitfs {
-            continue;
-        }
         out.push(OtherUser::Mounted {
             dir: m.dir,
             fstype: m.fstype,
@@ -355,20 +348,29 @@ fn mount_users(target: Ident, want: Want, with_commitfs: bool) -> Vec<OtherUser>
             read_only: m.read_only,
         });
     }
-    if want == Want::Write {
-        for (dev, ro) in &loops {
-            // Unmounted with autoclear: detached (`losetup -d` while something
-            // still had it open, or the loop of an unmounted `mount -o loop`),
-            // gone at its last close.
-            if !mounted_loops.contains(dev) && !loop_autoclear(dev) {
-                out.push(OtherUser::LoopDevice {
-                    dev: dev.clone(),
-                    read_only: *ro,
-                });
-            }
+    for (dev, ro) in &loops {
+        // Unmounted with autoclear: detached (`losetup -d` while something
+        // still had it open, or the loop of an unmounted `mount -o loop`),
+        // gone at its last close.
+        if !mounted_loops.contains(dev) && !loop_autoclear(dev) {
+            out.push(OtherUser::LoopDevice {
+                dev: dev.clone(),
+                read_only: *ro,
+            });
         }
     }
     out
+}
+
+/// Whether `u` keeps an opener that wants `want` out: a reader shares with
+/// read-only mounts and with loop devices nobody mounted.
+fn conflicts(u: &OtherUser, want: Want) -> bool {
+    match (want, u) {
+        (Want::Write, _) => true,
+        (Want::Read, OtherUser::Mounted { read_only, .. }) => !read_only,
+        (Want::Read, OtherUser::LoopDevice { .. }) => false,
+        (Want::Read, _) => true,
+    }
 }
 
 /// Kernel holders of a block device (`/sys/dev/block/M:m/holders`).
@@ -384,43 +386,47 @@ fn block_holders(rdev: u64) -> Vec<OtherUser> {
         .collect()
 }
 
-/// Who else uses the just-opened `file` at `path` (`lock_taken`: whether our lock
-/// on an image file succeeded; block devices: whether the exclusive open did).
+/// Who else uses the just-opened `file`, as far as it keeps an opener that wants
+/// `want` out (`lock_taken`: whether our lock on an image file, or an exclusive
+/// open of a block device, succeeded).
 pub(crate) fn other_users(file: &File, want: Want, lock_taken: bool) -> Vec<OtherUser> {
     let Ok(meta) = file.metadata() else {
         return Vec::new();
     };
     let id = ident(&meta);
+    let unknown = || OtherUser::Process {
+        pid: None,
+        name: None,
+    };
     match id {
         Ident::File { .. } => {
             let mut users = Vec::new();
             if !lock_taken {
                 users.extend(lock_holders(id));
                 // A commitfs FUSE mount shows the image as its source: name it.
-                users.extend(mount_users(id, Want::Write, true).into_iter().filter(
+                users.extend(mount_users(id, true).into_iter().filter(
                     |u| matches!(u, OtherUser::Mounted { fstype, .. } if is_commitfs_mount(fstype)),
                 ));
                 if users.is_empty() {
-                    users.push(OtherUser::Process {
-                        pid: None,
-                        name: None,
-                    });
+                    users.push(unknown());
                 }
             }
-            users.extend(mount_users(id, want, false));
+            users.extend(
+                mount_users(id, false)
+                    .into_iter()
+                    .filter(|u| conflicts(u, want)),
+            );
             users
         }
         Ident::Block { rdev } => {
-            let mut users = mount_users(id, want, !lock_taken);
-            if !lock_taken {
+            let all = mount_users(id, !lock_taken);
+            let mut users: Vec<OtherUser> =
+                all.iter().filter(|u| conflicts(u, want)).cloned().collect();
+            // Claimed exclusively, and by no mount: by a kernel device or a process.
+            if !lock_taken && all.is_empty() {
+                users.extend(block_holders(rdev));
                 if users.is_empty() {
-                    users.extend(block_holders(rdev));
-                }
-                if users.is_empty() {
-                    users.push(OtherUser::Process {
-                        pid: None,
-                        name: None,
-                    });
+                    users.push(unknown());
                 }
             }
             users

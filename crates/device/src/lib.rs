@@ -315,7 +315,15 @@ impl FileDevice {
             } else {
                 inuse::Want::Write
             };
-            let taken = is_blk || inuse::lock_file(&file, want).map_err(open_err)?;
+            let taken = if !is_blk {
+                inuse::lock_file(&file, want).map_err(open_err)?
+            } else if read_only {
+                // A reader does not claim the device; the probe tells whether
+                // someone (a mount, a commitfs writer) has.
+                exclusive_probe(path).map_err(open_err)?
+            } else {
+                true // opened with O_EXCL above
+            };
             let users = inuse::other_users(&file, want, taken);
             if !users.is_empty() {
                 return Err(DeviceError::InUse {
@@ -349,7 +357,6 @@ impl FileDevice {
     /// For `commitfs info` (which warns) and `commitfs mkfs` on a block device
     /// (mkfs.ext4 then opens it exclusively itself).
     pub fn users(path: &Path) -> Result<Vec<OtherUser>> {
-        use std::os::unix::fs::OpenOptionsExt;
         let open_err = |source| DeviceError::Open {
             path: path.to_owned(),
             source,
@@ -358,15 +365,7 @@ impl FileDevice {
             .map(|m| std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()))
             .map_err(open_err)?;
         if is_blk {
-            let taken = match OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_EXCL)
-                .open(path)
-            {
-                Ok(_) => true,
-                Err(e) if e.raw_os_error() == Some(libc::EBUSY) => false,
-                Err(e) => return Err(open_err(e)),
-            };
+            let taken = exclusive_probe(path).map_err(open_err)?;
             let f = File::open(path).map_err(open_err)?;
             return Ok(inuse::other_users(&f, inuse::Want::Write, taken));
         }
@@ -440,6 +439,20 @@ impl FileDevice {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
             Err(e) => Err(e),
         }
+    }
+}
+
+/// Whether a block device could be opened exclusively now (closed again at once).
+fn exclusive_probe(path: &Path) -> std::io::Result<bool> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_EXCL)
+        .open(path)
+    {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Ok(false),
+        Err(e) => Err(e),
     }
 }
 

@@ -195,8 +195,9 @@ fn block_devices_are_opened_exclusively() {
     assert!(out.status.success());
     let lo = Loop::attach(&img.0, false);
     let dev = FileDevice::open(Path::new(&lo.0), false).unwrap();
-    // A second writer, and the kernel, are refused while we hold it.
+    // A second writer, a reader, and the kernel, are refused while we hold it.
     in_use(FileDevice::open(Path::new(&lo.0), false));
+    in_use(FileDevice::open(Path::new(&lo.0), true));
     assert!(!FileDevice::users(Path::new(&lo.0)).unwrap().is_empty());
     let dir = unique("blkmnt");
     std::fs::create_dir(&dir).unwrap();
@@ -230,8 +231,33 @@ fn block_devices_are_opened_exclusively() {
         "{users:?}"
     );
     assert!(msg.contains(&dir.display().to_string()), "{msg}");
-    // Reading beside a read-write mount is refused too.
+    // Reading beside a read-write mount is refused too ...
     in_use(ro);
+    // ... and allowed beside a read-only one.
+    std::fs::create_dir(&dir).unwrap();
+    let m = Command::new("mount")
+        .args(["-t", "ext4", "-o", "ro"])
+        .arg(&lo.0)
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(m.status.success(), "{}", String::from_utf8_lossy(&m.stderr));
+    let ro = FileDevice::open(Path::new(&lo.0), true);
+    let rw = FileDevice::open(Path::new(&lo.0), false);
+    let _ = Command::new("umount").arg(&dir).status();
+    let _ = std::fs::remove_dir(&dir);
+    ro.expect("read-only beside a read-only kernel mount");
+    let (users, _) = in_use(rw);
+    assert!(
+        matches!(
+            &users[..],
+            [OtherUser::Mounted {
+                read_only: true,
+                ..
+            }]
+        ),
+        "{users:?}"
+    );
 }
 
 #[test]
