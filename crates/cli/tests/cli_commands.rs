@@ -629,3 +629,71 @@ fn mount_says_what_is_wrong_with_the_image() {
     assert!(ro.path().join("lost+found").is_dir());
     ro.unmount().unwrap();
 }
+
+#[test]
+fn a_daemonized_mount_holds_the_image_while_it_serves() {
+    // Without --foreground the image is opened after the fork: the serving
+    // daemon (not the parent, which exits) must hold it.
+    let img = mkfs("daemon-lock", 64, &[]);
+    let dir = common::TempDir::new("daemon-mnt");
+    let pidf = common::TempFile {
+        path: unique("daemon-pid"),
+    };
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            if common::is_mounted(self.0, "fuse") {
+                let _ = Command::new("fusermount3").arg("-uz").arg(self.0).status();
+            }
+        }
+    }
+    let out = Command::new(BIN)
+        .arg("mount")
+        .arg(&img.path)
+        .arg(&dir.path)
+        .arg("--pid-file")
+        .arg(&pidf.path)
+        .output()
+        .unwrap();
+    let _u = Unmount(&dir.path);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let pid: u32 = fs::read_to_string(&pidf.path)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    fs::write(dir.path.join("f"), b"daemon").unwrap();
+    let msg = refused_mount(&img.path, &[]);
+    assert!(msg.contains(&format!("held by process {pid}")), "{msg}");
+    assert!(
+        msg.contains(&format!("mounted at {}", dir.path.display())),
+        "{msg}"
+    );
+    let o = mkfs_cmd(&img.path, &["--size", "64M", "--force"]);
+    assert!(!o.status.success(), "mkfs beside the daemon");
+    // Unmounted: the daemon exits and the image is free again.
+    assert!(Command::new("umount")
+        .arg(&dir.path)
+        .status()
+        .unwrap()
+        .success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    // Gone, or a zombie waiting for whoever inherited it.
+    let alive = || {
+        fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| !r.trim_start().starts_with('Z'))
+        })
+    };
+    while alive() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "daemon {pid} did not exit"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    check_fsck(&img.path, "after the daemon").unwrap();
+    let again = FuseMount::mount(Path::new(BIN), &img.path, &[]).unwrap();
+    assert_eq!(fs::read(again.path().join("f")).unwrap(), b"daemon");
+}
