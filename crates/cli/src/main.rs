@@ -7,13 +7,13 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use commitfs::cmd::{demo, info, mkfs, mount, size, stats};
 
-mod bench;
+use commitfs_bench as bench;
 mod crashtest_cmd;
 
 #[derive(Parser)]
 #[command(
     name = "commitfs",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("COMMITFS_COMMIT"), ")"),
     about = "A user-space file system for real ext4 images"
 )]
 struct Cli {

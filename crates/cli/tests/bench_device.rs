@@ -11,11 +11,7 @@
 //!
 //! Needs root and the packages nbdkit, nbdkit-plugin-dev, libnbd-bin (and gcc).
 
-#[path = "../src/bench/sys.rs"]
-mod sys;
-
-#[path = "../src/bench/emu.rs"]
-mod emu;
+use commitfs_bench::{emu, sys};
 
 use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};

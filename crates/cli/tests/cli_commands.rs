@@ -697,3 +697,26 @@ fn a_daemonized_mount_holds_the_image_while_it_serves() {
     let again = FuseMount::mount(Path::new(BIN), &img.path, &[]).unwrap();
     assert_eq!(fs::read(again.path().join("f")).unwrap(), b"daemon");
 }
+
+/// `--version` names the commit the binary was built from (crates/cli/build.rs).
+#[test]
+fn version_names_the_commit() {
+    let out = Command::new(BIN).arg("--version").output().unwrap();
+    assert!(out.status.success());
+    let v = String::from_utf8_lossy(&out.stdout);
+    let head = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output();
+    match head {
+        Ok(h) if h.status.success() => {
+            let h = String::from_utf8_lossy(&h.stdout).trim().to_string();
+            assert!(
+                v.contains(&format!("(commit {h}")),
+                "--version {v:?} does not name HEAD {h}"
+            );
+        }
+        // Built outside a git checkout: the build script says so.
+        _ => assert!(v.contains("(commit unknown)"), "{v:?}"),
+    }
+}

@@ -24,15 +24,11 @@ const BIG_DIR_ENTRIES: usize = 10_500;
 
 /// Deterministic block content for the deep file (never all zero).
 fn block_pattern(tag: u64, lblk: u64, bs: usize) -> Vec<u8> {
-    let mut v = Vec::with_capacity(bs);
-    let mut x = (tag << 40) ^ lblk ^ 0x9E37_79B9_7F4A_7C15;
-    while v.len() < bs {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(bs);
+    use rand::{RngCore, SeedableRng};
+    let mut v = vec![0u8; bs];
+    rand::rngs::StdRng::seed_from_u64((tag << 40) ^ lblk).fill_bytes(&mut v);
+    // Never all zero (a zero block would read like a hole).
+    v[0] |= 1;
     v
 }
 

@@ -15,6 +15,7 @@ use parking_lot::RwLock;
 
 pub mod inuse;
 pub mod recording;
+pub mod size;
 pub use inuse::OtherUser;
 pub use recording::{CrashLog, CrashSpec, LogOp, Materializer, RecordingDevice};
 

@@ -24,6 +24,8 @@
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use crate::{BlockDevice, IoCategory, IoStats, MemDevice, Result};
 
@@ -230,8 +232,8 @@ impl CrashLog {
     pub fn fates(&self, spec: &CrashSpec) -> Vec<Fate> {
         let k = spec.k.min(self.ops.len());
         let p = self.durable_prefix(k);
-        let mut rng = SplitMix(spec.seed ^ 0xC0FF_EE00_D15E_A5E5 ^ (k as u64) << 20);
-        let keep = |rng: &mut SplitMix| (rng.next() & 0xFF) < spec.keep_256 as u64;
+        let mut rng: StdRng = SeedableRng::seed_from_u64(spec.seed ^ (k as u64) << 20);
+        let keep = |rng: &mut StdRng| rng.gen::<u8>() < spec.keep_256;
         self.ops[p..k]
             .iter()
             .map(|op| match op {
@@ -242,7 +244,7 @@ impl CrashLog {
                     // A quarter of the torn-eligible writes tear; the others are whole.
                     if spec.torn
                         && sectors > 1
-                        && rng.next().is_multiple_of(4)
+                        && rng.gen_ratio(1, 4)
                         && self.tearable(*offset, data.len())
                     {
                         let mut mask = 0u64;
@@ -384,18 +386,6 @@ fn apply_write(img: &mut [u8], offset: u64, data: &[u8]) {
 
 /// A small deterministic generator (SplitMix64) so the device crate needs no
 /// random-number dependency.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

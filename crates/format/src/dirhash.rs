@@ -312,15 +312,12 @@ mod tests {
         )
     }
 
-    /// Random names (xorshift) over bytes debugfs's command parser passes through
+    /// Random names (seeded `rand`) over bytes debugfs's command parser passes through
     /// unchanged: printable ASCII without blanks/quotes/backslash/'#', plus 0x80..0xFF.
-    fn random_names(count: usize, mut state: u64) -> Vec<Vec<u8>> {
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+    fn random_names(count: usize, state: u64) -> Vec<Vec<u8>> {
+        use rand::{RngCore, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(state);
+        let mut next = move || rng.next_u64();
         let alphabet: Vec<u8> = (0x21u8..0x7F)
             .filter(|c| !b"\"'\\#".contains(c))
             .chain(0x80..=0xFF)

@@ -1,7 +1,8 @@
 //! Pure parse/serialise of ext4 and JBD2 on-disk structures, with checksums.
 //!
 //! No I/O happens here: every function takes byte slices, so the whole crate can be
-//! fuzzed. Layouts follow `shared/reference/ext4-format.md`; each module covers one
+//! fuzzed. Layouts follow the kernel's `Documentation/filesystems/ext4` (`§N.M` marks
+//! in comments: see the section map in docs/FORMAT.md); each module covers one
 //! on-disk structure. ext4 structures are little-endian, JBD2 ones big-endian.
 
 pub mod bytes;

@@ -1176,7 +1176,7 @@ mod tests {
 }
 
 /// Tests against images written by e2fsprogs (debugfs) and by the kernel (loop mount +
-/// setfattr). Need root, mkfs.ext4, debugfs, e2fsck, losetup and the `attr` package.
+/// setxattr). Need root, mkfs.ext4, debugfs, e2fsck and losetup.
 #[cfg(test)]
 mod image_tests {
     use super::*;
@@ -1319,33 +1319,61 @@ mod image_tests {
         m
     }
 
-    /// Attributes as the kernel reports them (`getfattr -d -m - -e hex`).
-    fn getfattr_attrs(path: &Path) -> AttrMap {
-        let out = run(
-            "getfattr",
-            &[
-                "-d",
-                "-m",
-                "-",
-                "-e",
-                "hex",
-                "--absolute-names",
-                path.to_str().unwrap(),
-            ],
-        );
+    /// Every attribute of `path` as the kernel reports it (llistxattr + lgetxattr).
+    fn kernel_attrs(path: &Path) -> AttrMap {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+        // SAFETY: NUL-terminated path; buffers sized by the preceding size query.
+        let get = |f: &dyn Fn(*mut libc::c_void, usize) -> isize| -> Vec<u8> {
+            let n = f(std::ptr::null_mut(), 0);
+            assert!(
+                n >= 0,
+                "xattr size query on {}: {}",
+                path.display(),
+                std::io::Error::last_os_error()
+            );
+            let mut buf = vec![0u8; n as usize];
+            let n = f(buf.as_mut_ptr().cast(), buf.len());
+            assert!(
+                n >= 0,
+                "xattr read on {}: {}",
+                path.display(),
+                std::io::Error::last_os_error()
+            );
+            buf.truncate(n as usize);
+            buf
+        };
+        let names = get(&|p, n| unsafe { libc::llistxattr(c.as_ptr(), p.cast(), n) });
         let mut m = AttrMap::new();
-        for line in out.lines() {
-            if line.starts_with('#') || line.is_empty() {
-                continue;
-            }
-            let (name, val) = line.split_once('=').unwrap_or((line, "0x"));
-            let hex = val.strip_prefix("0x").unwrap();
-            let bytes = (0..hex.len() / 2)
-                .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
-                .collect();
-            m.insert(name.as_bytes().to_vec(), bytes);
+        for name in names.split(|&b| b == 0).filter(|n| !n.is_empty()) {
+            let cn = std::ffi::CString::new(name).unwrap();
+            let v = get(&|p, n| unsafe { libc::lgetxattr(c.as_ptr(), cn.as_ptr(), p, n) });
+            m.insert(name.to_vec(), v);
         }
         m
+    }
+
+    fn set_xattr(path: &Path, name: &str, value: &[u8]) {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+        let cn = std::ffi::CString::new(name).unwrap();
+        // SAFETY: NUL-terminated path and name, value slice valid for its length.
+        let r = unsafe {
+            libc::lsetxattr(
+                c.as_ptr(),
+                cn.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
+        assert_eq!(
+            r,
+            0,
+            "setxattr {name} on {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
     }
 
     struct Fs {
@@ -1623,17 +1651,6 @@ mod image_tests {
         debugfs_image(4096);
     }
 
-    fn setfattr(path: &Path, name: &str, value: &[u8]) {
-        let hex: String = value.iter().map(|b| format!("{b:02x}")).collect();
-        let v = format!("0x{hex}");
-        let mut args = vec!["-n", name];
-        if !value.is_empty() {
-            args.extend(["-v", &v]);
-        }
-        args.push(path.to_str().unwrap());
-        run("setfattr", &args);
-    }
-
     fn kernel_image(bs: u32) {
         let tmp = TempDir::new("kernel");
         let img = tmp.path("fs.img");
@@ -1644,15 +1661,15 @@ mod image_tests {
             std::fs::write(m.dir.join(f), b"x").unwrap();
         }
         let p = |f: &str| m.dir.join(f);
-        setfattr(&p("small"), "user.a", b"hello");
-        setfattr(&p("small"), "user.empty", b"");
-        setfattr(&p("small"), "security.s", &[1, 2, 3, 0]);
-        setfattr(&p("mixed"), "user.a", b"x");
-        setfattr(&p("mixed"), "trusted.big", &pattern(bs as usize / 2, 5));
-        setfattr(&p("mixed"), "user.b", &pattern(bs as usize / 4, 6));
+        set_xattr(&p("small"), "user.a", b"hello");
+        set_xattr(&p("small"), "user.empty", b"");
+        set_xattr(&p("small"), "security.s", &[1, 2, 3, 0]);
+        set_xattr(&p("mixed"), "user.a", b"x");
+        set_xattr(&p("mixed"), "trusted.big", &pattern(bs as usize / 2, 5));
+        set_xattr(&p("mixed"), "user.b", &pattern(bs as usize / 4, 6));
         let shared = pattern(bs as usize - 300, 11);
-        setfattr(&p("shared1"), "user.s", &shared);
-        setfattr(&p("shared2"), "user.s", &shared);
+        set_xattr(&p("shared1"), "user.s", &shared);
+        set_xattr(&p("shared2"), "user.s", &shared);
         // A POSIX ACL in the VFS format (version 2): user::rw- user:1000:rwx
         // group::r-- mask::rwx other::r--.
         let mut acl = 2u32.to_le_bytes().to_vec();
@@ -1667,10 +1684,10 @@ mod image_tests {
             acl.extend(perm.to_le_bytes());
             acl.extend(id.to_le_bytes());
         }
-        setfattr(&p("acl"), "system.posix_acl_access", &acl);
-        setfattr(&p("acl"), "user.u", b"v");
+        set_xattr(&p("acl"), "system.posix_acl_access", &acl);
+        set_xattr(&p("acl"), "user.u", b"v");
 
-        let kernel: Vec<AttrMap> = files.iter().map(|f| getfattr_attrs(&p(f))).collect();
+        let kernel: Vec<AttrMap> = files.iter().map(|f| kernel_attrs(&p(f))).collect();
         m.unmount();
 
         let fs = load(&img);
@@ -1681,7 +1698,7 @@ mod image_tests {
         for ((f, k), name) in found.iter().zip(&kernel).zip(files) {
             let mut ours = f.all();
             if name == "acl" {
-                // ext4 stores ACLs in its own compact format, getfattr shows the VFS
+                // ext4 stores ACLs in its own compact format, getxattr returns the VFS
                 // one; compare the name only.
                 let key = b"system.posix_acl_access".to_vec();
                 assert!(ours.remove(&key).is_some() && k.contains_key(&key));

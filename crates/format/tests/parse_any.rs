@@ -136,15 +136,10 @@ fn run(cmd: &str, args: &[&str]) -> (i32, String) {
 
 /// Deterministic filler bytes.
 fn filler(n: usize, salt: u64) -> Vec<u8> {
-    let mut s = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s as u8
-        })
-        .collect()
+    use rand::{RngCore, SeedableRng};
+    let mut v = vec![0u8; n];
+    rand::rngs::StdRng::seed_from_u64(salt).fill_bytes(&mut v);
+    v
 }
 
 /// Source tree for `mkfs.ext4 -d`.

@@ -345,7 +345,7 @@ impl Inner {
 }
 
 /// Tests on real images: random sequences against a model, e2fsck -fn, and the kernel
-/// (loop mount + getfattr) as judges. Need root, e2fsprogs, losetup and `attr`.
+/// (loop mount + getxattr) as judges. Need root, e2fsprogs and losetup.
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -479,44 +479,61 @@ mod tests {
         }
     }
 
-    /// Attributes as the kernel reports them (`getfattr -d -m - -e hex`).
-    fn getfattr(path: &Path) -> AttrMap {
-        let out = run(
-            "getfattr",
-            &[
-                "-d",
-                "-m",
-                "-",
-                "-e",
-                "hex",
-                "--absolute-names",
-                path.to_str().unwrap(),
-            ],
-        );
+    /// Every attribute of `path` as the kernel reports it (llistxattr + lgetxattr).
+    fn kernel_attrs(path: &Path) -> AttrMap {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+        // SAFETY: NUL-terminated path; buffers sized by the preceding size query.
+        let get = |f: &dyn Fn(*mut libc::c_void, usize) -> isize| -> Vec<u8> {
+            let n = f(std::ptr::null_mut(), 0);
+            assert!(
+                n >= 0,
+                "xattr size query on {}: {}",
+                path.display(),
+                std::io::Error::last_os_error()
+            );
+            let mut buf = vec![0u8; n as usize];
+            let n = f(buf.as_mut_ptr().cast(), buf.len());
+            assert!(
+                n >= 0,
+                "xattr read on {}: {}",
+                path.display(),
+                std::io::Error::last_os_error()
+            );
+            buf.truncate(n as usize);
+            buf
+        };
+        let names = get(&|p, n| unsafe { libc::llistxattr(c.as_ptr(), p.cast(), n) });
         let mut m = AttrMap::new();
-        for line in out.lines() {
-            if line.starts_with('#') || line.is_empty() {
-                continue;
-            }
-            let (name, val) = line.split_once('=').unwrap_or((line, "0x"));
-            let hex = val.strip_prefix("0x").unwrap();
-            let bytes = (0..hex.len() / 2)
-                .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
-                .collect();
-            m.insert(name.as_bytes().to_vec(), bytes);
+        for name in names.split(|&b| b == 0).filter(|n| !n.is_empty()) {
+            let cn = std::ffi::CString::new(name).unwrap();
+            let v = get(&|p, n| unsafe { libc::lgetxattr(c.as_ptr(), cn.as_ptr(), p, n) });
+            m.insert(name.to_vec(), v);
         }
         m
     }
 
-    fn setfattr(path: &Path, name: &str, value: &[u8]) {
-        let hex: String = value.iter().map(|b| format!("{b:02x}")).collect();
-        let v = format!("0x{hex}");
-        let mut args = vec!["-n", name];
-        if !value.is_empty() {
-            args.extend(["-v", &v]);
-        }
-        args.push(path.to_str().unwrap());
-        run("setfattr", &args);
+    fn set_xattr(path: &Path, name: &str, value: &[u8]) {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+        let cn = std::ffi::CString::new(name).unwrap();
+        // SAFETY: NUL-terminated path and name, value slice valid for its length.
+        let r = unsafe {
+            libc::lsetxattr(
+                c.as_ptr(),
+                cn.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
+        assert_eq!(
+            r,
+            0,
+            "setxattr {name} on {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
     }
 
     fn show(m: &AttrMap) -> BTreeMap<String, String> {
@@ -699,7 +716,7 @@ mod tests {
         let mut km = KernelMount::new(&img.path);
         for (p, i) in paths.iter().zip(&inos) {
             assert_eq!(
-                show(&getfattr(&km.dir.join(p))),
+                show(&kernel_attrs(&km.dir.join(p))),
                 show(&model[i]),
                 "kernel view of {p}"
             );
@@ -858,8 +875,8 @@ mod tests {
             for n in names {
                 let p = km.dir.join(n);
                 std::fs::write(&p, b"").unwrap();
-                setfattr(&p, "user.big", &big);
-                setfattr(&p, "user.small", b"s");
+                set_xattr(&p, "user.big", &big);
+                set_xattr(&p, "user.small", b"s");
             }
             km.unmount();
         }
@@ -944,8 +961,8 @@ mod tests {
             fs.unmount().unwrap();
         }
         let mut km = KernelMount::new(&img.path);
-        assert_eq!(show(&getfattr(&km.dir.join("s1"))), show(&expect1));
-        assert_eq!(show(&getfattr(&km.dir.join("s2"))), show(&expect2));
+        assert_eq!(show(&kernel_attrs(&km.dir.join("s1"))), show(&expect1));
+        assert_eq!(show(&kernel_attrs(&km.dir.join("s2"))), show(&expect2));
         km.unmount();
         assert_clean(&img.path);
     }

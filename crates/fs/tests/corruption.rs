@@ -111,15 +111,10 @@ fn debugfs(img: &Path, req: &str) -> String {
 }
 
 fn filler(n: usize, salt: u64) -> Vec<u8> {
-    let mut s = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s as u8
-        })
-        .collect()
+    use rand::{RngCore, SeedableRng};
+    let mut v = vec![0u8; n];
+    rand::rngs::StdRng::seed_from_u64(salt).fill_bytes(&mut v);
+    v
 }
 
 fn make_source(root: &Path) {

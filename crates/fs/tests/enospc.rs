@@ -16,15 +16,10 @@ const FILE_SIZE: usize = 300 * 1024;
 
 /// Deterministic content of file `n`.
 fn content(n: usize, len: usize) -> Vec<u8> {
-    let mut s = (n as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s as u8
-        })
-        .collect()
+    use rand::{RngCore, SeedableRng};
+    let mut v = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(n as u64 + 1).fill_bytes(&mut v);
+    v
 }
 
 fn assert_clean(path: &Path, when: &str) {

@@ -455,12 +455,10 @@ fn subsets(n: usize) -> Vec<u64> {
         }); // prefix
         v.push(all & !((1u64 << i) - 1)); // suffix
     }
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x9E37_79B9);
     for _ in 0..64 {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.push(x & all);
+        v.push(rng.gen::<u64>() & all);
     }
     v.sort();
     v.dedup();

@@ -5,5 +5,6 @@ pub mod fsck;
 pub mod info;
 pub mod mkfs;
 pub mod mount;
-pub mod size;
+/// Human sizes (`64M`, `1.5G`): one home, in the device crate.
+pub use commitfs_device::size;
 pub mod stats;

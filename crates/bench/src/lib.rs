@@ -12,13 +12,15 @@
 
 mod cost;
 mod device;
-mod emu;
+/// The emulated device (nbdkit + latency filter); public for its own tests.
+pub mod emu;
 mod measure;
 mod ops;
 mod plot;
 mod report;
 mod results;
-mod sys;
+/// Processes, mounts and temporary paths; public for the emulated-device tests.
+pub mod sys;
 mod systems;
 mod workloads;
 
@@ -105,7 +107,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         .clone()
         .ok_or_else(|| anyhow!("--out DIR is required (or use `bench compare A B`)"))?;
     let kind = DeviceKind::parse(&a.device)?;
-    let size = commitfs::cmd::size::parse_size(&a.size)?;
+    let size = commitfs_device::size::parse_size(&a.size)?;
     let all = systems::all_systems();
     let selected: Vec<System> = if a.systems.is_empty() {
         all.clone()
@@ -261,7 +263,7 @@ struct Bench {
 /// Where a point runs.
 enum Target<'a> {
     Mount { dir: &'a Path, fs_pid: Option<u32> },
-    Library(&'a commitfs::Fs),
+    Library(&'a commitfs_fs::Fs),
 }
 
 impl Bench {
@@ -500,15 +502,15 @@ impl Bench {
         } else {
             None
         };
-        let d: commitfs::device::DeviceRef = Arc::new(
-            commitfs::device::FileDevice::open(&dev.dev, false)
+        let d: commitfs_device::DeviceRef = Arc::new(
+            commitfs_device::FileDevice::open(&dev.dev, false)
                 .map_err(|e| anyhow!("library pass: open {}: {e}", dev.dev.display()))?,
         );
-        let opts = commitfs::MountOptions {
+        let opts = commitfs_fs::MountOptions {
             fast_commit: !mode.mount_opts.split(',').any(|o| o == "nofast_commit"),
             ..Default::default()
         };
-        let fs = commitfs::Fs::open(d, opts).map_err(|e| anyhow!("library pass: mount: {e}"))?;
+        let fs = commitfs_fs::Fs::open(d, opts).map_err(|e| anyhow!("library pass: mount: {e}"))?;
         for w in wl.iter().filter(|w| workloads::builtin(w)) {
             for p in workloads::plan(w, self.scale) {
                 self.pb
@@ -713,7 +715,7 @@ impl Bench {
 }
 
 enum FsStats {
-    Lib(Box<commitfs::Stats>),
+    Lib(Box<commitfs_fs::Stats>),
     Json(serde_json::Value),
 }
 
@@ -744,7 +746,7 @@ fn split(r: &Regions, tr: &[emu::TraceRec]) -> JournalSplit {
     j
 }
 
-fn breakdown(a: &commitfs::Stats, b: &commitfs::Stats) -> CommitfsBreakdown {
+fn breakdown(a: &commitfs_fs::Stats, b: &commitfs_fs::Stats) -> CommitfsBreakdown {
     let d = |x: u64, y: u64| y.saturating_sub(x);
     let (ad, bd) = (&a.device, &b.device);
     CommitfsBreakdown {
@@ -812,7 +814,7 @@ trait TotalFua {
     fn total_fua(&self) -> u64;
 }
 
-impl TotalFua for commitfs::device::StatsSnapshot {
+impl TotalFua for commitfs_device::StatsSnapshot {
     fn total_fua(&self) -> u64 {
         self.data.fua_writes
             + self.metadata.fua_writes

@@ -10,7 +10,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use commitfs::{Fs, ROOT_INO};
+use commitfs_fs::{Fs, ROOT_INO};
 
 /// An open file of either back end.
 pub enum Fh {
@@ -167,7 +167,7 @@ impl Api for Lib<'_> {
                 self.fs
                     .setattr(
                         a.ino,
-                        &commitfs::SetAttr {
+                        &commitfs_fs::SetAttr {
                             size: Some(0),
                             ..Default::default()
                         },

@@ -633,8 +633,8 @@ pub fn compare(a: &Results, b: &Results, pa: &Path, pb: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::results::Run;
-    use crate::bench::workloads::WorkResult;
+    use crate::results::Run;
+    use crate::workloads::WorkResult;
 
     fn run(sys: &str, thr: f64) -> Run {
         Run {

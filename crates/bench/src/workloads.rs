@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 use super::measure::{self, LatSummary};
@@ -165,28 +166,9 @@ pub struct WorkResult {
     pub notes: Vec<String>,
 }
 
-/// A small fast PRNG (xorshift64*), so runs are reproducible per seed.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    pub fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
-        }
-    }
+/// Seeded generator, so runs are reproducible per seed.
+fn seeded(seed: u64) -> rand::rngs::StdRng {
+    rand::SeedableRng::seed_from_u64(seed)
 }
 
 /// Per-run latency collection (µs), merged across threads.
@@ -239,7 +221,7 @@ pub fn prepare(api: &dyn Api, p: &Point, tag: &str) -> Result<Prepared> {
         "varmail-shared" | "varmail-split" | "nfs-async" | "nfs-sync" | "postmark-lite" => {
             let t = p.threads.max(1);
             let split = p.workload != "varmail-shared";
-            let mut rng = Rng::new(7);
+            let mut rng = seeded(7);
             for th in 0..t {
                 let d = if split {
                     let d = format!("{dir}/d{th}");
@@ -259,7 +241,7 @@ pub fn prepare(api: &dyn Api, p: &Point, tag: &str) -> Result<Prepared> {
                 };
                 for (i, name) in names.iter().enumerate().take(fill) {
                     let mut f = ctx(api.create(name), "create")?;
-                    let sz = 1024 + rng.below(31 * 1024) as usize;
+                    let sz = 1024 + rng.gen_range(0..31 * 1024) as usize;
                     ctx(api.append(&mut f, &DATA[..sz]), "write")?;
                     ctx(api.close(f), "close")?;
                     exists[i] = true;
@@ -322,29 +304,29 @@ fn varmail(api: &dyn Api, p: &Point, prep: Prepared) -> Result<WorkResult> {
         for (th, (_d, names, _e)) in prep.sets.iter().enumerate() {
             let (lats, ops, failed, stop) = (&lats, &ops, &failed, &stop);
             s.spawn(move || {
-                let mut rng = Rng::new(th as u64 + 1);
+                let mut rng = seeded(th as u64 + 1);
                 let mut lat = Vec::new();
                 let mut buf = vec![0u8; 1 << 16];
                 let r = (|| -> io::Result<()> {
                     while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
                         let n = names.len() as u64;
-                        let a = &names[rng.below(n) as usize];
+                        let a = &names[rng.gen_range(0..n) as usize];
                         match api.unlink(a) {
                             Ok(()) => {}
                             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                             Err(e) => return Err(e),
                         }
                         let mut f = api.create(a)?;
-                        api.append(&mut f, &DATA[..8192 + rng.below(16384) as usize])?;
+                        api.append(&mut f, &DATA[..8192 + rng.gen_range(0..16384) as usize])?;
                         timed_fsync(api, &mut f, &mut lat)?;
                         api.close(f)?;
-                        let b = &names[rng.below(n) as usize];
+                        let b = &names[rng.gen_range(0..n) as usize];
                         let mut f = api.open(b, true)?;
                         api.read_all(&mut f, &mut buf)?;
-                        api.append(&mut f, &DATA[..8192 + rng.below(16384) as usize])?;
+                        api.append(&mut f, &DATA[..8192 + rng.gen_range(0..16384) as usize])?;
                         timed_fsync(api, &mut f, &mut lat)?;
                         api.close(f)?;
-                        let c = &names[rng.below(n) as usize];
+                        let c = &names[rng.gen_range(0..n) as usize];
                         let mut f = api.open(c, false)?;
                         api.read_all(&mut f, &mut buf)?;
                         api.close(f)?;
@@ -402,7 +384,7 @@ fn postmark_like(api: &dyn Api, p: &Point, prep: Prepared, pol: Policy) -> Resul
             let (lats, txs, failed, stop) = (&lats, &txs, &failed, &stop);
             s.spawn(move || {
                 let mut exists = exists;
-                let mut rng = Rng::new(100 + th as u64);
+                let mut rng = seeded(100 + th as u64);
                 let mut lat = Vec::new();
                 let mut buf = vec![0u8; 1 << 16];
                 let n = names.len() as u64;
@@ -415,15 +397,15 @@ fn postmark_like(api: &dyn Api, p: &Point, prep: Prepared, pol: Policy) -> Resul
                             return Ok(());
                         }
                         // Read or append an existing file.
-                        let i = rng.below(n) as usize;
+                        let i = rng.gen_range(0..n) as usize;
                         if exists[i] {
-                            if rng.below(2) == 0 {
+                            if rng.gen_range(0..2) == 0 {
                                 let mut f = api.open(&names[i], false)?;
                                 api.read_all(&mut f, &mut buf)?;
                                 api.close(f)?;
                             } else {
                                 let mut f = api.open(&names[i], true)?;
-                                api.append(&mut f, &DATA[..512 + rng.below(8192) as usize])?;
+                                api.append(&mut f, &DATA[..512 + rng.gen_range(0..8192) as usize])?;
                                 if pol != Policy::None {
                                     timed_fsync(api, &mut f, &mut lat)?;
                                 }
@@ -431,7 +413,7 @@ fn postmark_like(api: &dyn Api, p: &Point, prep: Prepared, pol: Policy) -> Resul
                             }
                         }
                         // Create or delete.
-                        let j = rng.below(n) as usize;
+                        let j = rng.gen_range(0..n) as usize;
                         if exists[j] {
                             api.unlink(&names[j])?;
                             exists[j] = false;
@@ -444,7 +426,7 @@ fn postmark_like(api: &dyn Api, p: &Point, prep: Prepared, pol: Policy) -> Resul
                                 // The create is a metadata op of its own.
                                 timed_fsync_dir(api, &dir, &mut lat)?;
                             }
-                            api.append(&mut f, &DATA[..512 + rng.below(16384) as usize])?;
+                            api.append(&mut f, &DATA[..512 + rng.gen_range(0..16384) as usize])?;
                             if pol != Policy::None {
                                 timed_fsync(api, &mut f, &mut lat)?;
                             }
@@ -724,11 +706,10 @@ mod tests {
 
     #[test]
     fn rng_is_deterministic() {
-        let mut a = Rng::new(3);
-        let mut b = Rng::new(3);
+        use rand::Rng;
+        let (mut a, mut b) = (seeded(3), seeded(3));
         for _ in 0..10 {
-            assert_eq!(a.next(), b.next());
+            assert_eq!(a.gen::<u64>(), b.gen::<u64>());
         }
-        assert!(Rng::new(4).below(10) < 10);
     }
 }

@@ -127,7 +127,7 @@ pub fn profile(name: &str) -> Result<Profile> {
 
 /// The filter's C source, built at run time with `cc` against the system's
 /// nbdkit headers (so the binary carries it; `nbd/build.sh` does the same by hand).
-const FILTER_SRC: &str = include_str!("../../../../nbd/commitfs-latency-filter.c");
+const FILTER_SRC: &str = include_str!("../../../nbd/commitfs-latency-filter.c");
 
 /// The device's counters (the filter's `struct shared`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -208,7 +208,11 @@ pub fn build_filter(cache_dir: &Path) -> Result<PathBuf> {
     }
     let src = cache_dir.join(format!("commitfs-latency-filter-{h:016x}.c"));
     std::fs::write(&src, FILTER_SRC)?;
-    let tmp = so.with_extension(format!("tmp{}", std::process::id()));
+    // Unique per build: two threads (or processes) building at once on a fresh
+    // cache each rename their own file into place.
+    static BUILDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = so.with_extension(format!("tmp{}-{n}", std::process::id()));
     sys::run(
         "cc",
         &[
