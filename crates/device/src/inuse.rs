@@ -154,6 +154,19 @@ pub(crate) fn lock_file(file: &File, want: Want) -> std::io::Result<bool> {
     }
 }
 
+/// Retry `f` for up to 200 ms while it says `false` (the lock is taken). A
+/// conflicting lock with no process behind it is often a copy of a descriptor in a
+/// child between fork and exec (ours, or the previous holder's): gone in moments.
+pub(crate) fn retry_briefly(mut f: impl FnMut() -> std::io::Result<bool>) -> std::io::Result<bool> {
+    for _ in 0..20 {
+        if f()? {
+            return Ok(true);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    f()
+}
+
 /// Whether a lock conflicting with `want` is held on the file (`F_OFD_GETLK`: a
 /// probe that takes nothing, and works on a read-only descriptor).
 pub(crate) fn lock_conflicts(file: &File, want: Want) -> std::io::Result<bool> {

@@ -317,7 +317,7 @@ impl FileDevice {
                 inuse::Want::Write
             };
             let taken = if !is_blk {
-                inuse::lock_file(&file, want).map_err(open_err)?
+                inuse::retry_briefly(|| inuse::lock_file(&file, want)).map_err(open_err)?
             } else if read_only {
                 // A reader does not claim the device; the probe tells whether
                 // someone (a mount, a commitfs writer) has.
@@ -371,7 +371,9 @@ impl FileDevice {
             return Ok(inuse::other_users(&f, inuse::Want::Write, taken));
         }
         let f = File::open(path).map_err(open_err)?;
-        let locked = inuse::lock_conflicts(&f, inuse::Want::Write).map_err(open_err)?;
+        let locked =
+            !inuse::retry_briefly(|| inuse::lock_conflicts(&f, inuse::Want::Write).map(|c| !c))
+                .map_err(open_err)?;
         Ok(inuse::other_users(&f, inuse::Want::Write, !locked))
     }
 
