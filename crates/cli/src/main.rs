@@ -101,6 +101,9 @@ enum Cmd {
         /// Volume label.
         #[arg(long, short = 'L')]
         label: Option<String>,
+        /// Overwrite an existing file system (and shrink a larger image file).
+        #[arg(long, short = 'f')]
+        force: bool,
     },
     /// Live counters of a mounted file system (I/O by category, journal, fast commit).
     Stats {
@@ -199,6 +202,7 @@ fn run(cli: Cli) -> Result<()> {
             fast_commit,
             block_size,
             label,
+            force,
         } => {
             init_cli_logging();
             let size = size.as_deref().map(size::parse_size).transpose()?;
@@ -209,6 +213,7 @@ fn run(cli: Cli) -> Result<()> {
                     fast_commit,
                     block_size,
                     label,
+                    force,
                 },
             )
         }

@@ -10,6 +10,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use commitfs::testutil::mkfs;
 
+mod common;
+use common::{check_fsck, FuseMount, KernelMount};
+
 const BIN: &str = env!("CARGO_BIN_EXE_commitfs");
 
 fn unique(tag: &str) -> PathBuf {
@@ -288,11 +291,12 @@ fn mkfs_makes_what_was_asked() {
     let v = commitfs::cmd::fsck::check(&p).unwrap();
     assert!(v.is_clean(), "{}", v.output);
 
-    // Re-making with another size resizes the file; bad input fails.
+    // Re-making with another size (--force: it holds a file system) resizes the
+    // file; bad input fails.
     let out = Command::new(BIN)
         .arg("mkfs")
         .arg(&p)
-        .args(["--size", "1G"])
+        .args(["--size", "1G", "--force"])
         .output()
         .unwrap();
     assert!(out.status.success());
@@ -504,6 +508,347 @@ fn demo_degrades_without_fuse_and_kernel() {
         .expect("demo names its directory");
     assert!(!Path::new(tmp).exists(), "{tmp} left behind");
     assert_nothing_left(Path::new(tmp));
+}
+
+// ------------------------------------------------------- one user per image
+
+/// `commitfs mount IMAGE` that must be refused: the refusal's message.
+fn refused_mount(image: &Path, opts: &[&str]) -> String {
+    match FuseMount::mount(Path::new(BIN), image, opts) {
+        Ok(m) => panic!(
+            "a second mount of {} at {} succeeded",
+            image.display(),
+            m.path().display()
+        ),
+        Err(e) => e,
+    }
+}
+
+fn mkfs_cmd(image: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .arg("mkfs")
+        .arg(image)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// The source (loop device) of the mount at `dir`.
+fn mount_source(dir: &Path) -> String {
+    let text = fs::read_to_string("/proc/self/mounts").unwrap();
+    text.lines()
+        .find_map(|l| {
+            let mut it = l.split(' ');
+            let src = it.next()?;
+            (it.next()? == dir.to_str()?).then(|| src.to_string())
+        })
+        .unwrap_or_else(|| panic!("{} is not mounted", dir.display()))
+}
+
+fn uuid(img: &Path) -> String {
+    dumpe2fs(img)["Filesystem UUID"].clone()
+}
+
+#[test]
+fn a_second_commitfs_mount_is_refused_and_names_the_first() {
+    let img = mkfs("two-mounts", 64, &[]);
+    let mut first = FuseMount::mount(Path::new(BIN), &img.path, &[]).unwrap();
+    fs::write(first.path().join("written-by-first"), b"first").unwrap();
+    let pid = first.pid().unwrap();
+    for opts in [&[][..], &["-o", "ro"][..]] {
+        let msg = refused_mount(&img.path, opts);
+        assert!(msg.contains("is in use"), "{msg}");
+        assert!(msg.contains(&format!("held by process {pid}")), "{msg}");
+        assert!(
+            msg.contains(&format!("mounted at {}", first.path().display())),
+            "{msg}"
+        );
+    }
+    // Still served by the first mount, and written home on unmount.
+    assert_eq!(
+        fs::read(first.path().join("written-by-first")).unwrap(),
+        b"first"
+    );
+    first.unmount().unwrap();
+    check_fsck(&img.path, "after two mount attempts").unwrap();
+    // The lock left with the daemon: mounting works again and sees the file.
+    let again = FuseMount::mount(Path::new(BIN), &img.path, &[]).unwrap();
+    assert_eq!(
+        fs::read(again.path().join("written-by-first")).unwrap(),
+        b"first"
+    );
+}
+
+#[test]
+fn commitfs_beside_a_kernel_mount_is_refused() {
+    let img = mkfs("beside-kernel", 64, &[]);
+    let mut km = KernelMount::mount(&img.path, "noatime").unwrap();
+    let lo = mount_source(km.path());
+    assert!(lo.starts_with("/dev/loop"), "{lo}");
+    fs::write(km.path().join("kernel-file"), b"kernel").unwrap();
+    let dir = km.path().display().to_string();
+    // The image file: the e2fsprogs-style check finds the mount through the loop device.
+    for opts in [&[][..], &["-o", "ro"][..]] {
+        let msg = refused_mount(&img.path, opts);
+        assert!(msg.contains(&format!("mounted at {dir} (ext4")), "{msg}");
+        assert!(msg.contains(&format!("through loop device {lo}")), "{msg}");
+    }
+    // The loop device itself: O_EXCL fails with EBUSY, the mount table names it.
+    let msg = refused_mount(Path::new(&lo), &[]);
+    assert!(msg.contains(&format!("mounted at {dir} (ext4)")), "{msg}");
+    // mkfs neither, not even with --force; and the kernel's file system is intact.
+    for force in [false, true] {
+        let mut args = vec!["--size", "64M"];
+        if force {
+            args.push("--force");
+        }
+        let o = mkfs_cmd(&img.path, &args);
+        assert!(!o.status.success(), "mkfs {args:?} on a mounted image");
+        assert!(
+            stderr(&o).contains(&format!("mounted at {dir}")),
+            "{}",
+            stderr(&o)
+        );
+    }
+    assert_eq!(fs::read(km.path().join("kernel-file")).unwrap(), b"kernel");
+    km.unmount().unwrap();
+    check_fsck(&img.path, "kernel image after refused commitfs").unwrap();
+}
+
+#[test]
+fn mkfs_on_a_mounted_image_is_refused_and_changes_nothing() {
+    let img = mkfs("mkfs-mounted", 64, &[]);
+    let before_uuid = uuid(&img.path);
+    let mut m = FuseMount::mount(Path::new(BIN), &img.path, &[]).unwrap();
+    let data: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
+    fs::write(m.path().join("precious"), &data).unwrap();
+    for args in [
+        &["--size", "32M"][..],
+        &["--size", "32M", "--force"][..],
+        &["--size", "64M", "--force"][..],
+    ] {
+        let o = mkfs_cmd(&img.path, args);
+        let err = stderr(&o);
+        assert!(!o.status.success(), "mkfs {args:?} on a mounted image");
+        assert!(err.contains("will not make a file system here"), "{err}");
+        assert!(
+            err.contains(&format!("mounted at {}", m.path().display())),
+            "{err}"
+        );
+        assert_eq!(fs::metadata(&img.path).unwrap().len(), 64 << 20, "{args:?}");
+    }
+    assert_eq!(fs::read(m.path().join("precious")).unwrap(), data);
+    m.unmount().unwrap();
+    check_fsck(&img.path, "image mkfs was refused on").unwrap();
+    assert_eq!(uuid(&img.path), before_uuid);
+    let fs = commitfs::Fs::open_path(
+        &img.path,
+        commitfs::MountOptions {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let ino = fs.lookup(commitfs::ROOT_INO, b"precious").unwrap().ino;
+    let mut back = vec![0u8; data.len()];
+    assert_eq!(fs.read(ino, 0, &mut back).unwrap(), data.len());
+    assert_eq!(back, data);
+}
+
+#[test]
+fn mkfs_over_a_file_system_needs_force_and_never_shrinks_without_it() {
+    let p = unique("mkfs-force").with_extension("img");
+    let _g = Gone(p.clone());
+    let o = mkfs_cmd(&p, &["--size", "64M", "-L", "old-one"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Used once, so it has a last-mount time.
+    {
+        let fs = commitfs::Fs::open_path(&p, Default::default()).unwrap();
+        fs.unmount().unwrap();
+    }
+    let first = uuid(&p);
+    for (args, shrink) in [
+        (&["--size", "64M"][..], false),
+        (&["--size", "32M"][..], true),
+    ] {
+        let o = mkfs_cmd(&p, args);
+        let err = stderr(&o);
+        assert!(!o.status.success(), "mkfs {args:?} over a file system");
+        assert!(err.contains("already holds an ext4 file system"), "{err}");
+        assert!(err.contains("label \"old-one\""), "{err}");
+        assert!(err.contains("64.0 MiB"), "{err}");
+        assert!(err.contains("last mounted"), "{err}");
+        assert!(err.contains("--force"), "{err}");
+        assert_eq!(
+            err.contains("shrink the file from 64.0 MiB to 32.0 MiB"),
+            shrink,
+            "{err}"
+        );
+        assert_eq!(fs::metadata(&p).unwrap().len(), 64 << 20);
+        assert_eq!(uuid(&p), first, "refused mkfs changed the file system");
+    }
+    // --force overwrites, shrinking too.
+    let o = mkfs_cmd(&p, &["--size", "32M", "--force"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(fs::metadata(&p).unwrap().len(), 32 << 20);
+    assert_ne!(uuid(&p), first);
+    check_fsck(&p, "mkfs --force").unwrap();
+    // Fractional sizes.
+    let o = mkfs_cmd(&p, &["--size", "1.5G", "--force"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(fs::metadata(&p).unwrap().len(), 3 << 29);
+    let d = dumpe2fs(&p);
+    assert_eq!(num(&d, "Block count") * num(&d, "Block size"), 3 << 29);
+    // Another kind of file system is recognised too (blkid).
+    let swap = unique("mkfs-swap").with_extension("img");
+    let _g2 = Gone(swap.clone());
+    fs::File::create(&swap).unwrap().set_len(8 << 20).unwrap();
+    let st = Command::new("mkswap").arg(&swap).output().unwrap();
+    assert!(st.status.success());
+    let o = mkfs_cmd(&swap, &["--size", "8M"]);
+    assert!(!o.status.success(), "mkfs over swap space");
+    assert!(stderr(&o).contains("a swap file system"), "{}", stderr(&o));
+    // A new file needs no --force.
+    let q = unique("mkfs-new").with_extension("img");
+    let _g3 = Gone(q.clone());
+    let o = mkfs_cmd(&q, &["--size", "1.5G"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(fs::metadata(&q).unwrap().len(), 3 << 29);
+}
+
+#[test]
+fn info_on_a_mounted_image_warns_and_reports() {
+    let img = mkfs("info-mounted", 64, &["-L", "busy"]);
+    let mut m = FuseMount::mount(Path::new(BIN), &img.path, &[]).unwrap();
+    let out = Command::new(BIN)
+        .arg("info")
+        .arg(&img.path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("warning"), "{err}");
+    assert!(err.contains("is in use"), "{err}");
+    assert!(
+        err.contains(&format!("mounted at {}", m.path().display())),
+        "{err}"
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Label:            busy"));
+    m.unmount().unwrap();
+    let out = Command::new(BIN)
+        .arg("info")
+        .arg(&img.path)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(!stderr(&out).contains("warning"), "{}", stderr(&out));
+}
+
+#[test]
+fn mount_says_what_is_wrong_with_the_image() {
+    // Empty.
+    let empty = unique("empty").with_extension("img");
+    let _g = Gone(empty.clone());
+    fs::write(&empty, b"").unwrap();
+    let msg = refused_mount(&empty, &[]);
+    assert!(msg.contains("empty (0 bytes)"), "{msg}");
+    assert!(msg.contains("commitfs mkfs"), "{msg}");
+    let out = Command::new(BIN).arg("info").arg(&empty).output().unwrap();
+    assert!(stderr(&out).contains("empty (0 bytes)"), "{}", stderr(&out));
+    // Immutable: suggest -o ro, which works.
+    let img = mkfs("immutable", 64, &[]);
+    // Dropped before `img` (which removes the file).
+    struct NoImmutable<'a>(&'a Path);
+    impl Drop for NoImmutable<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("chattr").arg("-i").arg(self.0).status();
+        }
+    }
+    let _ni = NoImmutable(&img.path);
+    assert!(Command::new("chattr")
+        .arg("+i")
+        .arg(&img.path)
+        .status()
+        .unwrap()
+        .success());
+    let msg = refused_mount(&img.path, &[]);
+    assert!(msg.contains("immutable"), "{msg}");
+    assert!(msg.contains("-o ro"), "{msg}");
+    let mut ro = FuseMount::mount(Path::new(BIN), &img.path, &["-o", "ro"]).unwrap();
+    assert!(ro.path().join("lost+found").is_dir());
+    ro.unmount().unwrap();
+}
+
+#[test]
+fn a_daemonized_mount_holds_the_image_while_it_serves() {
+    // Without --foreground the image is opened after the fork: the serving
+    // daemon (not the parent, which exits) must hold it.
+    let img = mkfs("daemon-lock", 64, &[]);
+    let dir = common::TempDir::new("daemon-mnt");
+    let pidf = common::TempFile {
+        path: unique("daemon-pid"),
+    };
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            if common::is_mounted(self.0, "fuse") {
+                let _ = Command::new("fusermount3").arg("-uz").arg(self.0).status();
+            }
+        }
+    }
+    let out = Command::new(BIN)
+        .arg("mount")
+        .arg(&img.path)
+        .arg(&dir.path)
+        .arg("--pid-file")
+        .arg(&pidf.path)
+        .output()
+        .unwrap();
+    let _u = Unmount(&dir.path);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let pid: u32 = fs::read_to_string(&pidf.path)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    fs::write(dir.path.join("f"), b"daemon").unwrap();
+    let msg = refused_mount(&img.path, &[]);
+    assert!(msg.contains(&format!("held by process {pid}")), "{msg}");
+    assert!(
+        msg.contains(&format!("mounted at {}", dir.path.display())),
+        "{msg}"
+    );
+    let o = mkfs_cmd(&img.path, &["--size", "64M", "--force"]);
+    assert!(!o.status.success(), "mkfs beside the daemon");
+    // Unmounted: the daemon exits and the image is free again.
+    assert!(Command::new("umount")
+        .arg(&dir.path)
+        .status()
+        .unwrap()
+        .success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    // Gone, or a zombie waiting for whoever inherited it.
+    let alive = || {
+        fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| !r.trim_start().starts_with('Z'))
+        })
+    };
+    while alive() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "daemon {pid} did not exit"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    check_fsck(&img.path, "after the daemon").unwrap();
+    let again = FuseMount::mount(Path::new(BIN), &img.path, &[]).unwrap();
+    assert_eq!(fs::read(again.path().join("f")).unwrap(), b"daemon");
 }
 
 /// `--version` names the commit the binary was built from (crates/cli/build.rs).

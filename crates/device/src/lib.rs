@@ -14,9 +14,11 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 pub mod faulty;
+pub mod inuse;
 pub mod recording;
 pub mod size;
 pub use faulty::{Fault, FaultOps, FaultyDevice};
+pub use inuse::OtherUser;
 pub use recording::{CrashLog, CrashSpec, LogOp, Materializer, RecordingDevice};
 
 /// Errors of the device layer.
@@ -39,6 +41,22 @@ pub enum DeviceError {
     OutOfRange { offset: u64, len: usize, size: u64 },
     #[error("device is read-only")]
     ReadOnly,
+    /// Someone else uses the image: a second writer would destroy its work.
+    #[error("{} is in use: {}", .path.display(), inuse::describe(.users))]
+    InUse {
+        path: PathBuf,
+        users: Vec<OtherUser>,
+    },
+    /// Opening for writing failed with EPERM because of a file attribute.
+    #[error(
+        "{} is {flag} (chattr +{}), so it cannot be opened for writing: mount it \
+         read-only with -o ro, or clear the flag with `chattr -{} {}`",
+        .path.display(),
+        if *.flag == "immutable" { "i" } else { "a" },
+        if *.flag == "immutable" { "i" } else { "a" },
+        .path.display()
+    )]
+    Attribute { path: PathBuf, flag: &'static str },
 }
 
 pub type Result<T> = std::result::Result<T, DeviceError>;
@@ -230,24 +248,97 @@ pub struct FileDevice {
 const PAGE: usize = 4096;
 const SECTOR: usize = 512;
 
+/// How [`FileDevice::open_with`] opens a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Read-write, as the only user ([`inuse`]: exclusive open or write lock).
+    ReadWrite,
+    /// Read-only; shares with other readers, refused beside a writer.
+    ReadOnly,
+    /// Read-only beside any other user, without lock or check (`commitfs info`
+    /// on a mounted image, which warns instead).
+    Shared,
+}
+
 impl FileDevice {
+    /// Open `path` as its only writer (`read_only`: as one of its readers); see
+    /// [`inuse`] for what counts as another user.
     pub fn open(path: &Path, read_only: bool) -> Result<Self> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(!read_only)
-            .open(path)
-            .map_err(|source| DeviceError::Open {
-                path: path.to_owned(),
-                source,
-            })?;
-        let size = device_size(&file).map_err(|source| DeviceError::Open {
+        Self::open_with(
+            path,
+            if read_only {
+                Access::ReadOnly
+            } else {
+                Access::ReadWrite
+            },
+        )
+    }
+
+    pub fn open_with(path: &Path, access: Access) -> Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let read_only = access != Access::ReadWrite;
+        let open_err = |source| DeviceError::Open {
             path: path.to_owned(),
             source,
-        })?;
+        };
+        let is_blk = std::fs::metadata(path)
+            .map(|m| std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()))
+            .unwrap_or(false);
+        let mut oo = OpenOptions::new();
+        oo.read(true).write(!read_only);
+        if is_blk && access == Access::ReadWrite {
+            // As the kernel and e2fsprogs: EBUSY while mounted or claimed.
+            oo.custom_flags(libc::O_EXCL);
+        }
+        let file = match oo.open(path) {
+            Ok(f) => f,
+            Err(e) if is_blk && e.raw_os_error() == Some(libc::EBUSY) => {
+                let users = File::open(path)
+                    .map(|f| inuse::other_users(&f, inuse::Want::Write, false))
+                    .unwrap_or_default();
+                return Err(DeviceError::InUse {
+                    path: path.to_owned(),
+                    users,
+                });
+            }
+            Err(e) if !read_only && e.raw_os_error() == Some(libc::EPERM) => {
+                return Err(match inuse::write_blocking_attribute(path) {
+                    Some(flag) => DeviceError::Attribute {
+                        path: path.to_owned(),
+                        flag,
+                    },
+                    None => open_err(e),
+                });
+            }
+            Err(e) => return Err(open_err(e)),
+        };
+        if access != Access::Shared {
+            let want = if read_only {
+                inuse::Want::Read
+            } else {
+                inuse::Want::Write
+            };
+            let taken = if !is_blk {
+                inuse::retry_briefly(|| inuse::lock_file(&file, want)).map_err(open_err)?
+            } else if read_only {
+                // A reader does not claim the device; the probe tells whether
+                // someone (a mount, a commitfs writer) has.
+                exclusive_probe(path).map_err(open_err)?
+            } else {
+                true // opened with O_EXCL above
+            };
+            let users = inuse::other_users(&file, want, taken);
+            if !users.is_empty() {
+                return Err(DeviceError::InUse {
+                    path: path.to_owned(),
+                    users,
+                });
+            }
+        }
+        let size = device_size(&file).map_err(open_err)?;
         let direct = if read_only || !is_block_device(&file) {
             None
         } else {
-            use std::os::unix::fs::OpenOptionsExt;
             // Optional: without it sub-page writes still work, only larger.
             OpenOptions::new()
                 .write(true)
@@ -262,6 +353,44 @@ impl FileDevice {
             read_only,
             stats: IoStats::default(),
         })
+    }
+
+    /// Who else uses `path` (an image file or a block device), found without
+    /// holding anything: what [`FileDevice::open`] for writing would refuse over.
+    /// For `commitfs info` (which warns) and `commitfs mkfs` on a block device
+    /// (mkfs.ext4 then opens it exclusively itself).
+    pub fn users(path: &Path) -> Result<Vec<OtherUser>> {
+        let open_err = |source| DeviceError::Open {
+            path: path.to_owned(),
+            source,
+        };
+        let is_blk = std::fs::metadata(path)
+            .map(|m| std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()))
+            .map_err(open_err)?;
+        if is_blk {
+            let taken = exclusive_probe(path).map_err(open_err)?;
+            let f = File::open(path).map_err(open_err)?;
+            return Ok(inuse::other_users(&f, inuse::Want::Write, taken));
+        }
+        let f = File::open(path).map_err(open_err)?;
+        let locked =
+            !inuse::retry_briefly(|| inuse::lock_conflicts(&f, inuse::Want::Write).map(|c| !c))
+                .map_err(open_err)?;
+        Ok(inuse::other_users(&f, inuse::Want::Write, !locked))
+    }
+
+    /// Resize an image file (`commitfs mkfs --size`) while holding it.
+    pub fn set_file_len(&mut self, len: u64) -> Result<()> {
+        if self.read_only {
+            return Err(DeviceError::ReadOnly);
+        }
+        self.file.set_len(len).map_err(|source| DeviceError::Io {
+            offset: len,
+            len: 0,
+            source,
+        })?;
+        self.size = len;
+        Ok(())
     }
 
     /// `write_at`; with `sectors`, [`BlockDevice::write_sectors`] (direct I/O
@@ -315,6 +444,20 @@ impl FileDevice {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
             Err(e) => Err(e),
         }
+    }
+}
+
+/// Whether a block device could be opened exclusively now (closed again at once).
+fn exclusive_probe(path: &Path) -> std::io::Result<bool> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_EXCL)
+        .open(path)
+    {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Ok(false),
+        Err(e) => Err(e),
     }
 }
 

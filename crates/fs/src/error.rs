@@ -58,6 +58,9 @@ pub enum FsError {
     /// `errors=panic` after an I/O error: the file system serves nothing more.
     #[error("I/O error: file system stopped after a device error (errors=panic)")]
     Shutdown,
+    /// The image cannot be opened at all (see [`crate::probe`]).
+    #[error(transparent)]
+    Open(#[from] crate::probe::OpenError),
     #[error(transparent)]
     Device(#[from] DeviceError),
     #[error(transparent)]
@@ -77,6 +80,7 @@ impl FsError {
                 | FsError::CorruptMsg(_)
                 | FsError::Journal(JournalError::Format(_))
                 | FsError::Journal(JournalError::BadJournal(_))
+                | FsError::Open(crate::probe::OpenError::DamagedSuperblock { .. })
         )
     }
 }

@@ -155,9 +155,7 @@ impl Inner {
     /// With `inspect_only`, load the superblock and descriptors only: no journal
     /// replay, no writes (`commitfs info` on an image that needs recovery).
     pub fn mount_with(dev: DeviceRef, opts: MountOptions, inspect_only: bool) -> Result<Inner> {
-        let mut raw = [0u8; sbf::SUPERBLOCK_SIZE];
-        dev.read_at(sbf::SUPERBLOCK_OFFSET, &mut raw, IoCategory::Metadata)?;
-        let sb = Superblock::parse(&raw)?;
+        let sb = crate::probe::read_superblock(&*dev)?;
         let bs = sb.block_size();
         if dev.size() < sb.blocks_count() * bs as u64 {
             return Err(FsError::corrupt(format!(
@@ -169,9 +167,10 @@ impl Inner {
         // Incompat features we do not understand: refuse entirely (§2.3).
         let bad_incompat = sb.feature_incompat() & !SUPPORTED_INCOMPAT;
         if bad_incompat != 0 {
-            return Err(FsError::UnsupportedFeature(
+            return Err(crate::probe::OpenError::UnsupportedIncompat(
                 sbf::feature_names(FeatureKind::Incompat, bad_incompat).join(", "),
-            ));
+            )
+            .into());
         }
         let mut read_only = opts.read_only || dev.is_read_only();
         let bad_ro = sb.feature_ro_compat() & !SUPPORTED_RO_COMPAT;

@@ -17,6 +17,7 @@ mod file;
 mod inner;
 mod ops;
 mod orphan;
+pub mod probe;
 mod types;
 mod xattr;
 
@@ -369,7 +370,7 @@ impl Fs {
     /// Mount an image file or block device by path.
     pub fn open_path(path: &Path, opts: MountOptions) -> Result<Fs> {
         let dev: DeviceRef = Arc::new(FileDevice::open(path, opts.read_only)?);
-        Fs::open(dev, opts)
+        Fs::open(dev, opts).map_err(|e| e.with_image(path))
     }
 
     /// Write everything home, mark the file system clean. Idempotent; also done on

@@ -30,6 +30,8 @@ pub fn errno_of(e: &FsError) -> i32 {
         FsError::AccessDenied(_) => libc::EACCES,
         FsError::NotSupported(_) | FsError::UnsupportedFeature(_) => libc::EOPNOTSUPP,
         FsError::Corrupt(_) | FsError::CorruptMsg(_) => libc::EUCLEAN,
+        // Only at mount time; the kernel's answer for a missing superblock.
+        FsError::Open(_) => libc::EINVAL,
         FsError::NeedsRecovery | FsError::Device(_) | FsError::Journal(_) => libc::EIO,
         FsError::DataWriteFailed | FsError::Shutdown => libc::EIO,
     }

@@ -6,6 +6,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+use commitfs_device::{Access, FileDevice};
 use commitfs_format::csum::CsumCtx;
 use commitfs_format::extent::NodeRef;
 use commitfs_format::group_desc::GroupDesc;
@@ -99,9 +100,33 @@ pub fn inspect(path: &Path) -> Result<ImageInfo> {
         sbf::SUPERBLOCK_OFFSET,
         sbf::SUPERBLOCK_SIZE,
         "superblock",
-    )?;
-    let sb = Superblock::parse(&raw)
-        .with_context(|| format!("{} is not a valid ext4 image", path.display()))?;
+    )
+    .or_else(|e| {
+        // Too short for a superblock: say so the way `mount` does.
+        match f.metadata() {
+            Ok(m) if m.is_file() && m.len() < 2048 => bail!(
+                "{} is not a valid ext4 image: {}",
+                path.display(),
+                commitfs_fs::probe::OpenError::Empty { size: m.len() }
+            ),
+            _ => Err(e),
+        }
+    })?;
+    let sb = match Superblock::parse(&raw) {
+        Ok(sb) => sb,
+        Err(e) => {
+            // Say what is there instead (empty, unformatted, a damaged superblock
+            // with an intact backup), as `mount` does.
+            let why = commitfs_device::FileDevice::open_with(path, Access::Shared)
+                .map_err(commitfs_fs::FsError::from)
+                .and_then(|d| commitfs_fs::probe::check_superblock(&d))
+                .map_err(|e| e.with_image(path));
+            match why {
+                Err(why) => bail!("{} is not a valid ext4 image: {why}", path.display()),
+                Ok(_) => bail!("{} is not a valid ext4 image: {e}", path.display()),
+            }
+        }
+    };
     let mut features = sbf::feature_names(FeatureKind::Compat, sb.feature_compat());
     features.extend(sbf::feature_names(
         FeatureKind::Incompat,
@@ -129,7 +154,7 @@ pub fn inspect(path: &Path) -> Result<ImageInfo> {
     if let Some(j) = journal.as_mut().filter(|j| j.s_start != 0) {
         // Count the transactions a recovery would replay (read-only scan).
         let dev: commitfs_device::DeviceRef =
-            std::sync::Arc::new(commitfs_device::FileDevice::open(path, true)?);
+            std::sync::Arc::new(FileDevice::open_with(path, Access::Shared)?);
         match commitfs_fs::Fs::inspect_journal(dev) {
             Ok(Some((_, report, _))) => {
                 j.live_transactions = Some(report.transactions);
@@ -400,8 +425,19 @@ pub fn render(i: &ImageInfo) -> String {
     s
 }
 
-/// `commitfs info`.
+/// `commitfs info`. On an image in use (mounted, locked by a commitfs mount) it
+/// still reports, after a warning on stderr: what it reads may be out of date.
 pub fn run(path: &Path, json: bool) -> Result<()> {
+    if let Ok(users) = FileDevice::users(path) {
+        if !users.is_empty() {
+            eprintln!(
+                "warning: {} is in use ({}): what follows is read beside it and may be \
+                 out of date",
+                path.display(),
+                commitfs_device::inuse::describe(&users)
+            );
+        }
+    }
     let info = inspect(path)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&info)?);

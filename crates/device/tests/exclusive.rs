@@ -1,0 +1,283 @@
+//! One user per image (`FileDevice::open`): a second writer is refused with a
+//! message naming the first, readers share, loop devices backed by an image and
+//! exclusively opened block devices count as users, and immutable files are named.
+//! Needs root (losetup, chattr) like the rest of the project's tests.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use commitfs_device::{BlockDevice, DeviceError, FileDevice, IoCategory, OtherUser};
+
+fn unique(tag: &str) -> PathBuf {
+    static N: AtomicU64 = AtomicU64::new(0);
+    std::env::temp_dir().join(format!(
+        "commitfs-devtest-{tag}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+/// An image file of `len` zero bytes, removed on drop (after clearing chattr flags).
+struct Image(PathBuf);
+impl Image {
+    fn new(tag: &str, len: u64) -> Image {
+        let p = unique(tag).with_extension("img");
+        std::fs::File::create(&p).unwrap().set_len(len).unwrap();
+        Image(p)
+    }
+}
+impl Drop for Image {
+    fn drop(&mut self) {
+        let _ = Command::new("chattr").arg("-i").arg(&self.0).output();
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// `losetup -f --show`, detached on drop.
+struct Loop(String);
+impl Loop {
+    fn attach(img: &Path, read_only: bool) -> Loop {
+        for _ in 0..20 {
+            let mut c = Command::new("losetup");
+            if read_only {
+                c.arg("-r");
+            }
+            let out = c.arg("-f").arg("--show").arg(img).output().unwrap();
+            let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            if out.status.success() && dev.starts_with("/dev/") {
+                return Loop(dev);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        panic!("losetup -f --show {} failed", img.display());
+    }
+}
+impl Drop for Loop {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if Command::new("losetup")
+                .arg("-d")
+                .arg(&self.0)
+                .status()
+                .is_ok_and(|s| s.success())
+            {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
+fn in_use(r: Result<FileDevice, DeviceError>) -> (Vec<OtherUser>, String) {
+    match r {
+        Err(e @ DeviceError::InUse { .. }) => {
+            let msg = e.to_string();
+            let DeviceError::InUse { users, .. } = e else {
+                unreachable!()
+            };
+            (users, msg)
+        }
+        Err(e) => panic!("expected InUse, got {e}"),
+        Ok(_) => panic!("expected InUse, the open succeeded"),
+    }
+}
+
+#[test]
+fn a_second_writer_is_refused_and_named_readers_share() {
+    let img = Image::new("lock", 1 << 20);
+    let me = std::process::id();
+    {
+        let w = FileDevice::open(&img.0, false).unwrap();
+        // Another writer, and a reader, beside the writer: refused, naming us.
+        for ro in [false, true] {
+            let (users, msg) = in_use(FileDevice::open(&img.0, ro));
+            assert!(
+                users
+                    .iter()
+                    .any(|u| matches!(u, OtherUser::Process { pid: Some(p), .. } if *p == me)),
+                "{users:?}"
+            );
+            assert!(msg.contains(&format!("held by process {me}")), "{msg}");
+            assert!(msg.contains(&img.0.display().to_string()), "{msg}");
+        }
+        // The probe sees the writer and takes nothing.
+        let users = FileDevice::users(&img.0).unwrap();
+        assert_eq!(users.len(), 1, "{users:?}");
+        w.write_at(0, b"still mine", IoCategory::Data, true)
+            .unwrap();
+    }
+    // Released with the device: readers share, and keep writers out.
+    assert!(FileDevice::users(&img.0).unwrap().is_empty());
+    let r1 = FileDevice::open(&img.0, true).unwrap();
+    let r2 = FileDevice::open(&img.0, true).unwrap();
+    in_use(FileDevice::open(&img.0, false));
+    assert_eq!(FileDevice::users(&img.0).unwrap().len(), 1);
+    drop((r1, r2));
+    let w = FileDevice::open(&img.0, false).unwrap();
+    let mut b = [0u8; 10];
+    w.read_at(0, &mut b, IoCategory::Data).unwrap();
+    assert_eq!(&b, b"still mine");
+}
+
+#[test]
+fn the_lock_is_seen_by_another_process() {
+    // An OFD lock (F_OFD_SETLK = 37) held by another process: util-linux's
+    // flock(1) takes flock locks only, a python one-liner can take this one.
+    let img = Image::new("child", 1 << 20);
+    let script = format!(
+        "import fcntl,os,struct,sys,time\n\
+         f=os.open({:?},os.O_RDWR)\n\
+         fcntl.fcntl(f,37,struct.pack('hhqqi',fcntl.F_WRLCK,0,0,0,0))\n\
+         print('locked',flush=True)\n\
+         sys.stdin.read()\n",
+        img.0.display().to_string()
+    );
+    let mut child = Command::new("python3")
+        .arg("-c")
+        .arg(&script)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 (the lock holder)");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "locked");
+    let r = FileDevice::open(&img.0, false);
+    drop(child.stdin.take());
+    let _ = child.wait();
+    let (users, msg) = in_use(r);
+    assert_eq!(
+        users,
+        vec![OtherUser::Process {
+            pid: Some(child.id()),
+            name: Some("python3".into())
+        }],
+        "{msg}"
+    );
+    // Gone with its process.
+    FileDevice::open(&img.0, false).unwrap();
+}
+
+#[test]
+fn a_loop_device_backed_by_the_image_is_a_user() {
+    let img = Image::new("loop", 8 << 20);
+    {
+        let lo = Loop::attach(&img.0, false);
+        let (users, msg) = in_use(FileDevice::open(&img.0, false));
+        assert_eq!(
+            users,
+            vec![OtherUser::LoopDevice {
+                dev: PathBuf::from(&lo.0),
+                read_only: false
+            }]
+        );
+        assert!(msg.contains(&format!("losetup -d {}", lo.0)), "{msg}");
+        // Reading beside an unmounted loop device is harmless.
+        FileDevice::open(&img.0, true).unwrap();
+        assert_eq!(FileDevice::users(&img.0).unwrap().len(), 1);
+    }
+    FileDevice::open(&img.0, false).unwrap();
+}
+
+#[test]
+fn block_devices_are_opened_exclusively() {
+    let img = Image::new("blk", 16 << 20);
+    let out = Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&img.0)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let lo = Loop::attach(&img.0, false);
+    let dev = FileDevice::open(Path::new(&lo.0), false).unwrap();
+    // A second writer, a reader, and the kernel, are refused while we hold it.
+    in_use(FileDevice::open(Path::new(&lo.0), false));
+    in_use(FileDevice::open(Path::new(&lo.0), true));
+    assert!(!FileDevice::users(Path::new(&lo.0)).unwrap().is_empty());
+    let dir = unique("blkmnt");
+    std::fs::create_dir(&dir).unwrap();
+    let m = Command::new("mount")
+        .args(["-t", "ext4"])
+        .arg(&lo.0)
+        .arg(&dir)
+        .output()
+        .unwrap();
+    if m.status.success() {
+        let _ = Command::new("umount").arg(&dir).status();
+        let _ = std::fs::remove_dir(&dir);
+        panic!("the kernel mounted a device commitfs holds exclusively");
+    }
+    drop(dev);
+    // Released: the kernel may mount it, and then we are refused, naming the mount.
+    let m = Command::new("mount")
+        .args(["-t", "ext4"])
+        .arg(&lo.0)
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(m.status.success(), "{}", String::from_utf8_lossy(&m.stderr));
+    let r = FileDevice::open(Path::new(&lo.0), false);
+    let ro = FileDevice::open(Path::new(&lo.0), true);
+    let _ = Command::new("umount").arg(&dir).status();
+    let _ = std::fs::remove_dir(&dir);
+    let (users, msg) = in_use(r);
+    assert!(
+        matches!(&users[..], [OtherUser::Mounted { dir: d, fstype, .. }] if *d == dir && fstype == "ext4"),
+        "{users:?}"
+    );
+    assert!(msg.contains(&dir.display().to_string()), "{msg}");
+    // Reading beside a read-write mount is refused too ...
+    in_use(ro);
+    // ... and allowed beside a read-only one.
+    std::fs::create_dir(&dir).unwrap();
+    let m = Command::new("mount")
+        .args(["-t", "ext4", "-o", "ro"])
+        .arg(&lo.0)
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(m.status.success(), "{}", String::from_utf8_lossy(&m.stderr));
+    let ro = FileDevice::open(Path::new(&lo.0), true);
+    let rw = FileDevice::open(Path::new(&lo.0), false);
+    let _ = Command::new("umount").arg(&dir).status();
+    let _ = std::fs::remove_dir(&dir);
+    ro.expect("read-only beside a read-only kernel mount");
+    let (users, _) = in_use(rw);
+    assert!(
+        matches!(
+            &users[..],
+            [OtherUser::Mounted {
+                read_only: true,
+                ..
+            }]
+        ),
+        "{users:?}"
+    );
+}
+
+#[test]
+fn an_immutable_image_is_named_on_open() {
+    let img = Image::new("immutable", 1 << 20);
+    let st = Command::new("chattr")
+        .arg("+i")
+        .arg(&img.0)
+        .status()
+        .unwrap();
+    assert!(st.success(), "chattr +i");
+    match FileDevice::open(&img.0, false) {
+        Err(e @ DeviceError::Attribute { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains("immutable"), "{msg}");
+            assert!(msg.contains("-o ro"), "{msg}");
+        }
+        Err(e) => panic!("expected the immutable attribute to be named, got {e}"),
+        Ok(_) => panic!("opened an immutable file for writing"),
+    }
+    // Read-only works.
+    FileDevice::open(&img.0, true).unwrap();
+}
