@@ -17,6 +17,7 @@ mod orphan;
 mod types;
 mod xattr;
 
+pub mod fuzzing;
 pub mod testutil;
 
 use std::path::Path;
