@@ -1,7 +1,8 @@
 //! Bounded, deterministic run of the `mount_ops` fuzz case (commitfs_fs::fuzzing):
 //! mutated images are mounted and used; no case may panic, hang or ask for an
 //! unbounded allocation. `COMMITFS_FUZZ_CASES` and `COMMITFS_FUZZ_SEED` change the
-//! number of cases and the first seed (long runs: scripts/fuzz.sh --mount).
+//! number of cases and the first seed (long runs: `scripts/fuzz.sh stable CASES`,
+//! or the cargo-fuzz target `mount_ops`).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
