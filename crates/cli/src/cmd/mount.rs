@@ -31,6 +31,11 @@ pub struct MountCmdOptions {
     pub fast_commit: bool,
     /// `fc_data_csum`: checksum fsynced data in the fast-commit log (one flush).
     pub fc_data_csum: bool,
+    /// `keep_privileges`: a root daemon keeps root instead of sandboxing its
+    /// worker (crate::sandbox).
+    pub keep_privileges: bool,
+    /// `sandbox_user=NAME|UID`: whom the sandboxed worker runs as (`nobody`).
+    pub sandbox_user: Option<String>,
 }
 
 impl Default for MountCmdOptions {
@@ -43,6 +48,8 @@ impl Default for MountCmdOptions {
             no_fast_commit: false,
             fast_commit: false,
             fc_data_csum: false,
+            keep_privileges: false,
+            sandbox_user: None,
         }
     }
 }
@@ -64,10 +71,13 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             "nofast_commit" => o.no_fast_commit = true,
             "fast_commit" => o.fast_commit = true,
             "fc_data_csum" => o.fc_data_csum = true,
+            "keep_privileges" => o.keep_privileges = true,
             // Always on / the default anyway.
             "defaults" | "default_permissions" | "async" | "dev" | "suid" | "exec" => {}
             _ => {
-                if let Some(v) = opt.strip_prefix("commit=") {
+                if let Some(v) = opt.strip_prefix("sandbox_user=") {
+                    o.sandbox_user = Some(v.to_string());
+                } else if let Some(v) = opt.strip_prefix("commit=") {
                     let n: u32 = v
                         .parse()
                         .map_err(|_| anyhow!("bad mount option {opt:?}: commit=SECONDS"))?;
@@ -80,7 +90,8 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                 } else {
                     bail!(
                         "unknown mount option {opt:?} (supported: ro, rw, commit=N, \
-                         writeback_cache, allow_other, fast_commit, nofast_commit, fc_data_csum)"
+                         writeback_cache, allow_other, fast_commit, nofast_commit, fc_data_csum, \
+                         keep_privileges, sandbox_user=USER)"
                     );
                 }
             }
@@ -162,6 +173,15 @@ fn term_signals() -> libc::sigset_t {
 /// Open the image, mount, call `on_mounted` once the kernel can use the mount, then
 /// serve until unmounted and write everything home.
 fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()>) -> Result<()> {
+    // A root daemon sandboxes the process that parses the image and serves
+    // requests; the privileged monitor forked here never returns.
+    let sandbox = crate::sandbox::plan(
+        req.options.keep_privileges,
+        req.options.sandbox_user.as_deref(),
+    )?;
+    if sandbox.is_some() {
+        crate::sandbox::fork_monitor(&req.dir, req.foreground)?;
+    }
     // Block the termination signals before any thread exists, so every thread
     // inherits the mask and only the sigwait thread below sees them.
     let set = term_signals();
@@ -201,6 +221,9 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
             if r != 0 {
                 continue;
             }
+            if crate::sandbox::forward_signal(sig) {
+                continue;
+            }
             tracing::info!("signal {sig}: unmounting {}", dir.display());
             if let Err(e) = unmounter.unmount() {
                 tracing::warn!("unmount failed ({e}); detaching lazily");
@@ -218,7 +241,11 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
     let _stats = super::stats::serve(fs.clone(), &req.dir)
         .map_err(|e| tracing::warn!("stats socket unavailable: {e:#}"))
         .ok();
+    crate::sandbox::notify_mounted();
     on_mounted(req)?;
+    if let Some(id) = sandbox {
+        crate::sandbox::enter(id)?;
+    }
     let r = session.run();
     let stats = fs.io_stats();
     tracing::info!(
@@ -309,7 +336,7 @@ fn daemon_main(req: &MountRequest, mut report: File) -> i32 {
     let mut report = Some(report);
     let r = serve(req, |req| {
         if let Some(p) = &req.pid_file {
-            std::fs::write(p, format!("{}\n", std::process::id()))
+            std::fs::write(p, format!("{}\n", crate::sandbox::service_pid()))
                 .with_context(|| format!("pid file {}", p.display()))?;
         }
         detach_stdio();
