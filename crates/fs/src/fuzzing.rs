@@ -64,7 +64,10 @@ impl Templates {
         for (csum, name) in [(true, "csum"), (false, "nocsum")] {
             let base = mkfs_image(tmp_dir, csum)?;
             let (clean, crashed) = populate(base)?;
-            all.push(template(if csum { "csum-clean" } else { "nocsum-clean" }, clean)?);
+            all.push(template(
+                if csum { "csum-clean" } else { "nocsum-clean" },
+                clean,
+            )?);
             let crashed_name = if name == "csum" {
                 "csum-crashed"
             } else {
@@ -150,7 +153,13 @@ fn populate(image: Vec<u8>) -> Result<(Vec<u8>, Vec<u8>), TemplateError> {
     // A directory large enough for an htree index.
     let many = fs.mkdir(r, b"many", 0o755, 0, 0)?.ino;
     for i in 0..300 {
-        fs.create(many, format!("entry-{i:04}-with-a-longish-name").as_bytes(), 0o644, 0, 0)?;
+        fs.create(
+            many,
+            format!("entry-{i:04}-with-a-longish-name").as_bytes(),
+            0o644,
+            0,
+            0,
+        )?;
     }
     fs.symlink(r, b"short-link", b"dir/small", 0, 0)?;
     fs.symlink(r, b"long-link", &[b'x'; 200], 0, 0)?;
@@ -193,12 +202,7 @@ struct Tracer {
 }
 
 impl BlockDevice for Tracer {
-    fn read_at(
-        &self,
-        offset: u64,
-        buf: &mut [u8],
-        cat: IoCategory,
-    ) -> commitfs_device::Result<()> {
+    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> commitfs_device::Result<()> {
         if let Ok(mut s) = self.read.lock() {
             let end = offset + buf.len() as u64;
             s.extend(offset / self.bs..end.div_ceil(self.bs));
@@ -238,11 +242,7 @@ fn template(name: &'static str, image: Vec<u8>) -> Result<Template, TemplateErro
     let fs = Fs::open(tracer.clone() as DeviceRef, opts())?;
     walk(&fs, false);
     drop(fs);
-    let mut meta: BTreeSet<u64> = tracer
-        .read
-        .lock()
-        .map(|s| s.clone())
-        .unwrap_or_default();
+    let mut meta: BTreeSet<u64> = tracer.read.lock().map(|s| s.clone()).unwrap_or_default();
     // Block 0 holds the superblock at 1024 with 1 KiB blocks: block 1.
     meta.insert(1);
     Ok(Template {

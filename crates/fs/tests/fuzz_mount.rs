@@ -97,7 +97,10 @@ fn admit(n: usize) -> bool {
 /// Say which case asked (without allocating: this runs inside the allocator).
 fn refuse(n: usize) {
     let mut msg = [0u8; 160];
-    let mut w = Cursor { buf: &mut msg, len: 0 };
+    let mut w = Cursor {
+        buf: &mut msg,
+        len: 0,
+    };
     use std::fmt::Write;
     let _ = write!(
         w,
@@ -181,9 +184,8 @@ fn mutated_images_mount_and_serve_without_panic_hang_or_huge_allocation() {
         std::thread::Builder::new()
             .name(format!("case-{seed}"))
             .spawn(move || {
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    run_case(&t, &input)
-                }));
+                let r =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_case(&t, &input)));
                 let _ = tx.send(r);
             })
             .unwrap();
@@ -199,7 +201,9 @@ fn mutated_images_mount_and_serve_without_panic_hang_or_huge_allocation() {
             }
             Err(_) => {
                 // The thread cannot be stopped; report and stop the run.
-                failures.push(format!("seed {seed}: no result after {CASE_DEADLINE:?} (hang)"));
+                failures.push(format!(
+                    "seed {seed}: no result after {CASE_DEADLINE:?} (hang)"
+                ));
                 break;
             }
         }
