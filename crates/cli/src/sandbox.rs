@@ -430,14 +430,14 @@ fn filter() -> Result<seccompiler::BpfProgram> {
         libc::SYS_lstat,
     ]);
     let mut rules: std::collections::BTreeMap<i64, Vec<SeccompRule>> =
-        allow.into_iter().map(|s| (s as i64, vec![])).collect();
+        allow.into_iter().map(|s| (s, vec![])).collect();
     let cond = |arg: u8, op: SeccompCmpOp, v: u64| {
         Cond::new(arg, SeccompCmpArgLen::Qword, op, v).map_err(|e| anyhow!("seccomp rule: {e}"))
     };
     let rule = |c: Vec<Cond>| SeccompRule::new(c).map_err(|e| anyhow!("seccomp rule: {e}"));
     let thread = libc::CLONE_THREAD as u64;
     rules.insert(
-        libc::SYS_clone as i64,
+        libc::SYS_clone,
         vec![rule(vec![cond(
             0,
             SeccompCmpOp::MaskedEq(thread),
@@ -448,16 +448,16 @@ fn filter() -> Result<seccompiler::BpfProgram> {
     // SAFETY: getpid cannot fail.
     let me = unsafe { libc::getpid() } as u64;
     rules.insert(
-        libc::SYS_tgkill as i64,
+        libc::SYS_tgkill,
         vec![rule(vec![cond(0, SeccompCmpOp::Eq, me)?])?],
     );
     rules.insert(
-        libc::SYS_kill as i64,
+        libc::SYS_kill,
         vec![rule(vec![cond(0, SeccompCmpOp::Eq, me)?])?],
     );
     // Unix sockets only (the stats socket wakes its own accept loop on exit).
     rules.insert(
-        libc::SYS_socket as i64,
+        libc::SYS_socket,
         vec![rule(vec![cond(
             0,
             SeccompCmpOp::Eq,
@@ -466,7 +466,7 @@ fn filter() -> Result<seccompiler::BpfProgram> {
     );
     // Thread names.
     rules.insert(
-        libc::SYS_prctl as i64,
+        libc::SYS_prctl,
         vec![
             rule(vec![cond(0, SeccompCmpOp::Eq, libc::PR_SET_NAME as u64)?])?,
             rule(vec![cond(0, SeccompCmpOp::Eq, libc::PR_GET_NAME as u64)?])?,
