@@ -152,14 +152,11 @@ fn populate(image: Vec<u8>) -> Result<(Vec<u8>, Vec<u8>), TemplateError> {
     )?;
     // A directory large enough for an htree index.
     let many = fs.mkdir(r, b"many", 0o755, 0, 0)?.ino;
-    for i in 0..300 {
-        fs.create(
-            many,
-            format!("entry-{i:04}-with-a-longish-name").as_bytes(),
-            0o644,
-            0,
-            0,
-        )?;
+    // Each with data, so reading them parses every inode's extent root.
+    for i in 0..300u32 {
+        let name = format!("entry-{i:04}-with-a-longish-name");
+        let f = fs.create(many, name.as_bytes(), 0o644, 0, 0)?.ino;
+        fs.write(f, 0, &i.to_le_bytes())?;
     }
     fs.symlink(r, b"short-link", b"dir/small", 0, 0)?;
     fs.symlink(r, b"long-link", &[b'x'; 200], 0, 0)?;

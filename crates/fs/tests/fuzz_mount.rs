@@ -161,6 +161,12 @@ fn mutated_images_mount_and_serve_without_panic_hang_or_huge_allocation() {
     let tmp = tempfile::tempdir().unwrap();
     let templates = Arc::new(Templates::build(tmp.path()).expect("build templates"));
     for t in &templates.all {
+        eprintln!(
+            "template {}: {} metadata blocks {:?}...",
+            t.name,
+            t.meta_blocks.len(),
+            &t.meta_blocks[..t.meta_blocks.len().min(40)]
+        );
         assert!(
             t.meta_blocks.len() > 20,
             "{}: only {} metadata blocks traced",
