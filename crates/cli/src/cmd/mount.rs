@@ -399,5 +399,8 @@ mod tests {
         let e = p(&["bogus"]).unwrap_err().to_string();
         assert!(e.contains("bogus"), "{e}");
         assert_eq!(p(&[]).unwrap(), MountCmdOptions::default());
+        let o = p(&["keep_privileges,sandbox_user=daemon"]).unwrap();
+        assert!(o.keep_privileges && o.sandbox_user.as_deref() == Some("daemon"));
+        assert!(!MountCmdOptions::default().keep_privileges);
     }
 }
