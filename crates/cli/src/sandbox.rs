@@ -144,7 +144,8 @@ pub fn fork_monitor(dir: &Path, foreground: bool) -> Result<()> {
 }
 
 /// The monitor: waits for termination signals, the worker's messages and its
-/// exit. No logging (its descriptors are closed).
+/// exit. No logging (its descriptors are closed). Single-threaded (the parent of
+/// the fork), so ordinary Rust is fine here.
 fn monitor_loop(
     worker: libc::pid_t,
     rd: libc::c_int,
@@ -236,13 +237,14 @@ fn monitor_loop(
             let code = if libc::WIFEXITED(status) {
                 libc::WEXITSTATUS(status)
             } else {
-                // Killed: unmount what it left (the kernel would keep a dead
-                // mount, "transport endpoint is not connected").
-                if mounted {
-                    unmount(dir);
-                }
                 128 + libc::WTERMSIG(status)
             };
+            // A worker that failed or was killed may leave its mount behind (a
+            // dead one: "transport endpoint is not connected"); a clean exit
+            // follows the kernel's unmount.
+            if code != 0 && mounted && fuse_mounted_at(dir) {
+                unmount(dir);
+            }
             // SAFETY: unlinking a path; failure (already gone) is fine.
             unsafe { libc::unlink(sock.as_ptr()) };
             std::process::exit(code);
@@ -254,6 +256,20 @@ fn monitor_loop(
             Some(_) => want_unmount = true,
         }
     }
+}
+
+/// Whether a FUSE file system is mounted at `dir` (the monitor is single-threaded,
+/// so it may allocate).
+fn fuse_mounted_at(dir: &CStr) -> bool {
+    let want = dir.to_string_lossy();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|t| {
+            t.lines().any(|l| {
+                l.split(' ').nth(4) == Some(&*want)
+                    && l.split(" - ").nth(1).is_some_and(|r| r.starts_with("fuse"))
+            })
+        })
+        .unwrap_or(false)
 }
 
 /// Unmount; lazily when busy (as the unprivileged daemon did before).

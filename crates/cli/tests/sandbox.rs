@@ -423,3 +423,20 @@ fn sandboxed_daemon_unmounts_on_sigterm_to_either_process_and_on_umount() {
         assert_eq!(lib.getattr(ino).unwrap().size, how.len() as u64, "{how}");
     }
 }
+
+#[test]
+fn monitor_cleans_up_after_a_killed_worker() {
+    let img = mkfs("sbx-kill", 32, &[]);
+    let d = Daemon::mount(&img.path);
+    let monitor = d.pid();
+    let worker = the_worker(monitor);
+    assert_sandboxed(worker, 65534);
+    fs::write(d.dir.path.join("f"), b"x").unwrap();
+    // SAFETY: killing a process this test started.
+    assert_eq!(unsafe { libc::kill(worker as i32, libc::SIGKILL) }, 0);
+    assert!(wait_gone(worker, 20), "worker survived SIGKILL");
+    assert!(wait_gone(monitor, 20), "monitor {monitor} still running");
+    // No dead mount ("transport endpoint is not connected") is left behind.
+    assert!(!is_mounted(&d.dir.path, "fuse"), "dead mount left");
+    assert!(fs::read_dir(&d.dir.path).unwrap().next().is_none());
+}
