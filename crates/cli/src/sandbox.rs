@@ -42,6 +42,7 @@ pub fn plan(keep_privileges: bool, user: Option<&str>) -> Result<Option<Identity
 /// for an unknown number).
 pub fn resolve_user(name: &str) -> Result<Identity> {
     let c = CString::new(name).map_err(|_| anyhow!("bad user name {name:?}"))?;
+    // SAFETY: passwd is plain data; all-zero is a valid (empty) value.
     let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
     let mut buf = vec![0 as libc::c_char; 16 << 10];
     let mut out: *mut libc::passwd = std::ptr::null_mut();
@@ -58,7 +59,7 @@ pub fn resolve_user(name: &str) -> Result<Identity> {
         bail!("sandbox_user={name}: no such user (or use -o keep_privileges)");
     };
     if id.uid == 0 || id.gid == 0 {
-        bail!("sandbox_user={name}: the sandbox user must not be root (uid and gid 0)");
+        bail!("sandbox_user={name}: the sandbox user must have a non-zero uid and group");
     }
     Ok(id)
 }
@@ -312,12 +313,17 @@ pub fn enter(id: Identity) -> Result<()> {
     let prog = filter()?;
     // SAFETY: plain system calls with valid arguments; results checked.
     unsafe {
-        // The bounding set first: dropping it needs CAP_SETPCAP, gone after setresuid.
+        // The bounding set first: dropping it needs CAP_SETPCAP, gone after
+        // setresuid. Without CAP_SETPCAP (some containers) it stays: it only
+        // limits what an exec could gain, and exec is refused below.
         let mut cap = 0;
         while libc::prctl(libc::PR_CAPBSET_READ, cap) >= 0 {
             if libc::prctl(libc::PR_CAPBSET_DROP, cap) != 0 {
-                return Err(std::io::Error::last_os_error())
-                    .context(format!("dropping capability {cap} from the bounding set"));
+                tracing::warn!(
+                    "sandbox: cannot empty the capability bounding set: {}",
+                    std::io::Error::last_os_error()
+                );
+                break;
             }
             cap += 1;
         }
