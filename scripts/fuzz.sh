@@ -12,14 +12,24 @@
 # running parse_any's seed test with COMMITFS_FUZZ_SEED_DIR set. libFuzzer then
 # grows fuzz/corpus/<target>/ from them. Crashes land in fuzz/artifacts/<target>/;
 # the script exits 1 if any target found one.
+#
+# mount_ops mounts mutated images in memory and runs a fixed op mix
+# (commitfs_fs::fuzzing); it needs no seeds (its templates are made with mkfs.ext4)
+# and runs with a 64 MiB cap on single allocations. Without nightly, a long stable
+# run of the same case: scripts/fuzz.sh stable [CASES] [FIRST_SEED]
+# (crates/fs/tests/fuzz_mount.rs, deterministic seeds).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+if [ "${1:-}" = stable ]; then
+    COMMITFS_FUZZ_CASES=${2:-100000} COMMITFS_FUZZ_SEED=${3:-1} \
+        exec cargo test --release -p commitfs-fs --test fuzz_mount -- --nocapture
+fi
 SECS=${1:-20}
 shift || true
 TARGETS=("$@")
 if [ ${#TARGETS[@]} -eq 0 ]; then
-    TARGETS=(superblock group_desc inode extent dir xattr jbd2)
+    TARGETS=(superblock group_desc inode extent dir xattr jbd2 mount_ops)
 fi
 
 if ! rustup run nightly rustc --version >/dev/null 2>&1; then
@@ -56,8 +66,13 @@ for t in "${TARGETS[@]}"; do
     mkdir -p "corpus/$t" "artifacts/$t"
     echo "== $t (${SECS}s)"
     log=$(mktemp)
+    extra=()
+    if [ "$t" = mount_ops ]; then
+        mkdir -p "$SEEDS/$t"
+        extra=(-malloc_limit_mb=64 -max_len=400)
+    fi
     cargo +nightly fuzz run -a "$t" "corpus/$t" "$SEEDS/$t" -- \
-        -max_total_time="$SECS" -max_len=70000 -timeout=10 -rss_limit_mb=4096 \
+        -max_total_time="$SECS" -max_len=70000 -timeout=10 -rss_limit_mb=4096 "${extra[@]}" \
         -print_final_stats=1 >"$log" 2>&1
     rc=$?
     grep -E "^Done|stat::number_of_executed_units|cov:" "$log" | tail -2

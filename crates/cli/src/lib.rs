@@ -20,3 +20,6 @@ pub use commitfs_journal as journal;
 
 /// The `commitfs` subcommands.
 pub mod cmd;
+
+/// Privilege drop of the mount daemon (`commitfs mount`).
+pub mod sandbox;

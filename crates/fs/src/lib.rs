@@ -21,6 +21,7 @@ pub mod probe;
 mod types;
 mod xattr;
 
+pub mod fuzzing;
 pub mod testutil;
 
 use std::path::Path;

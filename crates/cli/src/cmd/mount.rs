@@ -48,6 +48,11 @@ pub struct MountCmdOptions {
     pub nodev: bool,
     /// `nosuid`: setuid/setgid bits are ignored on exec (`suid` is the default).
     pub nosuid: bool,
+    /// `keep_privileges`: a root daemon keeps root instead of sandboxing its
+    /// worker (crate::sandbox).
+    pub keep_privileges: bool,
+    /// `sandbox_user=NAME|UID`: whom the sandboxed worker runs as (`nobody`).
+    pub sandbox_user: Option<String>,
 }
 
 impl Default for MountCmdOptions {
@@ -67,6 +72,8 @@ impl Default for MountCmdOptions {
             lazytime: false,
             nodev: false,
             nosuid: false,
+            keep_privileges: false,
+            sandbox_user: None,
         }
     }
 }
@@ -123,10 +130,13 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             "dev" => o.nodev = false,
             "nosuid" => o.nosuid = true,
             "suid" => o.nosuid = false,
+            "keep_privileges" => o.keep_privileges = true,
             // Always on / the default anyway.
             "defaults" | "default_permissions" | "async" | "exec" => {}
             _ => {
-                if let Some(v) = opt.strip_prefix("commit=") {
+                if let Some(v) = opt.strip_prefix("sandbox_user=") {
+                    o.sandbox_user = Some(v.to_string());
+                } else if let Some(v) = opt.strip_prefix("commit=") {
                     let n: u32 = v
                         .parse()
                         .map_err(|_| anyhow!("bad mount option {opt:?}: commit=SECONDS"))?;
@@ -142,6 +152,7 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                          writeback_cache, allow_other, fast_commit, nofast_commit, fc_data_csum, \
                          errors=continue|remount-ro|panic, acl, noacl, strictatime, relatime, \
                          noatime, nodiratime, lazytime, dev, nodev, suid, nosuid, \
+                         keep_privileges, sandbox_user=USER, \
                          and from ext4 fstab lines user_xattr, data=ordered, barrier, discard)"
                     );
                 }
@@ -240,6 +251,15 @@ fn term_signals() -> SigSet {
 /// Open the image, mount, call `on_mounted` once the kernel can use the mount, then
 /// serve until unmounted and write everything home.
 fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()>) -> Result<()> {
+    // A root daemon sandboxes the process that parses the image and serves
+    // requests; the privileged monitor forked here never returns.
+    let sandbox = crate::sandbox::plan(
+        req.options.keep_privileges,
+        req.options.sandbox_user.as_deref(),
+    )?;
+    if sandbox.is_some() {
+        crate::sandbox::fork_monitor(&req.dir, req.foreground)?;
+    }
     // Block the termination signals before any thread exists, so every thread
     // inherits the mask and only the sigwait thread below sees them.
     let set = term_signals();
@@ -287,6 +307,9 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
             let Ok(sig) = set.wait() else {
                 continue;
             };
+            if crate::sandbox::forward_signal(sig as i32) {
+                continue;
+            }
             tracing::info!("{sig}: unmounting {}", dir.display());
             if let Err(e) = unmounter.unmount() {
                 // Busy (open files): normal for a signal; the session ends when the
@@ -306,7 +329,11 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
     let _stats = super::stats::serve(fs.clone(), &req.dir)
         .map_err(|e| tracing::warn!("stats socket unavailable: {e:#}"))
         .ok();
+    crate::sandbox::notify_mounted();
     on_mounted(req)?;
+    if let Some(id) = sandbox {
+        crate::sandbox::enter(id)?;
+    }
     let r = session.run();
     let stats = fs.io_stats();
     tracing::info!(
@@ -388,7 +415,7 @@ fn daemon_main(req: &MountRequest) -> Result<()> {
     let r = logging::init(&sink, sink == LogSink::Stderr).and_then(|()| {
         serve(req, |req| {
             if let Some(p) = &req.pid_file {
-                std::fs::write(p, format!("{}\n", std::process::id()))
+                std::fs::write(p, format!("{}\n", crate::sandbox::service_pid()))
                     .with_context(|| format!("pid file {}", p.display()))?;
             }
             if sink == LogSink::Stderr {
@@ -457,6 +484,9 @@ mod tests {
         let e = p(&["bogus"]).unwrap_err().to_string();
         assert!(e.contains("bogus"), "{e}");
         assert_eq!(p(&[]).unwrap(), MountCmdOptions::default());
+        let o = p(&["keep_privileges,sandbox_user=daemon"]).unwrap();
+        assert!(o.keep_privileges && o.sandbox_user.as_deref() == Some("daemon"));
+        assert!(!MountCmdOptions::default().keep_privileges);
     }
 
     #[test]
