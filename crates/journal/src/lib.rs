@@ -1234,7 +1234,11 @@ mod log_tests {
         let crash = MemDevice::from_vec(mem.contents());
         recover(&crash, &map, BS, false).unwrap();
         assert_eq!(home(&crash, 30), 1);
-        assert_eq!(home(&crash, 31), 0, "the failed transaction is not replayed");
+        assert_eq!(
+            home(&crash, 31),
+            0,
+            "the failed transaction is not replayed"
+        );
     }
 
     /// A failed checkpoint leaves the log tail where it was: recovery replays.
@@ -1247,7 +1251,12 @@ mod log_tests {
         let j = Journal::open_log(dev.clone(), BS, map.clone(), opts()).unwrap();
         write_tx(&j, &[(40, 5), (41, 6)]);
         j.commit().unwrap();
-        dev.inject(Fault::writes().category(IoCategory::Metadata).after(1).once());
+        dev.inject(
+            Fault::writes()
+                .category(IoCategory::Metadata)
+                .after(1)
+                .once(),
+        );
         assert!(j.checkpoint().is_err());
         assert!(j.is_aborted());
         let (jsb, _) = read_superblock(&*mem, &map, BS).unwrap();
