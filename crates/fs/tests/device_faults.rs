@@ -460,3 +460,33 @@ fn kernel_recovers_an_aborted_journal() {
     }
     assert_clean(&img.path, "after kernel recovery");
 }
+
+/// Without a journal (write-home commits) a failed home write aborts the same
+/// way: the sync fails, changes are refused, and what was synced before stays.
+#[test]
+fn write_home_failure_without_journal() {
+    let r = rig(
+        "nojournal",
+        &["-O", "^has_journal"],
+        Some(ErrorsBehavior::RemountRo),
+    );
+    let fs = &r.fs;
+    let data = pattern(13, 6000);
+    let a = durable_file(fs, "a", &data);
+    fs.create(ROOT_INO, b"b", 0o644, 0, 0).unwrap();
+    r.dev.inject(
+        Fault::writes()
+            .category(IoCategory::Metadata)
+            .bytes(4096..u64::MAX),
+    );
+    assert!(is_io(&fs.sync().unwrap_err()));
+    assert!(fs.is_read_only());
+    assert!(matches!(
+        fs.create(ROOT_INO, b"c", 0o644, 0, 0),
+        Err(FsError::ReadOnly)
+    ));
+    assert!(fs.fsync(a, false).is_err());
+    let (fs2, _img) = r.remount();
+    assert_eq!(read_all(&fs2, fs2.resolve("/a").unwrap()), data);
+    assert_ne!(fs2.superblock().state() & sbf::STATE_ERROR_FS, 0);
+}

@@ -1276,6 +1276,65 @@ mod log_tests {
         assert_eq!(home(&c, 22), 3);
     }
 
+    /// A failed log write aborts the journal: no later commit, checkpoint or
+    /// close goes through even once the device works again, and the log on disk
+    /// still recovers exactly the transactions committed before the failure.
+    #[test]
+    fn failed_log_write_aborts_and_keeps_the_log() {
+        use commitfs_device::{Fault, FaultyDevice};
+        let mem = fresh_device();
+        let dev = Arc::new(FaultyDevice::new(mem.clone()));
+        let map = JournalMap::contiguous(JSTART, JLEN);
+        let j = Journal::open_log(dev.clone(), BS, map.clone(), opts()).unwrap();
+        write_tx(&j, &[(30, 1)]);
+        j.commit().unwrap();
+        write_tx(&j, &[(31, 2)]);
+        dev.inject(Fault::writes().category(IoCategory::Journal).once());
+        assert!(matches!(j.commit(), Err(JournalError::Device(_))));
+        assert!(j.is_aborted());
+        let after = mem.stats().snapshot();
+        // Healed (the fault was once): still nothing goes through.
+        assert!(matches!(j.start(1), Err(JournalError::Aborted)));
+        assert!(matches!(j.commit(), Err(JournalError::Aborted)));
+        assert!(matches!(j.checkpoint(), Err(JournalError::Aborted)));
+        assert!(matches!(j.close(), Err(JournalError::Aborted)));
+        assert!(matches!(j.flush_device(), Err(JournalError::Aborted)));
+        assert_eq!(mem.stats().snapshot(), after, "no I/O after the abort");
+        let crash = MemDevice::from_vec(mem.contents());
+        recover(&crash, &map, BS, false).unwrap();
+        assert_eq!(home(&crash, 30), 1);
+        assert_eq!(
+            home(&crash, 31),
+            0,
+            "the failed transaction is not replayed"
+        );
+    }
+
+    /// A failed checkpoint leaves the log tail where it was: recovery replays.
+    #[test]
+    fn failed_checkpoint_keeps_the_tail() {
+        use commitfs_device::{Fault, FaultyDevice};
+        let mem = fresh_device();
+        let dev = Arc::new(FaultyDevice::new(mem.clone()));
+        let map = JournalMap::contiguous(JSTART, JLEN);
+        let j = Journal::open_log(dev.clone(), BS, map.clone(), opts()).unwrap();
+        write_tx(&j, &[(40, 5), (41, 6)]);
+        j.commit().unwrap();
+        dev.inject(
+            Fault::writes()
+                .category(IoCategory::Metadata)
+                .after(1)
+                .once(),
+        );
+        assert!(j.checkpoint().is_err());
+        assert!(j.is_aborted());
+        let (jsb, _) = read_superblock(&*mem, &map, BS).unwrap();
+        assert_ne!(jsb.start, 0, "the log is not marked empty");
+        let crash = MemDevice::from_vec(mem.contents());
+        recover(&crash, &map, BS, false).unwrap();
+        assert_eq!((home(&crash, 40), home(&crash, 41)), (5, 6));
+    }
+
     #[test]
     fn clean_close_leaves_empty_log_with_everything_home() {
         let dev = fresh_device();
