@@ -178,7 +178,8 @@ fn instruments_agree_and_kernel_does_fast_commits() {
 /// clears the first sector of the fast-commit area after a full commit that
 /// follows fast commits (e2fsck 1.47 aborts the whole recovery on the stale HEAD
 /// the kernel leaves there); it reaches the device as one sector (`O_DIRECT`),
-/// which is checked here too.
+/// which is checked here too. Full commits taken so that e2fsck 1.47 can replay
+/// the log too (issue #9 item 7) are allowed, and must stay rare.
 #[test]
 fn commitfs_writes_no_more_journal_bytes_per_fsync_than_kernel() {
     let sw = the_sweep();
@@ -192,10 +193,30 @@ fn commitfs_writes_no_more_journal_bytes_per_fsync_than_kernel() {
             "n = {n}: {zeroing} B of fast-commit writes beyond the fast commits: \
              more than one 512-byte head-zeroing write per full commit"
         );
-        if c.journal_bytes_dev > k.journal_bytes_dev {
+        // Full commits taken so that e2fsck 1.47 and the kernel can replay the log
+        // (issue #9 item 7: a directory grown or converted to htree within a
+        // fast-commit window, docs/FORMAT.md "Fast commits other tools replay") cost
+        // bytes the kernel does not spend, by design. Each is allowed the average
+        // size of this run's other full commits (like them, it writes the metadata
+        // dirtied since the previous full commit); they must stay rare.
+        let replay_commits: u64 = ["dir_grow", "unlink_last", "journal_inode_block"]
+            .iter()
+            .filter_map(|r| c.fc_fallback_reasons.get(*r))
+            .sum();
+        assert!(
+            replay_commits <= 2,
+            "n = {n}: {replay_commits} full commits for other replayers (at most 2 expected \
+             for 1,024 creates in one directory): {:?}",
+            c.fc_fallback_reasons
+        );
+        let full_bytes = c.journal_bytes_dev.saturating_sub(c.fc_bytes_own);
+        let allowance =
+            replay_commits * full_bytes / c.full_commits.saturating_sub(replay_commits).max(1);
+        if c.journal_bytes_dev > k.journal_bytes_dev + allowance {
             bad.push(format!(
                 "n = {n:>4}: commitfs {:.2} KiB/fsync > kernel {:.2} KiB/fsync \
-                 (journal bytes {} vs {}; full commits {} vs {}, fast commits {} vs {}, \
+                 (journal bytes {} vs {} + {allowance} for {replay_commits} replayability \
+                 commits; full commits {} vs {}, fast commits {} vs {}, \
                  fast-commit blocks {} vs {}; commitfs fallbacks {:?})",
                 c.journal_kib_per_fsync_dev(),
                 k.journal_kib_per_fsync_dev(),
