@@ -486,6 +486,22 @@ fn filter() -> Result<seccompiler::BpfProgram> {
             libc::AF_UNIX as u64,
         )?])?],
     );
+    // Read-only opens, for `/proc/PID/status` of a caller (its groups and
+    // CAP_FSETID decide whether a data change clears setgid, crates/fuse
+    // convert::caller_of): nothing can be created, truncated or written, and as
+    // `nobody` with no capabilities only world-readable files open at all.
+    let writing =
+        (libc::O_ACCMODE | libc::O_CREAT | libc::O_TRUNC | libc::O_APPEND | 0o20000000) as u64;
+    let read_only = |arg: u8| -> Result<SeccompRule> {
+        rule(vec![Cond::new(
+            arg,
+            SeccompCmpArgLen::Dword,
+            SeccompCmpOp::MaskedEq(writing),
+            0,
+        )
+        .map_err(|e| anyhow!("seccomp rule: {e}"))?])
+    };
+    rules.insert(libc::SYS_openat, vec![read_only(2)?]);
     // Thread names.
     rules.insert(
         libc::SYS_prctl,
