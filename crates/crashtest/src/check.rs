@@ -86,6 +86,8 @@ fn mount_opts() -> MountOptions {
     MountOptions {
         read_only: false,
         commit_interval: 0,
+        // Reading what recovery made must not change it (no atime updates).
+        atime: commitfs_fs::AtimeMode::Never,
         ..Default::default()
     }
 }

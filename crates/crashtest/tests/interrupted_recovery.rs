@@ -18,6 +18,8 @@ fn opts() -> MountOptions {
     MountOptions {
         read_only: false,
         commit_interval: 0,
+        // Reading what recovery made must not change it (no atime updates).
+        atime: commitfs_fs::AtimeMode::Never,
         ..Default::default()
     }
 }
