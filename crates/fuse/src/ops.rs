@@ -93,48 +93,6 @@ fn reply_empty(op: &str, reply: ReplyEmpty, r: commitfs_fs::Result<()>) {
     }
 }
 
-/// Who sent a request, for the kernel's `in_group_or_capable` test.
-struct Caller {
-    uid: u32,
-    gid: u32,
-    pid: u32,
-}
-
-impl Caller {
-    fn of(req: &Request) -> Caller {
-        Caller {
-            uid: req.uid(),
-            gid: req.gid(),
-            pid: req.pid(),
-        }
-    }
-
-    /// Whether the caller is in group `gid` (fsgid or a supplementary group) or
-    /// holds CAP_FSETID; read from /proc, falling back to the request's ids.
-    fn in_group_or_capable(&self, gid: u32) -> bool {
-        if self.gid == gid {
-            return true;
-        }
-        let Ok(status) = std::fs::read_to_string(format!("/proc/{}/status", self.pid)) else {
-            return self.uid == 0;
-        };
-        const CAP_FSETID: u32 = 4;
-        let mut found = false;
-        for line in status.lines() {
-            if let Some(caps) = line.strip_prefix("CapEff:") {
-                let caps = u64::from_str_radix(caps.trim(), 16).unwrap_or(0);
-                found |= caps & (1 << CAP_FSETID) != 0;
-            } else if let Some(groups) = line.strip_prefix("Groups:") {
-                found |= groups.split_whitespace().any(|g| g.parse() == Ok(gid));
-            } else if let Some(ids) = line.strip_prefix("Gid:") {
-                // real, effective, saved, filesystem: the last one is checked.
-                found |= ids.split_whitespace().nth(3).and_then(|g| g.parse().ok()) == Some(gid);
-            }
-        }
-        found
-    }
-}
-
 fn set_time(t: TimeOrNow) -> SetTime {
     match t {
         TimeOrNow::Now => SetTime::Now,
@@ -601,13 +559,17 @@ impl Filesystem for CommitFuse {
         };
         let name = name.as_bytes().to_vec();
         let value = value.to_vec();
-        let caller = Caller::of(req);
+        let (uid, gid, pid) = (req.uid(), req.gid(), req.pid());
         self.run(move |s| {
             let r = if name == b"system.posix_acl_access" {
                 // fuser cannot receive FUSE_SETXATTR_ACL_KILL_SGID (it needs
-                // FUSE_SETXATTR_EXT), so decide as the kernel would.
+                // FUSE_SETXATTR_EXT), so decide as the kernel would
+                // (`in_group_or_capable`); /proc is read only for setgid files.
                 s.fs.getattr(ino).and_then(|a| {
-                    let kill = a.perm & 0o2000 != 0 && !caller.in_group_or_capable(a.gid);
+                    let kill = a.perm & 0o2000 != 0 && {
+                        let c = crate::convert::caller_of(uid, gid, pid);
+                        !(c.cap_fsetid || c.in_group(a.gid))
+                    };
                     s.fs.setxattr_ext(ino, &name, &value, xf, kill)
                 })
             } else {
@@ -733,34 +695,5 @@ impl Filesystem for CommitFuse {
     ) {
         tracing::debug!("ioctl {cmd:#x} on inode {ino:?}: not supported");
         reply.error(Errno::ENOTTY);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Caller;
-
-    #[test]
-    fn caller_group_and_capability() {
-        // SAFETY: getpid/getegid/geteuid have no preconditions.
-        let (pid, gid, uid) = unsafe { (libc::getpid() as u32, libc::getegid(), libc::geteuid()) };
-        let me = Caller { uid, gid, pid };
-        assert!(me.in_group_or_capable(gid), "the fsgid is a member");
-        // Any other group: only CAP_FSETID (root here, as the tests run) lets it in.
-        let status = std::fs::read_to_string("/proc/self/status").unwrap();
-        let capable = status
-            .lines()
-            .find_map(|l| l.strip_prefix("CapEff:"))
-            .and_then(|c| u64::from_str_radix(c.trim(), 16).ok())
-            .is_some_and(|c| c & (1 << 4) != 0);
-        assert_eq!(me.in_group_or_capable(987_654), capable);
-        // No /proc entry: fall back to the request's ids (uid 0 counts as capable).
-        let gone = Caller {
-            uid: 1000,
-            gid: 1000,
-            pid: u32::MAX,
-        };
-        assert!(!gone.in_group_or_capable(5));
-        assert!(gone.in_group_or_capable(1000));
     }
 }
