@@ -245,24 +245,17 @@ fn same(a: &Res, b: &Res) -> bool {
     }
 }
 
-/// Deterministic data for writes and xattr values: xorshift64* stream, with some
+/// Deterministic data for writes and xattr values (seeded `rand`), with some
 /// seeds giving mostly-zero data (so zero runs inside written blocks are covered).
 fn gen_data(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed | 1;
+    let mut rng = StdRng::seed_from_u64(seed);
     let sparse = seed.is_multiple_of(5);
-    let mut v = Vec::with_capacity(len);
-    while v.len() < len {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        let w = x.wrapping_mul(0x2545_F491_4F6C_DD1D);
-        let bytes = if sparse && !w.is_multiple_of(17) {
-            [0u8; 8]
-        } else {
-            w.to_le_bytes()
-        };
-        let n = (len - v.len()).min(8);
-        v.extend_from_slice(&bytes[..n]);
+    let mut v = vec![0u8; len];
+    for chunk in v.chunks_mut(8) {
+        let w: u64 = rng.gen();
+        if !sparse || w.is_multiple_of(17) {
+            chunk.copy_from_slice(&w.to_le_bytes()[..chunk.len()]);
+        }
     }
     v
 }
