@@ -197,8 +197,9 @@ struct MountEntry {
     read_only: bool,
 }
 
-/// `/proc/mounts` escapes space, tab, newline and backslash as `\ooo`.
-fn unescape(s: &str) -> String {
+/// Undo the octal escapes of `/proc/mounts` and mountinfo fields (`\040` for a
+/// space, `\011`, `\012`, `\134`); one home for both readers of the mount table.
+pub fn unescape(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -207,7 +208,10 @@ fn unescape(s: &str) -> String {
             && i + 3 < b.len()
             && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
         {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            let v = (b[i + 1] - b'0') as u32 * 64
+                + (b[i + 2] - b'0') as u32 * 8
+                + (b[i + 3] - b'0') as u32;
+            out.push(v as u8);
             i += 4;
         } else {
             out.push(b[i]);
