@@ -172,9 +172,33 @@ fn daemons_of(image: &Path) -> Result<Vec<Proc>> {
             if let Some((start, false)) = proc_start(pid) {
                 found.push(Proc { pid, start });
             }
+            // A root daemon's server is the sandboxed child of a privileged monitor
+            // (crates/cli/src/sandbox.rs) that exits right after it: wait for both.
+            if let Some(monitor) = monitor_of(pid) {
+                if let Some((start, false)) = proc_start(monitor) {
+                    found.push(Proc {
+                        pid: monitor,
+                        start,
+                    });
+                }
+            }
         }
     }
     Ok(found)
+}
+
+/// The parent of `pid` when it runs the same executable (the sandbox monitor).
+fn monitor_of(pid: u32) -> Option<u32> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let ppid: u32 = s
+        .rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    let exe = |p: u32| std::fs::read_link(format!("/proc/{p}/exe")).ok();
+    (ppid > 1 && exe(ppid).is_some() && exe(ppid) == exe(pid)).then_some(ppid)
 }
 
 /// Is `dir` a dead FUSE mount (its daemon gone: every access fails with ENOTCONN)?
