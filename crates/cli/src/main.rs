@@ -29,9 +29,11 @@ enum Cmd {
         image: PathBuf,
         /// Mount point.
         dir: PathBuf,
-        /// Mount options: ro, rw, commit=N, writeback_cache, allow_other,
-        /// fast_commit, nofast_commit, fc_data_csum, and those of ext4 fstab lines
-        /// (comma-separated; may be repeated).
+        /// Mount options: ro, rw, commit=N, fast_commit, nofast_commit,
+        /// fc_data_csum, errors=continue|remount-ro|panic, acl, noacl, relatime,
+        /// strictatime, noatime, nodiratime, lazytime, dev, nodev, suid, nosuid,
+        /// writeback_cache, allow_other, keep_privileges, sandbox_user=USER, and those
+        /// of ext4 fstab lines (comma-separated; may be repeated; README lists them).
         #[arg(short = 'o', value_name = "OPTS")]
         options: Vec<String>,
         /// Stay in the foreground instead of daemonizing.
