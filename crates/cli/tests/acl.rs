@@ -47,26 +47,13 @@ fn dir_default_acl() -> Vec<u8> {
     ])
 }
 
-/// `lgetxattr`; `None` for ENODATA (and for EOPNOTSUPP when `opt_ok`).
+/// `lgetxattr`; `None` for ENODATA.
 fn get(p: &Path, name: &str) -> Result<Option<Vec<u8>>, i32> {
-    let c = cpath(p);
-    let n = CString::new(name).unwrap();
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
-    let r = unsafe {
-        libc::lgetxattr(
-            c.as_ptr(),
-            n.as_ptr(),
-            buf.as_mut_ptr() as *mut libc::c_void,
-            buf.len(),
-        )
-    };
-    if r < 0 {
-        let e = last_errno();
-        return if e == libc::ENODATA { Ok(None) } else { Err(e) };
+    match posix_get_xattr(p, name.as_bytes()) {
+        Ok(v) => Ok(Some(v)),
+        Err(libc::ENODATA) => Ok(None),
+        Err(e) => Err(e),
     }
-    buf.truncate(r as usize);
-    Ok(Some(buf))
 }
 
 fn chmod(p: &Path, mode: u32) {

@@ -124,3 +124,71 @@ pub fn assert_fsck_clean(path: &Path) {
         r.output
     );
 }
+
+/// Extended attributes as the kernel shows them, through the system calls (the
+/// `attr` tools are not installed on a fresh machine). One home for every test
+/// crate above this one; errors are errnos.
+pub mod kernel_xattr {
+    use std::collections::BTreeMap;
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    use std::path::Path;
+
+    fn cstr(b: &[u8]) -> Result<CString, i32> {
+        CString::new(b).map_err(|_| libc::EINVAL)
+    }
+
+    fn errno() -> i32 {
+        std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO)
+    }
+
+    /// `lgetxattr` of `name` (up to 64 KiB, the VFS limit).
+    pub fn get(p: &Path, name: &[u8]) -> Result<Vec<u8>, i32> {
+        let (c, n) = (cstr(p.as_os_str().as_bytes())?, cstr(name)?);
+        let mut v = vec![0u8; 65536];
+        // SAFETY: NUL-terminated strings; the buffer is valid for its length.
+        let r = unsafe { libc::lgetxattr(c.as_ptr(), n.as_ptr(), v.as_mut_ptr().cast(), v.len()) };
+        if r < 0 {
+            return Err(errno());
+        }
+        v.truncate(r as usize);
+        Ok(v)
+    }
+
+    /// Every attribute: `llistxattr`, then `lgetxattr` of each name.
+    pub fn list(p: &Path) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, i32> {
+        let c = cstr(p.as_os_str().as_bytes())?;
+        let mut names = vec![0u8; 65536];
+        // SAFETY: NUL-terminated path; the buffer is valid for its length.
+        let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+        if n < 0 {
+            return Err(errno());
+        }
+        names[..n as usize]
+            .split(|&b| b == 0)
+            .filter(|n| !n.is_empty())
+            .map(|name| Ok((name.to_vec(), get(p, name)?)))
+            .collect()
+    }
+
+    /// `lsetxattr` of `name` (flags 0: create or replace).
+    pub fn set(p: &Path, name: &[u8], value: &[u8]) -> Result<(), i32> {
+        let (c, n) = (cstr(p.as_os_str().as_bytes())?, cstr(name)?);
+        // SAFETY: NUL-terminated strings; the value is valid for its length.
+        let r = unsafe {
+            libc::lsetxattr(
+                c.as_ptr(),
+                n.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
+        if r < 0 {
+            return Err(errno());
+        }
+        Ok(())
+    }
+}

@@ -512,57 +512,15 @@ mod tests {
         }
     }
 
-    /// Attributes as the kernel reports them (llistxattr + lgetxattr; the `attr`
-    /// tools are not needed).
+    /// Attributes as the kernel reports them (the system calls, crate::testutil).
     fn getfattr(path: &Path) -> AttrMap {
-        use std::os::unix::ffi::OsStrExt;
-        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
-        let mut names = vec![0u8; 65536];
-        // SAFETY: valid NUL-terminated path and a buffer of the given length.
-        let n = unsafe {
-            libc::llistxattr(
-                c.as_ptr(),
-                names.as_mut_ptr() as *mut libc::c_char,
-                names.len(),
-            )
-        };
-        assert!(n >= 0, "llistxattr {}", path.display());
-        names.truncate(n as usize);
-        let mut m = AttrMap::new();
-        for name in names.split(|&b| b == 0).filter(|n| !n.is_empty()) {
-            let cn = std::ffi::CString::new(name).unwrap();
-            let mut buf = vec![0u8; 65536];
-            // SAFETY: as above.
-            let r = unsafe {
-                libc::lgetxattr(
-                    c.as_ptr(),
-                    cn.as_ptr(),
-                    buf.as_mut_ptr() as *mut libc::c_void,
-                    buf.len(),
-                )
-            };
-            assert!(r >= 0, "lgetxattr {}", path.display());
-            buf.truncate(r as usize);
-            m.insert(name.to_vec(), buf);
-        }
-        m
+        crate::testutil::kernel_xattr::list(path)
+            .unwrap_or_else(|e| panic!("listing xattrs of {}: errno {e}", path.display()))
     }
 
     fn setfattr(path: &Path, name: &str, value: &[u8]) {
-        use std::os::unix::ffi::OsStrExt;
-        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
-        let n = std::ffi::CString::new(name).unwrap();
-        // SAFETY: valid NUL-terminated strings and a buffer of the given length.
-        let r = unsafe {
-            libc::lsetxattr(
-                c.as_ptr(),
-                n.as_ptr(),
-                value.as_ptr() as *const libc::c_void,
-                value.len(),
-                0,
-            )
-        };
-        assert_eq!(r, 0, "lsetxattr {} {name}", path.display());
+        crate::testutil::kernel_xattr::set(path, name.as_bytes(), value)
+            .unwrap_or_else(|e| panic!("lsetxattr {} {name}: errno {e}", path.display()));
     }
 
     fn show(m: &AttrMap) -> BTreeMap<String, String> {

@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::ffi::CString;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
@@ -50,25 +48,11 @@ fn kernel_perm(p: &Path) -> u32 {
 
 /// The kernel's view of one ACL: `None` for ENODATA.
 fn kernel_get(p: &Path, name: &[u8]) -> Option<Vec<u8>> {
-    let c = CString::new(p.as_os_str().as_bytes()).unwrap();
-    let n = CString::new(name).unwrap();
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
-    let r = unsafe {
-        libc::lgetxattr(
-            c.as_ptr(),
-            n.as_ptr(),
-            buf.as_mut_ptr() as *mut libc::c_void,
-            buf.len(),
-        )
-    };
-    if r < 0 {
-        let e = std::io::Error::last_os_error().raw_os_error();
-        assert_eq!(e, Some(libc::ENODATA), "lgetxattr {}", p.display());
-        return None;
+    match commitfs_fs::testutil::kernel_xattr::get(p, name) {
+        Ok(v) => Some(v),
+        Err(libc::ENODATA) => None,
+        Err(e) => panic!("lgetxattr {}: errno {e}", p.display()),
     }
-    buf.truncate(r as usize);
-    Some(buf)
 }
 
 fn open(img: &Path, acl_on: bool) -> Fs {

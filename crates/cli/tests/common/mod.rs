@@ -541,25 +541,9 @@ pub fn cpath(p: &Path) -> CString {
 
 /// `lsetxattr(2)`, panicking on failure.
 pub fn set_xattr(p: &Path, name: &str, value: &[u8]) {
-    let c = cpath(p);
-    let n = CString::new(name).unwrap();
-    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
-    let r = unsafe {
-        libc::lsetxattr(
-            c.as_ptr(),
-            n.as_ptr(),
-            value.as_ptr() as *const libc::c_void,
-            value.len(),
-            0,
-        )
-    };
-    assert_eq!(
-        r,
-        0,
-        "lsetxattr {} {name}: {}",
-        p.display(),
-        std::io::Error::last_os_error()
-    );
+    if let Err(e) = commitfs::testutil::kernel_xattr::set(p, name.as_bytes(), value) {
+        panic!("lsetxattr {} {name}: {}", p.display(), errno_name(e));
+    }
 }
 
 // ---------------------------------------------------------------- hashing
@@ -797,48 +781,11 @@ pub fn statx(p: &Path) -> std::io::Result<libc::statx> {
 }
 
 pub fn posix_list_xattrs(p: &Path) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, i32> {
-    let c = cpath(p);
-    let mut names = vec![0u8; 65536];
-    // SAFETY: buffers are valid for their lengths.
-    let n = unsafe {
-        libc::llistxattr(
-            c.as_ptr(),
-            names.as_mut_ptr() as *mut libc::c_char,
-            names.len(),
-        )
-    };
-    if n < 0 {
-        return Err(last_errno());
-    }
-    let mut out = BTreeMap::new();
-    for name in names[..n as usize]
-        .split(|&b| b == 0)
-        .filter(|n| !n.is_empty())
-    {
-        let v = posix_get_xattr(p, name)?;
-        out.insert(name.to_vec(), v);
-    }
-    Ok(out)
+    commitfs::testutil::kernel_xattr::list(p)
 }
 
 pub fn posix_get_xattr(p: &Path, name: &[u8]) -> Result<Vec<u8>, i32> {
-    let c = cpath(p);
-    let cn = CString::new(name).map_err(|_| libc::EINVAL)?;
-    let mut v = vec![0u8; 65536];
-    // SAFETY: buffers are valid for their lengths.
-    let n = unsafe {
-        libc::lgetxattr(
-            c.as_ptr(),
-            cn.as_ptr(),
-            v.as_mut_ptr() as *mut libc::c_void,
-            v.len(),
-        )
-    };
-    if n < 0 {
-        return Err(last_errno());
-    }
-    v.truncate(n as usize);
-    Ok(v)
+    commitfs::testutil::kernel_xattr::get(p, name)
 }
 
 /// Content hash of a regular file through the POSIX API. Holes are skipped with
