@@ -541,7 +541,7 @@ pub fn cpath(p: &Path) -> CString {
 
 /// `lsetxattr(2)`, panicking on failure.
 pub fn set_xattr(p: &Path, name: &str, value: &[u8]) {
-    if let Err(e) = commitfs::testutil::kernel_xattr::set(p, name.as_bytes(), value) {
+    if let Err(e) = commitfs_fs::testutil::kernel_xattr::set(p, name.as_bytes(), value) {
         panic!("lsetxattr {} {name}: {}", p.display(), errno_name(e));
     }
 }
@@ -781,11 +781,11 @@ pub fn statx(p: &Path) -> std::io::Result<libc::statx> {
 }
 
 pub fn posix_list_xattrs(p: &Path) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, i32> {
-    commitfs::testutil::kernel_xattr::list(p)
+    commitfs_fs::testutil::kernel_xattr::list(p)
 }
 
 pub fn posix_get_xattr(p: &Path, name: &[u8]) -> Result<Vec<u8>, i32> {
-    commitfs::testutil::kernel_xattr::get(p, name)
+    commitfs_fs::testutil::kernel_xattr::get(p, name)
 }
 
 /// Content hash of a regular file through the POSIX API. Holes are skipped with
