@@ -653,8 +653,8 @@ impl Fs {
         gid: u32,
     ) -> Result<Attr> {
         let mode = FileType::Directory.mode_bits() | (perm & 0o7777);
-        self.inner
-            .lock()
+        // Through `lock` like every other change: errors=panic refuses it.
+        self.lock()?
             .create_node_umask(parent, name, mode, umask, 0, uid, gid, None)
     }
 

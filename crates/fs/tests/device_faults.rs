@@ -394,6 +394,10 @@ fn errors_panic_stops_and_writes_nothing_more() {
         fs.create(ROOT_INO, b"x", 0o644, 0, 0),
         Err(FsError::Shutdown)
     ));
+    assert!(matches!(
+        fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0),
+        Err(FsError::Shutdown)
+    ));
     assert!(fs.fsync(a, false).is_err());
     fs.unmount().unwrap();
     assert_eq!(r.writes(), after_error, "nothing written after the panic");
