@@ -8,9 +8,10 @@ export DEBIAN_FRONTEND=noninteractive
 
 # Oracles and tools the tests drive: FUSE (fusermount3), mkfs/e2fsck/debugfs,
 # losetup/mount, the kernel modules; the emulated-device bench test needs
-# nbdkit, its plugin headers, nbdfuse and a C compiler; the bench workloads.
+# nbdkit, its plugin headers, nbdfuse and a C compiler; the bench workloads;
+# python3 holds a lock from a second process in crates/device/tests/exclusive.rs.
 pkgs=(
-    e2fsprogs fuse3 util-linux mount kmod pkg-config
+    e2fsprogs fuse3 util-linux mount kmod pkg-config python3
     nbdkit nbdkit-plugin-dev libnbd-bin gcc
     xfsprogs fuse2fs fsmark dbench postmark fonts-dejavu-core
 )
