@@ -180,6 +180,10 @@ pub struct FcTracker {
     inodes: BTreeMap<u32, Tracked>,
     dentries: Vec<(u32, DentryOp)>,
     next_version: u64,
+    /// Every change tracked with a version `<=` this is durable through a fast
+    /// commit (group commit: an fsync that entered when `next_version` was `v` is
+    /// covered once `durable_upto >= v`; see `Inner::fc_seq`).
+    pub durable_upto: u64,
     pub stats: FcStats,
     protect: FcProtect,
 }
@@ -229,6 +233,18 @@ impl FcTracker {
 }
 
 impl Inner {
+    /// The tracker's change counter: every change tracked so far has a version
+    /// `<= fc_seq()`. An fsync notes it on entry; a fast commit planned when it
+    /// was `v` covers every change up to `v` (`FcTracker::durable_upto`).
+    pub fn fc_seq(&self) -> u64 {
+        self.fc.next_version
+    }
+
+    /// Whether every change tracked up to `seq` is durable in a fast commit.
+    pub fn fc_covered(&self, seq: u64) -> bool {
+        self.fc.durable_upto >= seq
+    }
+
     /// Fast commits are being tracked on this mount.
     pub fn fc_on(&self) -> bool {
         self.fc_enabled
@@ -273,6 +289,7 @@ impl Inner {
         if !self.fc_enabled {
             return;
         }
+        self.fc.bump();
         self.fc.dentries.push((tid, op));
     }
 

@@ -89,8 +89,6 @@ pub(crate) struct Inner {
     pub fc_enabled: bool,
     /// `-o fc_data_csum` in effect (fast commits on, read-write).
     pub fc_data_csum: bool,
-    /// File data was written since the last flush we know of (selective flushing).
-    pub data_dirty: std::sync::atomic::AtomicBool,
     /// Per-group hint: first inode bit that may be free.
     pub inode_hint: Vec<u32>,
     /// Last group a directory was placed in (spreads top-level directories).
@@ -231,7 +229,6 @@ impl Inner {
             fc: Default::default(),
             fc_enabled: false,
             fc_data_csum: false,
-            data_dirty: Default::default(),
             inode_hint: vec![0; groups as usize],
             last_dir_group: 0,
             next_generation: now().nsec ^ 0x9E37_79B9,
@@ -540,8 +537,9 @@ impl Inner {
         // last flush (single-flush commits; a no-op otherwise).
         self.journal
             .note_data(pblk, buf.len().div_ceil(self.bs) as u64);
-        self.data_dirty
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        // An fsync now needs a flush that starts after this write (group
+        // flush: `Journal::wait_data`).
+        self.journal.note_data_written();
         Ok(())
     }
 

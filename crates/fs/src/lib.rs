@@ -76,6 +76,8 @@ pub struct Stats {
     pub device: StatsSnapshot,
     pub journal: commitfs_journal::JournalStats,
     pub journal_mode: &'static str,
+    /// fsync and fdatasync calls.
+    pub fsyncs: u64,
 }
 
 /// What the recovery at mount replayed after a crash: the JBD2 log, then the
@@ -96,8 +98,11 @@ pub struct Fs {
     committer: Mutex<Option<Committer>>,
     /// `errors=` state (errors.rs), shared with `Inner` and the committer.
     errors: Arc<errors::ErrorState>,
-    /// Serialises fsyncs (fast commits are written in the caller's thread).
+    /// One fast-commit leader at a time (fast commits are written in the
+    /// caller's thread); followers find themselves covered (group commit).
     fc_lock: Mutex<()>,
+    /// fsync/fdatasync calls (flushes per fsync = device flushes / this).
+    fsyncs: std::sync::atomic::AtomicU64,
 }
 
 /// Background thread committing the running transaction every `commit=` seconds
@@ -178,6 +183,7 @@ impl Fs {
             committer: Mutex::new(committer),
             errors,
             fc_lock: Mutex::new(()),
+            fsyncs: Default::default(),
         })
     }
 
@@ -449,6 +455,7 @@ impl Fs {
             } else {
                 "write-home"
             },
+            fsyncs: self.fsyncs.load(std::sync::atomic::Ordering::Relaxed),
         }
     }
 
@@ -470,9 +477,6 @@ impl Fs {
                 return Ok(());
             }
             g.prepare_commit()?;
-            // The commit's flush covers every data write made so far.
-            g.data_dirty
-                .store(false, std::sync::atomic::Ordering::Relaxed);
             g.journal.clone()
         };
         let r = journal.commit().map_err(FsError::from);
@@ -854,32 +858,60 @@ impl Fs {
         Ok(())
     }
 
+    /// Group commit (jbd2 `jbd2_complete_transaction`, ext4 `ext4_fc_commit`):
+    /// the fsync notes what covers it on entry — the running tid, the fast-commit
+    /// tracker's change counter and the flush generation of the last data write —
+    /// and returns as soon as something durable covers all three, however many
+    /// other fsyncs that commit or flush served. One fsync at a time leads a fast
+    /// commit (`fc_lock`); those queued behind it usually find themselves covered
+    /// when they get the lock and return without I/O.
     fn fsync_inner(&self, ino: Ino, _datasync: bool) -> Result<()> {
-        // Concurrent fsyncs queue here and ride on each other's commits: the one
-        // that runs next logs everything tracked so far.
-        let _fcl = self.fc_lock.lock();
-        let t0 = std::time::Instant::now();
-        let (j, tid, blocks, flush, logged) = {
+        let (j, entry_tid, entry_seq, dgen, fc_on) = {
             let mut g = self.lock()?;
             g.read_inode(ino)?;
             // An fsync writes the inode's lazytime atime (as the kernel's does).
             g.flush_lazy_atimes(Some(ino))?;
-            if !g.fc_on() {
-                drop(g);
-                return self.sync();
+            let j = g.journal.clone();
+            let t = j.running_tid();
+            (j.clone(), t, g.fc_seq(), j.data_gen(), g.fc_on())
+        };
+        self.fsyncs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if !fc_on {
+            // JBD2 mode: the journal's group commit (concurrent callers share
+            // commits and flushes).
+            return self.sync();
+        }
+        let _fcl = self.fc_lock.lock();
+        let t0 = std::time::Instant::now();
+        loop {
+            let mut g = self.lock()?;
+            let meta_covered = g.fc_covered(entry_seq) || j.is_committed(entry_tid);
+            if meta_covered && j.flushed_since(dgen) {
+                g.fc.stats.skipped += 1;
+                return Ok(());
             }
-            match g.fc_plan()? {
+            if j.full_commit_in_flight() {
+                // The kernel waits for an ongoing full commit, then checks again:
+                // it often covers this fsync.
+                drop(g);
+                j.wait_full_commits()?;
+                continue;
+            }
+            if meta_covered {
+                drop(g);
+                return Ok(j.wait_data(dgen)?);
+            }
+            let upto = g.fc_seq();
+            let (tid, blocks, flush, logged) = match g.fc_plan()? {
                 fc::FcPlan::Nothing => {
-                    let flush = g
-                        .data_dirty
-                        .swap(false, std::sync::atomic::Ordering::Relaxed);
-                    let j = g.journal.clone();
+                    // Everything tracked is durable (or was never tracked: the
+                    // full commit that pruned it is durable); data may not be.
+                    g.fc.durable_upto = g.fc.durable_upto.max(upto);
                     drop(g);
-                    if flush {
-                        j.flush_device()?;
-                    }
-                    return Ok(());
+                    return Ok(j.wait_data(dgen)?);
                 }
+                fc::FcPlan::Full(_) if j.full_commit_in_flight() => continue,
                 fc::FcPlan::Full(r) => {
                     g.fc_count_ineligible(r);
                     drop(g);
@@ -896,6 +928,9 @@ impl Fs {
                         .filter(|s| s.0 == tid)
                         .and_then(|(_, head, free)| fc::pack(&records, tid, head, g.bs, free));
                     let Some(blocks) = packed else {
+                        if j.full_commit_in_flight() {
+                            continue;
+                        }
                         // Would it fit an empty area? Then the area is just full.
                         let r = match fc::pack(&records, tid, true, g.bs, g.journal.fc_capacity()) {
                             Some(_) => fc::FcReason::AreaFull,
@@ -906,31 +941,40 @@ impl Fs {
                         drop(g);
                         return self.sync();
                     };
-                    let data = g
-                        .data_dirty
-                        .swap(false, std::sync::atomic::Ordering::Relaxed);
                     let mode = if g.fc_data_csum {
                         commitfs_journal::FcFlush::Together
                     } else {
-                        commitfs_journal::FcFlush::Ordered { flush_first: data }
+                        // Flush first only when some data write may not be
+                        // durable yet.
+                        commitfs_journal::FcFlush::Ordered {
+                            flush_first: j.data_unflushed(),
+                        }
                     };
-                    (g.journal.clone(), tid, blocks, mode, logged)
+                    (tid, blocks, mode, logged)
                 }
+            };
+            drop(g);
+            let wrote = j.fast_commit_mode(tid, &blocks, flush)?;
+            let mut g = self.lock()?;
+            let st = &mut g.fc.stats;
+            if wrote {
+                st.commits += 1;
+                st.blocks += blocks.len() as u64;
+                st.single_block += (blocks.len() == 1) as u64;
+                st.total_ns += t0.elapsed().as_nanos() as u64;
+                g.fc_logged(&logged);
+                g.fc.durable_upto = g.fc.durable_upto.max(upto);
+            } else {
+                // A full commit took the transaction (and waited for it): loop to
+                // check what it covered.
+                st.skipped += 1;
             }
-        };
-        let wrote = j.fast_commit_mode(tid, &blocks, flush)?;
-        let mut g = self.lock()?;
-        let st = &mut g.fc.stats;
-        if wrote {
-            st.commits += 1;
-            st.blocks += blocks.len() as u64;
-            st.single_block += (blocks.len() == 1) as u64;
-            st.total_ns += t0.elapsed().as_nanos() as u64;
-            g.fc_logged(&logged);
-        } else {
-            st.skipped += 1;
+            if wrote {
+                drop(g);
+                // The fast commit's flush (if any) covers data written before it.
+                return Ok(j.wait_data(dgen)?);
+            }
         }
-        Ok(())
     }
 
     /// Fast-commit counters (commits, blocks, single-block count, time, fallbacks

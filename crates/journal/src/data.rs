@@ -103,8 +103,8 @@ pub(crate) struct DataTrack {
     pub running: RangeSet,
     /// Blocks of `running` a flush in progress is making durable.
     pub flushing: RangeSet,
-    /// The committing transaction and its data blocks.
-    pub committing: Option<(u32, RangeSet)>,
+    /// The transactions in flight and their data blocks.
+    pub committing: BTreeMap<u32, RangeSet>,
     /// The last commit if it was single-flush with data ranges, until a later
     /// commit (fast or full) is durable behind it: recovery verifies those ranges
     /// while it is the last transaction in the log.
@@ -114,7 +114,11 @@ pub(crate) struct DataTrack {
 impl DataTrack {
     /// A transaction other than `tid` (the caller's) guards a block of `[s, e)`.
     pub fn conflict(&self, s: u64, e: u64) -> Option<u32> {
-        for (t, set) in [&self.committing, &self.protected].into_iter().flatten() {
+        for (t, set) in self
+            .committing
+            .iter()
+            .chain(self.protected.iter().map(|p| (&p.0, &p.1)))
+        {
             if set.overlaps(s, e) {
                 return Some(*t);
             }

@@ -6,32 +6,37 @@
 //! ```text
 //! let h = journal.start(credits)?;       // join the running transaction
 //! let b = journal.bread(blocknr)?;       // cached metadata buffer
-//! journal.get_write_access(&h, &b)?;     // declare intent (freezes a copy later)
+//! journal.get_write_access(&h, &b)?;     // declare intent
 //! b.data_mut()[..] = ...;                // modify the live version
 //! journal.dirty_metadata(&h, &b);        // the transaction now owns the change
 //! journal.stop(h)?;
 //! ```
 //!
 //! A [`Buffer`] is the one home of "several versions of a metadata block"
-//! (DEVELOPERS.md): the live version lives in `data`; the journal issue adds the
-//! frozen copy per committing transaction and the last committed version beside it,
-//! which CJFS shadow copies, exF2FS isolation and FJS subblock tracking all view.
+//! (DEVELOPERS.md, docs/ARCHITECTURE.md "Design: concurrent journaling"): the
+//! live version in `data`, one frozen copy per committing transaction and the
+//! last committed version in `vers` ([`Versions`]). CJFS shadow pages are those
+//! frozen copies; exF2FS isolation and FJS subblock masks extend the same record.
 //!
-//! In this first version the journal runs in *write-home* mode: a commit writes every
-//! dirty buffer to its home location and flushes the device. That is what a clean
-//! unmount and `sync` need; crash atomicity through the on-disk JBD2 log comes with
-//! the journal issue without changing this API.
+//! With an on-disk log the journal commits in a pipeline (CJFS §4, `pipeline.rs`):
+//! a commit thread writes each transaction's log blocks, a flush thread makes them
+//! durable and writes commit blocks, several transactions are in flight at once,
+//! and one flush serves every commit (and fsync) waiting on it. Without a log
+//! (write-home mode: images without a journal) a commit writes every dirty buffer
+//! home and flushes, synchronously.
 
 mod data;
 mod fc_scan;
 mod log;
+mod pipeline;
 mod recovery;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
-use commitfs_device::{DeviceError, DeviceRef, IoCategory};
+use commitfs_device::{BlockDevice, DeviceError, DeviceRef, IoCategory, IoStats};
 use commitfs_format::FormatError;
 use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -40,6 +45,7 @@ pub use fc_scan::{
     hold_log_for_fast_commits, read_fast_commits, read_fast_commits_with, FcArea,
 };
 pub use log::{FcFlush, JournalMap, LogOptions};
+pub use pipeline::PipelineOptions;
 pub use recovery::{
     read_superblock, recover, recover_with, scan, scan_with, RecoverOptions, RecoveryReport,
 };
@@ -65,19 +71,56 @@ pub enum JournalError {
 
 pub type Result<T> = std::result::Result<T, JournalError>;
 
+/// `a <= b` in tid order (tids wrap; the kernel's `tid_geq`).
+pub fn tid_le(a: u32, b: u32) -> bool {
+    (b.wrapping_sub(a) as i32) >= 0
+}
+
+/// The versions of a metadata block besides the live one (CJFS §4.2
+/// multi-version shadow pages). Invariant: `inflight` is in tid order and holds
+/// at most one copy per transaction in flight.
+#[derive(Default)]
+pub(crate) struct Versions {
+    /// The copy each committing transaction logs, oldest first. Handles of the
+    /// running transaction keep changing the live version meanwhile.
+    pub inflight: Vec<(u32, Arc<[u8]>)>,
+    /// The newest durable version not yet written home (JBD2 mode). A checkpoint
+    /// writes this, never the live version, which may hold uncommitted changes.
+    pub committed: Option<Arc<[u8]>>,
+}
+
+impl Versions {
+    /// Transaction `tid` became durable: its copy is now the committed version
+    /// (an older committed one is superseded; the log still holds it until the
+    /// checkpoint, which writes only the newest).
+    pub fn promote(&mut self, tid: u32) {
+        if let Some(i) = self.inflight.iter().position(|v| v.0 == tid) {
+            let (_, c) = self.inflight.remove(i);
+            self.committed = Some(c);
+        }
+    }
+}
+
 /// One cached metadata block.
 pub struct Buffer {
     blocknr: u64,
     data: RwLock<Box<[u8]>>,
-    /// Modified by a transaction and not yet written home.
+    /// Modified by the running transaction since its last freeze.
     dirty: AtomicBool,
-    /// The last committed version not yet checkpointed to its home location (JBD2
-    /// mode). A checkpoint writes this, never the live version, which may hold
-    /// uncommitted changes.
-    committed: Mutex<Option<Arc<[u8]>>>,
+    /// Frozen and committed versions (a leaf lock: nothing else is taken while
+    /// it is held).
+    vers: Mutex<Versions>,
 }
 
 impl Buffer {
+    fn new(blocknr: u64, data: Box<[u8]>) -> Buffer {
+        Buffer {
+            blocknr,
+            data: RwLock::new(data),
+            dirty: AtomicBool::new(false),
+            vers: Mutex::new(Versions::default()),
+        }
+    }
     pub fn blocknr(&self) -> u64 {
         self.blocknr
     }
@@ -93,6 +136,10 @@ impl Buffer {
     pub fn is_dirty(&self) -> bool {
         self.dirty.load(Ordering::Acquire)
     }
+    /// Versions held for transactions in flight (stats and tests).
+    pub fn versions_in_flight(&self) -> usize {
+        self.vers.lock().inflight.len()
+    }
 }
 
 /// A handle: one atomic file-system operation's membership in a transaction. A
@@ -103,7 +150,7 @@ impl Buffer {
 pub struct Handle {
     tid: u32,
     credits: u32,
-    tx: Arc<TxShared>,
+    core: Arc<Core>,
 }
 
 impl std::fmt::Debug for Handle {
@@ -115,20 +162,29 @@ impl std::fmt::Debug for Handle {
     }
 }
 
-impl Drop for Handle {
-    fn drop(&mut self) {
-        let mut r = self.tx.running.lock();
-        r.handles = r.handles.saturating_sub(1);
-        if r.handles == 0 {
-            self.tx.idle.notify_all();
-        }
-    }
+thread_local! {
+    /// The journals (by `Core` address) this thread holds handles of, one entry
+    /// per handle: a nested `start` joins the running transaction even while the
+    /// commit thread has it locked — it is waiting for this very thread's outer
+    /// handle (the kernel's `journal_current_handle`).
+    static HELD: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The running transaction and the condition "no handle is open".
-struct TxShared {
-    running: Mutex<Running>,
-    idle: Condvar,
+impl Drop for Handle {
+    fn drop(&mut self) {
+        let key = Arc::as_ptr(&self.core) as usize;
+        HELD.with(|h| {
+            let mut h = h.borrow_mut();
+            if let Some(i) = h.iter().rposition(|&k| k == key) {
+                h.swap_remove(i);
+            }
+        });
+        let mut q = self.core.txq.lock();
+        q.running.handles = q.running.handles.saturating_sub(1);
+        if q.running.handles == 0 {
+            self.core.cv.notify_all();
+        }
+    }
 }
 
 impl Handle {
@@ -140,39 +196,39 @@ impl Handle {
     }
 }
 
-/// The log gets a copy of each buffer; handles of the next transaction may keep
-/// changing the live version. Call only while no handle is open.
-fn freeze(buffers: BTreeMap<u64, Arc<Buffer>>) -> Vec<(Arc<Buffer>, Arc<[u8]>)> {
-    buffers
-        .into_values()
-        .map(|b| {
-            b.dirty.store(false, Ordering::Release);
-            let copy: Arc<[u8]> = Arc::from(&b.data.read()[..]);
-            (b, copy)
-        })
-        .collect()
-}
-
-/// Transaction states (the journal issue uses all of them).
+/// Transaction states. `Running → Locked` (handles drain; back to `Running` when
+/// opportunistic coalescing gives up, CJFS §4.3) `→ Committing` (log blocks being
+/// written) `→ Written` (commit block written, not known durable) `→ Committed →
+/// Checkpointed`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TxState {
     Running,
     Locked,
     Committing,
+    Written,
     Committed,
     Checkpointed,
 }
 
-struct Running {
-    tid: u32,
+pub(crate) struct Running {
+    pub tid: u32,
     /// Dirty buffers owned by the running transaction, by block number (sorted so a
-    /// commit writes home in ascending order).
-    buffers: BTreeMap<u64, Arc<Buffer>>,
+    /// commit writes in ascending order).
+    pub buffers: BTreeMap<u64, Arc<Buffer>>,
     /// Blocks freed while their logged copies are still live (JBD2 revoke records).
-    revokes: BTreeSet<u64>,
-    handles: u32,
+    pub revokes: BTreeSet<u64>,
+    pub handles: u32,
+    /// T_LOCKED: the commit thread is draining handles and freezing buffers; no
+    /// handle may start.
+    pub locked: bool,
     /// Data blocks for single-flush commits (`fc_data_csum`, data.rs).
-    data: data::DataTrack,
+    pub data: data::DataTrack,
+}
+
+impl Running {
+    fn is_empty(&self) -> bool {
+        self.buffers.is_empty() && self.revokes.is_empty()
+    }
 }
 
 /// Journal counters.
@@ -188,75 +244,199 @@ pub struct JournalStats {
     /// Fast commits written and their blocks.
     pub fc_commits: u64,
     pub fc_blocks: u64,
+    /// Device flushes the journal issued (commits, fast commits, data-only
+    /// fsyncs, checkpoints).
+    pub flushes: u64,
+    /// Flushes of the flush thread that completed at least one full commit, and
+    /// the commits they completed (commits per flush = the ratio; CJFS §4.4
+    /// compound flush).
+    pub commit_flushes: u64,
+    pub commits_by_flush: u64,
+    /// Most full commits completed by one flush.
+    pub max_commits_per_flush: u64,
+    /// Most transactions in flight (committing or written, not yet durable) at
+    /// once, and the current number.
+    pub max_inflight: u64,
+    pub inflight: u64,
+    /// Commits that found a buffer with `max_versions` copies in flight and let
+    /// the running transaction go on taking handles instead (CJFS §4.3).
+    pub lock_unlocks: u64,
+    /// Waits for durability ([`Journal::commit`], [`Journal::wait_data`]) and
+    /// their total time, ns.
+    pub durability_waits: u64,
+    pub durability_wait_ns: u64,
+    /// Handles that joined committed transactions (coalescing degree: handles per
+    /// commit).
+    pub commit_handles: u64,
 }
 
-/// Buffer cache plus transaction manager.
-pub struct Journal {
+/// Flush numbering: every flush the journal issues gets the next number when it
+/// starts; `done` is the highest number completed. A write that completed while
+/// `started == s` is durable once `done > s`.
+#[derive(Default)]
+pub(crate) struct FlushGens {
+    started: AtomicU64,
+    done: AtomicU64,
+    /// `started` when the last file-data write completed ([`Journal::note_data_written`]).
+    data: AtomicU64,
+}
+
+/// The device as the journal sees it: every flush numbered ([`FlushGens`]).
+struct GenDevice {
+    inner: DeviceRef,
+    gens: Arc<FlushGens>,
+}
+
+impl BlockDevice for GenDevice {
+    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> commitfs_device::Result<()> {
+        self.inner.read_at(offset, buf, cat)
+    }
+    fn write_at(
+        &self,
+        offset: u64,
+        buf: &[u8],
+        cat: IoCategory,
+        fua: bool,
+    ) -> commitfs_device::Result<()> {
+        self.inner.write_at(offset, buf, cat, fua)
+    }
+    fn write_sectors(
+        &self,
+        offset: u64,
+        buf: &[u8],
+        cat: IoCategory,
+    ) -> commitfs_device::Result<()> {
+        self.inner.write_sectors(offset, buf, cat)
+    }
+    fn flush(&self) -> commitfs_device::Result<()> {
+        let n = self.gens.started.fetch_add(1, Ordering::AcqRel) + 1;
+        let r = self.inner.flush();
+        if r.is_ok() {
+            self.gens.done.fetch_max(n, Ordering::AcqRel);
+        }
+        r
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn is_read_only(&self) -> bool {
+        self.inner.is_read_only()
+    }
+    fn stats(&self) -> &IoStats {
+        self.inner.stats()
+    }
+}
+
+/// A transaction in flight (after its tid switch, before it is durable).
+pub(crate) struct InFlight {
+    pub tid: u32,
+    pub state: TxState,
+    pub bufs: Vec<Arc<Buffer>>,
+    pub revokes: BTreeSet<u64>,
+    /// Two-flush commit block still to write, after a flush: (offset, bytes).
+    pub commit: Option<(u64, Vec<u8>)>,
+    /// Written as a single-flush commit with these data ranges.
+    pub single_data: Option<data::RangeSet>,
+    pub log_blocks: u64,
+    pub handles: u64,
+}
+
+/// The running transaction and the pipeline (CJFS §4.1): everything the commit
+/// thread, the flush thread, fast-commit writers and waiters share. One mutex,
+/// held only for bookkeeping, never across device I/O.
+pub(crate) struct TxQueue {
+    pub running: Running,
+    /// Transactions in flight, in tid order.
+    pub inflight: VecDeque<InFlight>,
+    /// Highest tid an fsync or sync asked to commit (0: none).
+    pub commit_req: u32,
+    /// Commit this tid even if it is empty (confirming a single-flush commit).
+    pub force: Option<u32>,
+    /// A fast commit is being written: no full commit may lock the running
+    /// transaction, no flush-thread flush may move data tracking.
+    pub fc_ongoing: bool,
+    /// The flush thread is flushing.
+    pub flush_busy: bool,
+    /// Holders that need the pipeline empty and still (checkpoint, close).
+    pub hold: u32,
+    /// Some waiter needs `FlushGens::done >= flush_req`.
+    pub flush_req: u64,
+    /// Handles started in the running transaction (coalescing degree).
+    pub running_handles_total: u64,
+    pub stop: bool,
+}
+
+/// Everything the journal's threads share.
+pub struct Core {
     dev: DeviceRef,
+    gens: Arc<FlushGens>,
     block_size: usize,
     blocks: u64,
     read_only: bool,
     cache: Mutex<HashMap<u64, Arc<Buffer>>>,
-    tx: Arc<TxShared>,
-    /// Commits are serialised; a commit holds this while writing.
+    txq: Mutex<TxQueue>,
+    /// Every state change of `txq` (handles drained, a transaction written or
+    /// durable, a flush done, a request) wakes every waiter.
+    cv: Condvar,
+    /// Write-home commits are serialised.
     commit_lock: Mutex<()>,
     aborted: AtomicBool,
-    commits: AtomicU64,
-    buffers_written: AtomicU64,
-    handles: AtomicU64,
     cache_limit: usize,
     /// The on-disk JBD2 log; `None` = write-home mode (no journal on the image).
     log: Option<Mutex<log::LogState>>,
-    log_blocks: AtomicU64,
-    checkpoints: AtomicU64,
-    revoke_count: AtomicU64,
-    fc_commits: AtomicU64,
-    fc_blocks: AtomicU64,
+    /// A quarter of the log (blocks): a running transaction this large commits.
+    max_tx_blocks: AtomicU64,
+    opts: PipelineOptions,
     /// Highest tid whose commit is durable (0: none yet).
-    committed_tid: std::sync::atomic::AtomicU32,
-    /// A block written home after every commit (`u64::MAX`: none); see
-    /// [`Journal::keep_home`].
+    committed_tid: AtomicU32,
+    /// A block written home after every full commit (`u64::MAX`: none); see
+    /// [`Core::keep_home`].
     keep_home: AtomicU64,
     /// That block was written home and no fast commit has flushed since.
     home_unflushed: AtomicBool,
+    stats: Mutex<JournalStats>,
+    /// The device error that aborted the journal in a pipeline thread, given to
+    /// the callers that were waiting for that commit.
+    failure: Mutex<Option<IoFailure>>,
 }
+
+/// A device I/O error kept for later callers: offset, length, kind, errno.
+type IoFailure = (u64, usize, std::io::ErrorKind, Option<i32>);
+
+/// Buffer cache plus transaction manager: a handle on [`Core`] that owns the
+/// commit and flush threads (joined on drop).
+pub struct Journal {
+    core: Arc<Core>,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl std::ops::Deref for Journal {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.core
+    }
+}
+
+impl Drop for Journal {
+    fn drop(&mut self) {
+        self.core.txq.lock().stop = true;
+        self.core.cv.notify_all();
+        for t in self.threads.lock().drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Safety net against a lost wakeup on abort (set without the queue lock).
+const WAIT_SLICE: Duration = Duration::from_millis(50);
 
 impl Journal {
     /// A journal in write-home mode: commits write buffers to their homes (for
     /// images without a journal, and read-only mounts).
     pub fn new(dev: DeviceRef, block_size: usize, read_only: bool) -> Journal {
-        let blocks = dev.size() / block_size as u64;
         Journal {
-            dev,
-            block_size,
-            blocks,
-            read_only,
-            cache: Mutex::new(HashMap::new()),
-            tx: Arc::new(TxShared {
-                running: Mutex::new(Running {
-                    tid: 1,
-                    buffers: BTreeMap::new(),
-                    revokes: BTreeSet::new(),
-                    handles: 0,
-                    data: Default::default(),
-                }),
-                idle: Condvar::new(),
-            }),
-            commit_lock: Mutex::new(()),
-            aborted: AtomicBool::new(false),
-            commits: AtomicU64::new(0),
-            buffers_written: AtomicU64::new(0),
-            handles: AtomicU64::new(0),
-            cache_limit: 1 << 18,
-            log: None,
-            log_blocks: AtomicU64::new(0),
-            checkpoints: AtomicU64::new(0),
-            revoke_count: AtomicU64::new(0),
-            committed_tid: std::sync::atomic::AtomicU32::new(0),
-            keep_home: AtomicU64::new(u64::MAX),
-            home_unflushed: AtomicBool::new(false),
-            fc_commits: AtomicU64::new(0),
-            fc_blocks: AtomicU64::new(0),
+            core: Arc::new(Core::new(dev, block_size, read_only, Default::default())),
+            threads: Mutex::new(Vec::new()),
         }
     }
 
@@ -269,11 +449,102 @@ impl Journal {
         map: JournalMap,
         opts: LogOptions,
     ) -> Result<Journal> {
-        let state = log::LogState::open(&*dev, block_size, map, opts)?;
-        let mut j = Journal::new(dev, block_size, false);
-        j.tx.running.lock().tid = state.next_tid();
-        j.log = Some(Mutex::new(state));
-        Ok(j)
+        Self::open_log_with(dev, block_size, map, opts, PipelineOptions::default())
+    }
+
+    /// [`Self::open_log`] with pipeline settings (transactions in flight,
+    /// versions per buffer, batching).
+    pub fn open_log_with(
+        dev: DeviceRef,
+        block_size: usize,
+        map: JournalMap,
+        opts: LogOptions,
+        popts: PipelineOptions,
+    ) -> Result<Journal> {
+        let gens = Arc::new(FlushGens::default());
+        let gdev: DeviceRef = Arc::new(GenDevice {
+            inner: dev,
+            gens: gens.clone(),
+        });
+        let state = log::LogState::open(&*gdev, block_size, map, opts)?;
+        let mut core = Core::new_with_gens(gdev, gens, block_size, false, popts);
+        core.txq.get_mut().running.tid = state.next_tid();
+        core.max_tx_blocks = AtomicU64::new(state.max_transaction_blocks());
+        core.log = Some(Mutex::new(state));
+        let core = Arc::new(core);
+        let threads = pipeline::spawn(&core)?;
+        Ok(Journal {
+            core,
+            threads: Mutex::new(threads),
+        })
+    }
+}
+
+impl Journal {
+    /// Start a handle in the running transaction (waits while the commit thread
+    /// has it locked: draining handles and freezing buffers).
+    pub fn start(&self, credits: u32) -> Result<Handle> {
+        self.core.start_handle(credits)
+    }
+}
+
+impl Core {
+    fn new(dev: DeviceRef, block_size: usize, read_only: bool, opts: PipelineOptions) -> Core {
+        let gens = Arc::new(FlushGens::default());
+        let gdev: DeviceRef = Arc::new(GenDevice {
+            inner: dev,
+            gens: gens.clone(),
+        });
+        Core::new_with_gens(gdev, gens, block_size, read_only, opts)
+    }
+
+    fn new_with_gens(
+        dev: DeviceRef,
+        gens: Arc<FlushGens>,
+        block_size: usize,
+        read_only: bool,
+        opts: PipelineOptions,
+    ) -> Core {
+        let blocks = dev.size() / block_size as u64;
+        Core {
+            dev,
+            gens,
+            block_size,
+            blocks,
+            read_only,
+            cache: Mutex::new(HashMap::new()),
+            txq: Mutex::new(TxQueue {
+                running: Running {
+                    tid: 1,
+                    buffers: BTreeMap::new(),
+                    revokes: BTreeSet::new(),
+                    handles: 0,
+                    locked: false,
+                    data: Default::default(),
+                },
+                inflight: VecDeque::new(),
+                commit_req: 0,
+                force: None,
+                fc_ongoing: false,
+                flush_busy: false,
+                hold: 0,
+                flush_req: 0,
+                running_handles_total: 0,
+                stop: false,
+            }),
+            cv: Condvar::new(),
+            commit_lock: Mutex::new(()),
+            aborted: AtomicBool::new(false),
+            cache_limit: 1 << 18,
+            log: None,
+            max_tx_blocks: AtomicU64::new(16384),
+            opts,
+            committed_tid: AtomicU32::new(0),
+            keep_home: AtomicU64::new(u64::MAX),
+            home_unflushed: AtomicBool::new(false),
+            stats: Mutex::new(JournalStats::default()),
+            failure: Mutex::new(None),
+        }
     }
 
     /// Whether transactions go to an on-disk JBD2 log.
@@ -290,9 +561,11 @@ impl Journal {
     }
 
     /// Abort the journal (see [`Self::is_aborted`]). Returns whether this call
-    /// aborted it (false: it already was).
+    /// aborted it (false: it already was). Wakes every waiter.
     pub fn abort(&self) -> bool {
-        !self.aborted.swap(true, Ordering::AcqRel)
+        let first = !self.aborted.swap(true, Ordering::AcqRel);
+        self.cv.notify_all();
+        first
     }
 
     /// Flush the device for an fsync that has nothing to log (its data only). A
@@ -301,7 +574,48 @@ impl Journal {
     pub fn flush_device(&self) -> Result<()> {
         self.check_live()?;
         let r = self.dev.flush().map_err(Into::into);
+        self.count_flush();
         self.or_abort(r)
+    }
+
+    fn count_flush(&self) {
+        self.stats.lock().flushes += 1;
+    }
+
+    /// A pipeline thread failed with `e`: abort, and keep the cause for waiters.
+    fn pipeline_failed(&self, e: &JournalError) {
+        if let JournalError::Device(DeviceError::Io {
+            offset,
+            len,
+            source,
+        }) = e
+        {
+            self.failure.lock().get_or_insert((
+                *offset,
+                *len,
+                source.kind(),
+                source.raw_os_error(),
+            ));
+        }
+        if self.abort() {
+            tracing::error!("journal aborted: {e}");
+        }
+    }
+
+    /// The error for a caller whose commit the abort interrupted: the device
+    /// error when a pipeline thread hit one.
+    fn wait_error(&self) -> JournalError {
+        match *self.failure.lock() {
+            Some((offset, len, kind, raw)) => JournalError::Device(DeviceError::Io {
+                offset,
+                len,
+                source: match raw {
+                    Some(c) => std::io::Error::from_raw_os_error(c),
+                    None => std::io::Error::from(kind),
+                },
+            }),
+            None => JournalError::Aborted,
+        }
     }
 
     /// `Err(Aborted)` once the journal is aborted.
@@ -327,10 +641,7 @@ impl Journal {
     /// A running transaction this large should be committed now (a quarter of the
     /// log, like the kernel's maximum transaction size).
     pub fn should_commit(&self) -> bool {
-        match &self.log {
-            Some(l) => self.pending() as u64 >= l.lock().max_transaction_blocks(),
-            None => self.pending() >= 16384,
-        }
+        self.pending() as u64 >= self.max_tx_blocks.load(Ordering::Relaxed)
     }
 
     pub fn device(&self) -> &DeviceRef {
@@ -364,14 +675,7 @@ impl Journal {
         }
         let b = cache
             .entry(blocknr)
-            .or_insert_with(|| {
-                Arc::new(Buffer {
-                    blocknr,
-                    data: RwLock::new(data),
-                    dirty: AtomicBool::new(false),
-                    committed: Mutex::new(None),
-                })
-            })
+            .or_insert_with(|| Arc::new(Buffer::new(blocknr, data)))
             .clone();
         Ok(b)
     }
@@ -382,7 +686,7 @@ impl Journal {
     /// `FcReason::JournalInodeBlock` in commitfs-fs.)
     pub fn home_is_stale(&self, blocknr: u64) -> bool {
         let b = self.cache.lock().get(&blocknr).cloned();
-        b.is_some_and(|b| b.committed.lock().is_some())
+        b.is_some_and(|b| b.vers.lock().committed.is_some())
     }
 
     /// Write the committed version of block `blocknr` home now, if it is not home
@@ -393,20 +697,23 @@ impl Journal {
         let Some(b) = self.cache.lock().get(&blocknr).cloned() else {
             return Ok(false);
         };
-        // The buffer's own lock: a commit publishing a newer version waits.
-        let mut c = b.committed.lock();
-        let Some(v) = c.as_ref() else {
+        // Taken out under the buffer's lock, written without it: a commit
+        // publishing a newer version meanwhile keeps that newer one.
+        let Some(v) = b.vers.lock().committed.clone() else {
             return Ok(false);
         };
         self.dev.write_at(
             blocknr * self.block_size as u64,
-            v,
+            &v,
             IoCategory::Metadata,
             false,
         )?;
         // Before the block stops looking stale to `home_is_stale`.
         self.home_unflushed.store(true, Ordering::Release);
-        *c = None;
+        let mut vers = b.vers.lock();
+        if vers.committed.as_ref().is_some_and(|c| Arc::ptr_eq(c, &v)) {
+            vers.committed = None;
+        }
         Ok(true)
     }
 
@@ -417,10 +724,11 @@ impl Journal {
     pub fn replay_bases(&self, blocknr: u64) -> Result<Vec<Vec<u8>>> {
         let b = self.bread(blocknr)?;
         let mut out = Vec::with_capacity(2);
-        if let Some(c) = b.committed.lock().as_ref() {
+        let committed = b.vers.lock().committed.clone();
+        if let Some(c) = committed {
             out.push(c.to_vec());
         }
-        if b.is_dirty() {
+        if b.is_dirty() || b.versions_in_flight() > 0 {
             let mut home = vec![0u8; self.block_size];
             self.dev.read_at(
                 blocknr * self.block_size as u64,
@@ -444,33 +752,41 @@ impl Journal {
         let b = cache
             .entry(blocknr)
             .or_insert_with(|| {
-                Arc::new(Buffer {
+                Arc::new(Buffer::new(
                     blocknr,
-                    data: RwLock::new(vec![0u8; self.block_size].into_boxed_slice()),
-                    dirty: AtomicBool::new(false),
-                    committed: Mutex::new(None),
-                })
+                    vec![0u8; self.block_size].into_boxed_slice(),
+                ))
             })
             .clone();
+        drop(cache);
         b.data.write().fill(0);
         Ok(b)
     }
 
-    /// Start a handle in the running transaction.
-    pub fn start(&self, credits: u32) -> Result<Handle> {
+    fn start_handle(self: &Arc<Self>, credits: u32) -> Result<Handle> {
         if self.read_only {
             return Err(JournalError::ReadOnly);
         }
-        if self.aborted.load(Ordering::Acquire) {
-            return Err(JournalError::Aborted);
+        let key = Arc::as_ptr(self) as usize;
+        let nested = HELD.with(|h| h.borrow().contains(&key));
+        let mut q = self.txq.lock();
+        loop {
+            self.check_live()?;
+            if !q.running.locked || nested {
+                break;
+            }
+            self.cv.wait_for(&mut q, WAIT_SLICE);
         }
-        let mut r = self.tx.running.lock();
-        r.handles += 1;
-        self.handles.fetch_add(1, Ordering::Relaxed);
+        q.running.handles += 1;
+        HELD.with(|h| h.borrow_mut().push(key));
+        q.running_handles_total += 1;
+        let tid = q.running.tid;
+        drop(q);
+        self.stats.lock().handles += 1;
         Ok(Handle {
-            tid: r.tid,
+            tid,
             credits,
-            tx: self.tx.clone(),
+            core: self.clone(),
         })
     }
 
@@ -485,26 +801,31 @@ impl Journal {
     /// The modification of `b` by `h` is complete; the running transaction owns it.
     pub fn dirty_metadata(&self, _h: &Handle, b: &Arc<Buffer>) {
         b.dirty.store(true, Ordering::Release);
-        let mut r = self.tx.running.lock();
+        let mut q = self.txq.lock();
         // A block journaled again after being revoked: its new copy must replay.
-        r.revokes.remove(&b.blocknr);
-        r.buffers.insert(b.blocknr, b.clone());
+        q.running.revokes.remove(&b.blocknr);
+        q.running.buffers.insert(b.blocknr, b.clone());
     }
 
     /// A metadata block was freed: its pending change must never reach the device,
     /// and a later reuse as a data block must not see a stale cached copy.
     pub fn forget(&self, _h: &Handle, blocknr: u64) {
-        self.tx.running.lock().buffers.remove(&blocknr);
+        self.txq.lock().running.buffers.remove(&blocknr);
         let cached = self.cache.lock().remove(&blocknr);
+        // A copy in the log (committing or committed, not checkpointed) must
+        // never be replayed over the block's next use: revoke it.
+        let mut logged = false;
         if let Some(b) = &cached {
             // Its committed version (if any) stays: until this free commits, a
-            // checkpoint must still write it home (log.rs `forget`).
+            // checkpoint must still write it home (log.rs `committed`).
             b.dirty.store(false, Ordering::Release);
+            let v = b.vers.lock();
+            logged = !v.inflight.is_empty() || v.committed.is_some();
         }
         if let Some(l) = &self.log {
-            // Its logged copy must never be replayed over the block's next use.
-            if l.lock().forget(blocknr) {
-                self.tx.running.lock().revokes.insert(blocknr);
+            logged |= l.lock().forget(blocknr);
+            if logged {
+                self.txq.lock().running.revokes.insert(blocknr);
             }
         }
     }
@@ -514,12 +835,157 @@ impl Journal {
         Ok(())
     }
 
-    /// Commit the running transaction: write its buffers home in block order, then
-    /// flush the device cache. Returns the number of buffers written.
+    /// Make everything done so far durable: commit the running transaction (if it
+    /// changed anything) and wait until it and every earlier one are durable, and
+    /// until every file-data write reported before the call is flushed. Concurrent
+    /// callers share commits and flushes (group commit). Returns the number of
+    /// buffers the running transaction held.
     pub fn commit(&self) -> Result<usize> {
-        let n = self.commit_inner(false)?;
-        self.write_kept_home()?;
+        if self.log.is_none() || self.read_only {
+            return self.commit_home();
+        }
+        self.check_live()?;
+        let t0 = std::time::Instant::now();
+        let dgen = self.data_gen();
+        let (target, n) = {
+            let mut q = self.txq.lock();
+            if q.running.locked {
+                // Being frozen by the commit thread right now: not in flight yet.
+                (Some(q.running.tid), 0)
+            } else if !q.running.is_empty() {
+                let t = q.running.tid;
+                if q.commit_req == 0 || !tid_le(t, q.commit_req) {
+                    q.commit_req = t;
+                }
+                self.cv.notify_all();
+                (Some(t), q.running.buffers.len())
+            } else {
+                (q.inflight.back().map(|t| t.tid), 0)
+            }
+        };
+        if let Some(t) = target {
+            self.wait_committed(t)?;
+        }
+        self.wait_data(dgen)?;
+        let mut s = self.stats.lock();
+        s.durability_waits += 1;
+        s.durability_wait_ns += t0.elapsed().as_nanos() as u64;
         Ok(n)
+    }
+
+    /// Ask for the running transaction to be committed without waiting (like
+    /// `jbd2_log_start_commit`). Returns its tid, or `None` when it is empty.
+    pub fn start_commit(&self) -> Option<u32> {
+        if self.log.is_none() || self.read_only {
+            return None;
+        }
+        let mut q = self.txq.lock();
+        if q.running.is_empty() {
+            return None;
+        }
+        let t = q.running.tid;
+        if q.commit_req == 0 || !tid_le(t, q.commit_req) {
+            q.commit_req = t;
+        }
+        self.cv.notify_all();
+        Some(t)
+    }
+
+    /// Wait until transaction `tid` (and every earlier one) is durable.
+    pub fn wait_committed(&self, tid: u32) -> Result<()> {
+        let mut q = self.txq.lock();
+        loop {
+            if self.is_committed(tid) {
+                return Ok(());
+            }
+            if self.is_aborted() {
+                return Err(self.wait_error());
+            }
+            if q.running.tid == tid && !q.running.locked && q.running.is_empty() {
+                // Nothing was ever logged in it (a forced empty commit is
+                // requested through `force`).
+                if q.force != Some(tid) {
+                    return Ok(());
+                }
+            }
+            self.cv.wait_for(&mut q, WAIT_SLICE);
+        }
+    }
+
+    /// The flush generation of the last file-data write ([`Self::note_data_written`]).
+    pub fn data_gen(&self) -> u64 {
+        self.gens.data.load(Ordering::Acquire)
+    }
+
+    /// A file-data write (to its home blocks) completed: the next fsync must see a
+    /// flush that started after it.
+    pub fn note_data_written(&self) {
+        let s = self.gens.started.load(Ordering::Acquire);
+        self.gens.data.fetch_max(s, Ordering::AcqRel);
+    }
+
+    /// Whether a flush that started after generation `g` has completed.
+    pub fn flushed_since(&self, g: u64) -> bool {
+        self.gens.done.load(Ordering::Acquire) > g
+    }
+
+    /// Whether file data written so far may still be only in the device cache.
+    pub fn data_unflushed(&self) -> bool {
+        !self.flushed_since(self.data_gen())
+    }
+
+    /// Wait until a flush that started after generation `g` has completed (group
+    /// flush: every data-only fsync waiting rides on the same flush).
+    pub fn wait_data(&self, g: u64) -> Result<()> {
+        if self.flushed_since(g) {
+            return Ok(());
+        }
+        if self.log.is_none() || self.read_only {
+            // No flush thread: flush here.
+            let _c = self.commit_lock.lock();
+            if self.flushed_since(g) {
+                return Ok(());
+            }
+            return self.flush_data();
+        }
+        let mut q = self.txq.lock();
+        loop {
+            if self.flushed_since(g) {
+                return Ok(());
+            }
+            if self.is_aborted() {
+                return Err(self.wait_error());
+            }
+            if q.flush_req <= g {
+                q.flush_req = g + 1;
+                self.cv.notify_all();
+            }
+            self.cv.wait_for(&mut q, WAIT_SLICE);
+        }
+    }
+
+    /// The running transaction's tid.
+    pub fn running_tid(&self) -> u32 {
+        self.txq.lock().running.tid
+    }
+
+    /// Whether a full commit is in flight (fast commits wait for it: the kernel's
+    /// `JBD2_FULL_COMMIT_ONGOING`).
+    pub fn full_commit_in_flight(&self) -> bool {
+        let q = self.txq.lock();
+        !q.inflight.is_empty() || q.running.locked
+    }
+
+    /// Wait until no full commit is in flight.
+    pub fn wait_full_commits(&self) -> Result<()> {
+        let mut q = self.txq.lock();
+        loop {
+            self.check_live()?;
+            if q.inflight.is_empty() && !q.running.locked {
+                return Ok(());
+            }
+            self.cv.wait_for(&mut q, WAIT_SLICE);
+        }
     }
 
     /// Write `blocknr` home right after every full commit that logs it, and flush
@@ -543,73 +1009,59 @@ impl Journal {
 
     /// Flush the device; with single-flush tracking, the data blocks of the running
     /// transaction written so far are durable afterwards and leave the list a
-    /// commit must checksum. Call with the commit lock held.
-    fn flush_data(&self) -> Result<usize> {
+    /// commit must checksum.
+    fn flush_data(&self) -> Result<()> {
         let r = self.flushing_data(|| Ok(self.dev.flush()?));
-        self.or_abort(r)?;
-        Ok(0)
+        self.count_flush();
+        self.or_abort(r)
     }
 
     /// Run `io`, which ends with a flush: the data blocks written before it are
     /// durable once it succeeds and leave the single-flush tracking; on failure
-    /// they stay tracked.
+    /// they stay tracked. The caller excludes other flushes that move the
+    /// tracking (`fc_ongoing`, `flush_busy`).
     fn flushing_data<T>(&self, io: impl FnOnce() -> Result<T>) -> Result<T> {
         {
-            let mut r = self.tx.running.lock();
-            let d = std::mem::take(&mut r.data.running);
-            r.data.flushing.union(&d);
+            let mut q = self.txq.lock();
+            let d = std::mem::take(&mut q.running.data.running);
+            q.running.data.flushing.union(&d);
         }
         let res = io();
-        let mut r = self.tx.running.lock();
-        let d = std::mem::take(&mut r.data.flushing);
+        let mut q = self.txq.lock();
+        let d = std::mem::take(&mut q.running.data.flushing);
         if res.is_err() {
-            r.data.running.union(&d);
+            q.running.data.running.union(&d);
         }
         res
     }
 
-    fn commit_inner(&self, force: bool) -> Result<usize> {
+    /// Write-home mode: write the running transaction's buffers home in block
+    /// order, then flush.
+    fn commit_home(&self) -> Result<usize> {
         if self.read_only {
             return Ok(0);
         }
         let _c = self.commit_lock.lock();
         self.check_live()?;
         let (tid, buffers) = {
-            let mut r = self.tx.running.lock();
+            let mut q = self.txq.lock();
             // T_LOCKED: wait until every handle of the transaction has stopped.
-            while r.handles > 0 {
-                self.tx.idle.wait(&mut r);
+            q.running.locked = true;
+            while q.running.handles > 0 {
+                self.cv.wait_for(&mut q, WAIT_SLICE);
             }
-            if r.buffers.is_empty() && r.revokes.is_empty() && !force {
-                // Nothing to log; an fsync still needs its data durable.
-                drop(r);
-                return self.flush_data();
+            q.running.locked = false;
+            self.cv.notify_all();
+            if q.running.buffers.is_empty() {
+                // Nothing to write; an fsync still needs its data durable.
+                drop(q);
+                self.flush_data()?;
+                return Ok(0);
             }
-            let tid = r.tid;
-            r.tid = r.tid.wrapping_add(1);
-            let buffers = std::mem::take(&mut r.buffers);
-            let revokes = std::mem::take(&mut r.revokes);
-            if let Some(l) = &self.log {
-                // Freeze while no handle is open and none can start (we hold the
-                // running lock): a copy taken after releasing it could contain
-                // changes of the next transaction, i.e. half an operation.
-                let frozen = freeze(buffers);
-                // Its data blocks: guarded from now on (a handle of the next
-                // transaction must not overwrite them in place before this
-                // commit, and a later one behind it, are durable).
-                let data = if r.data.on {
-                    let mut d = std::mem::take(&mut r.data.running);
-                    d.union(&std::mem::take(&mut r.data.flushing));
-                    r.data.committing = Some((tid, d.clone()));
-                    Some(d)
-                } else {
-                    None
-                };
-                drop(r);
-                return self.commit_log(l, tid, frozen, revokes, data);
-            }
-            // Write-home mode has no log to revoke from.
-            (tid, buffers)
+            let tid = q.running.tid;
+            q.running.tid = tid.wrapping_add(1);
+            q.running.revokes.clear();
+            (tid, std::mem::take(&mut q.running.buffers))
         };
         let n = buffers.len();
         for (blocknr, b) in buffers {
@@ -626,56 +1078,12 @@ impl Journal {
             self.or_abort(r.map_err(Into::into))?;
         }
         let r = self.dev.flush();
+        self.count_flush();
         self.or_abort(r.map_err(Into::into))?;
         self.committed_tid.store(tid, Ordering::Release);
-        self.commits.fetch_add(1, Ordering::Relaxed);
-        self.buffers_written.fetch_add(n as u64, Ordering::Relaxed);
-        Ok(n)
-    }
-
-    fn commit_log(
-        &self,
-        l: &Mutex<log::LogState>,
-        tid: u32,
-        frozen: Vec<(Arc<Buffer>, Arc<[u8]>)>,
-        revokes: BTreeSet<u64>,
-        data: Option<data::RangeSet>,
-    ) -> Result<usize> {
-        let n = frozen.len();
-        let mut st = l.lock();
-        // Single-flush: the CRC32C of every data run (read back from the device:
-        // written by handles of this transaction, which have all stopped; no other
-        // transaction may overwrite them in place meanwhile, see data_conflict).
-        // Too many runs, or a run outside the device: the two-flush commit.
-        let ext = match &data {
-            Some(d) if st.csum_v3() => self.data_crcs(d),
-            _ => None,
-        };
-        let res = st.commit(&*self.dev, tid, &frozen, &revokes, ext.as_deref());
-        {
-            let mut r = self.tx.running.lock();
-            r.data.committing = None;
-            if let Ok(w) = &res {
-                // A durable commit makes every earlier one non-final; a
-                // single-flush one with data ranges is itself final until the
-                // next commit is durable behind it.
-                r.data.protected = match (w.single_flush, data) {
-                    (true, Some(d)) if !d.is_empty() => Some((tid, d)),
-                    _ => None,
-                };
-            }
-        }
-        let written = self.or_abort(res)?;
-        if written.checkpointed {
-            self.checkpoints.fetch_add(1, Ordering::Relaxed);
-        }
-        self.log_blocks
-            .fetch_add(written.log_blocks, Ordering::Relaxed);
-        self.revoke_count
-            .fetch_add(revokes.len() as u64, Ordering::Relaxed);
-        self.committed_tid.store(tid, Ordering::Release);
-        self.commits.fetch_add(1, Ordering::Relaxed);
-        self.buffers_written.fetch_add(n as u64, Ordering::Relaxed);
+        let mut s = self.stats.lock();
+        s.commits += 1;
+        s.buffers_written += n as u64;
         Ok(n)
     }
 
@@ -701,8 +1109,8 @@ impl Journal {
     /// and check in-place overwrites with [`Self::data_conflict`].
     pub fn set_single_flush(&self, on: bool) {
         let v3 = self.log.as_ref().is_some_and(|l| l.lock().csum_v3());
-        let mut r = self.tx.running.lock();
-        r.data = data::DataTrack {
+        let mut q = self.txq.lock();
+        q.running.data = data::DataTrack {
             on: on && v3 && !self.read_only,
             ..Default::default()
         };
@@ -710,15 +1118,18 @@ impl Journal {
 
     /// Whether single-flush data tracking is on.
     pub fn tracks_data(&self) -> bool {
-        self.tx.running.lock().data.on
+        self.txq.lock().running.data.on
     }
 
     /// Data blocks `pblk..pblk+len` were written (not yet flushed) under a handle
     /// of the running transaction.
     pub fn note_data(&self, pblk: u64, len: u64) {
-        let mut r = self.tx.running.lock();
-        if r.data.on {
-            r.data.running.insert(pblk, pblk.saturating_add(len));
+        let mut q = self.txq.lock();
+        if q.running.data.on {
+            q.running
+                .data
+                .running
+                .insert(pblk, pblk.saturating_add(len));
         }
     }
 
@@ -726,11 +1137,11 @@ impl Journal {
     /// commit no longer makes them reachable, so it must not checksum them (they
     /// may hold another file's data once the free is durable).
     pub fn forget_data(&self, pblk: u64, len: u64) {
-        let mut r = self.tx.running.lock();
-        if r.data.on {
+        let mut q = self.txq.lock();
+        if q.running.data.on {
             let e = pblk.saturating_add(len);
-            r.data.running.remove(pblk, e);
-            r.data.flushing.remove(pblk, e);
+            q.running.data.running.remove(pblk, e);
+            q.running.data.flushing.remove(pblk, e);
         }
     }
 
@@ -739,13 +1150,51 @@ impl Journal {
     /// commit (still final in the log), checksummed. Returns that transaction's
     /// tid: call [`Self::confirm_data`] with it (without holding a handle) first.
     pub fn data_conflict(&self, h: &Handle, runs: &[(u64, u32)]) -> Option<u32> {
-        let r = self.tx.running.lock();
-        if !r.data.on {
+        let q = self.txq.lock();
+        if !q.running.data.on {
             return None;
         }
         runs.iter()
-            .filter_map(|&(p, n)| r.data.conflict(p, p.saturating_add(n as u64)))
+            .filter_map(|&(p, n)| q.running.data.conflict(p, p.saturating_add(n as u64)))
             .find(|&t| t != h.tid)
+    }
+
+    /// Wait until a fast commit of the running transaction `tid` may be written
+    /// (no full commit in flight or locking, no other fast commit, no flush-thread
+    /// flush, nothing holding the pipeline) and claim the fast-commit slot.
+    /// `Ok(false)`: `tid` is no longer running (a full commit took it; this waits
+    /// until that commit is durable).
+    fn claim_fc(&self, tid: u32) -> Result<bool> {
+        let mut q = self.txq.lock();
+        loop {
+            self.check_live()?;
+            if q.running.tid != tid {
+                drop(q);
+                self.wait_committed(tid)?;
+                return Ok(false);
+            }
+            if q.inflight.is_empty()
+                && !q.running.locked
+                && !q.fc_ongoing
+                && !q.flush_busy
+                && q.hold == 0
+            {
+                q.fc_ongoing = true;
+                return Ok(true);
+            }
+            self.cv.wait_for(&mut q, WAIT_SLICE);
+        }
+    }
+
+    fn release_fc(&self, wrote: bool) {
+        let mut q = self.txq.lock();
+        q.fc_ongoing = false;
+        if wrote {
+            // A durable fast commit of the running tid follows the last full
+            // commit: that commit is no longer final.
+            q.running.data.protected = None;
+        }
+        self.cv.notify_all();
     }
 
     /// Make transaction `tid`'s single-flush commit non-final before one of its
@@ -762,40 +1211,58 @@ impl Journal {
         let Some(l) = &self.log else {
             return Ok(false);
         };
-        {
-            let _c = self.commit_lock.lock();
-            self.check_live()?;
-            let running = {
-                let r = self.tx.running.lock();
-                if r.data.protected.as_ref().is_none_or(|p| p.0 != tid) {
+        self.wait_committed(tid)?;
+        let running = loop {
+            let running = self.running_tid();
+            {
+                let q = self.txq.lock();
+                if q.running.data.protected.as_ref().is_none_or(|p| p.0 != tid) {
                     // Two-flush, confirmed already, or superseded.
                     return Ok(false);
                 }
-                r.tid
-            };
+            }
+            if self.claim_fc(running)? {
+                break running;
+            }
+        };
+        let mut wrote = false;
+        let r = (|| {
             let mut st = l.lock();
             if let Some((t, head, free)) = st.fc_slot() {
                 if t == running && st.fc_has_room(1) {
                     if let Some(b) = pack(t, head, free) {
-                        let r = st.fc_write(&*self.dev, &[b], FcFlush::Fua);
-                        self.or_abort(r)?;
-                        self.fc_blocks.fetch_add(1, Ordering::Relaxed);
-                        self.tx.running.lock().data.protected = None;
-                        return Ok(true);
+                        st.fc_write(&*self.dev, &[b], FcFlush::Fua)?;
+                        wrote = true;
                     }
                 }
             }
+            Ok(())
+        })();
+        self.release_fc(wrote);
+        self.or_abort(r)?;
+        if wrote {
+            self.stats.lock().fc_blocks += 1;
+            return Ok(true);
         }
-        self.commit_inner(true)?;
+        // A commit of the next transaction, even an empty one.
+        {
+            let mut q = self.txq.lock();
+            let t = q.running.tid;
+            q.force = Some(t);
+            self.cv.notify_all();
+            drop(q);
+            self.wait_committed(t)?;
+        }
         self.write_kept_home()?;
         Ok(false)
     }
 
     /// Where the next fast commit would go: `(tid of the running transaction, needs
-    /// a HEAD, free fast-commit blocks)`; `None` when a full commit is required.
+    /// a HEAD, free fast-commit blocks)`; `None` when a full commit is required or
+    /// in flight (then the area still belongs to the committing transaction).
     pub fn fc_slot(&self) -> Option<(u32, bool, u32)> {
         let l = self.log.as_ref()?;
-        if self.read_only {
+        if self.read_only || self.full_commit_in_flight() {
             return None;
         }
         l.lock().fc_slot()
@@ -814,13 +1281,13 @@ impl Journal {
     }
 
     /// [`Self::fast_commit`] with an explicit flush discipline (see [`FcFlush`]).
+    /// Waits while a full commit is in flight; when that commit took `tid`, waits
+    /// for it to be durable and returns `false`.
     pub fn fast_commit_mode(&self, tid: u32, blocks: &[Vec<u8>], mode: FcFlush) -> Result<bool> {
         let Some(l) = &self.log else {
             return Err(JournalError::BadJournal("no journal log".into()));
         };
-        let _c = self.commit_lock.lock();
-        self.check_live()?;
-        if self.tx.running.lock().tid != tid {
+        if !self.claim_fc(tid)? {
             return Ok(false);
         }
         let mode = match mode {
@@ -829,23 +1296,23 @@ impl Journal {
             }
             m => m,
         };
-        let mut st = l.lock();
-        let mut write = || st.fc_write(&*self.dev, blocks, mode);
+        let flushes = self.gens.started.load(Ordering::Acquire);
+        let write = || l.lock().fc_write(&*self.dev, blocks, mode);
         let r = if mode == FcFlush::Together {
             // Its flush makes the data written so far durable.
             self.flushing_data(write)
         } else {
             write()
         };
+        let flushed = self.gens.started.load(Ordering::Acquire) - flushes;
+        self.release_fc(r.is_ok());
         // A failed fast commit leaves the area in an unknown state; the kernel
         // falls back to a full commit, which then writes the same device: abort.
         self.or_abort(r)?;
-        // A durable fast commit of the next tid follows the last full commit:
-        // that commit is no longer final.
-        self.tx.running.lock().data.protected = None;
-        self.fc_commits.fetch_add(1, Ordering::Relaxed);
-        self.fc_blocks
-            .fetch_add(blocks.len() as u64, Ordering::Relaxed);
+        let mut s = self.stats.lock();
+        s.fc_commits += 1;
+        s.fc_blocks += blocks.len() as u64;
+        s.flushes += flushed;
         Ok(true)
     }
 
@@ -858,34 +1325,64 @@ impl Journal {
         let Some(l) = &self.log else {
             return Ok(false);
         };
-        let _c = self.commit_lock.lock();
-        self.check_live()?;
-        if self.tx.running.lock().tid != tid {
+        if !self.claim_fc(tid)? {
             return Ok(false);
         }
-        let mut st = l.lock();
-        if !st.fc_has_room(1) || !st.fc_started() {
-            return Ok(false);
+        let r = (|| {
+            let mut st = l.lock();
+            if !st.fc_has_room(1) || !st.fc_started() {
+                return Ok(false);
+            }
+            st.fc_write(&*self.dev, &[block.to_vec()], FcFlush::Fua)?;
+            Ok(true)
+        })();
+        let wrote = matches!(r, Ok(true));
+        self.release_fc(wrote);
+        let wrote = self.or_abort(r)?;
+        if wrote {
+            self.stats.lock().fc_blocks += 1;
         }
-        let r = st.fc_write(&*self.dev, &[block.to_vec()], FcFlush::Fua);
-        self.or_abort(r)?;
-        self.tx.running.lock().data.protected = None;
-        self.fc_blocks.fetch_add(1, Ordering::Relaxed);
-        Ok(true)
+        Ok(wrote)
+    }
+
+    /// Hold the pipeline: wait until nothing is in flight, no fast commit is
+    /// being written and the running transaction is not locked, and keep it so
+    /// while `f` runs (checkpoint, close).
+    fn with_pipeline_held<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let mut q = self.txq.lock();
+        q.hold += 1;
+        let r = loop {
+            if let Err(e) = self.check_live() {
+                break Err(e);
+            }
+            if q.inflight.is_empty() && !q.fc_ongoing && !q.running.locked && !q.flush_busy {
+                drop(q);
+                let r = f();
+                q = self.txq.lock();
+                break r;
+            }
+            self.cv.wait_for(&mut q, WAIT_SLICE);
+        };
+        q.hold -= 1;
+        self.cv.notify_all();
+        r
     }
 
     /// Write every committed buffer home, flush, and empty the log.
     pub fn checkpoint(&self) -> Result<()> {
         if let Some(l) = &self.log {
-            let _c = self.commit_lock.lock();
             self.check_live()?;
             // A failed checkpoint leaves the log tail where it was: recovery
             // replays those transactions again.
-            let r = l.lock().checkpoint(&*self.dev);
+            let r = self.with_pipeline_held(|| {
+                let r = l.lock().checkpoint(&*self.dev);
+                self.count_flush();
+                r
+            });
             self.or_abort(r)?;
             // The log is empty: no commit in it is verified at recovery.
-            self.tx.running.lock().data.protected = None;
-            self.checkpoints.fetch_add(1, Ordering::Relaxed);
+            self.txq.lock().running.data.protected = None;
+            self.stats.lock().checkpoints += 1;
         }
         Ok(())
     }
@@ -898,10 +1395,13 @@ impl Journal {
         }
         self.commit()?;
         if let Some(l) = &self.log {
-            let _c = self.commit_lock.lock();
             self.check_live()?;
-            let next = self.tx.running.lock().tid;
-            let r = l.lock().close(&*self.dev, next);
+            let r = self.with_pipeline_held(|| {
+                let next = self.txq.lock().running.tid;
+                let r = l.lock().close(&*self.dev, next);
+                self.count_flush();
+                r
+            });
             self.or_abort(r)?;
         }
         Ok(())
@@ -912,28 +1412,20 @@ impl Journal {
     /// at the new owner's data.
     pub fn is_committed(&self, tid: u32) -> bool {
         let c = self.committed_tid.load(Ordering::Acquire);
-        c != 0 && (c.wrapping_sub(tid) as i32) >= 0
+        c != 0 && tid_le(tid, c)
     }
 
     /// Number of dirty buffers waiting for the next commit.
     pub fn pending(&self) -> usize {
-        self.tx.running.lock().buffers.len()
+        self.txq.lock().running.buffers.len()
     }
 
     pub fn stats(&self) -> JournalStats {
-        JournalStats {
-            commits: self.commits.load(Ordering::Relaxed),
-            buffers_written: self.buffers_written.load(Ordering::Relaxed),
-            handles: self.handles.load(Ordering::Relaxed),
-            log_blocks: self.log_blocks.load(Ordering::Relaxed),
-            checkpoints: self.checkpoints.load(Ordering::Relaxed),
-            revokes: self.revoke_count.load(Ordering::Relaxed),
-            fc_commits: self.fc_commits.load(Ordering::Relaxed),
-            fc_blocks: self.fc_blocks.load(Ordering::Relaxed),
-        }
+        let mut s = *self.stats.lock();
+        s.inflight = self.txq.lock().inflight.len() as u64;
+        s
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1108,7 +1600,7 @@ mod log_tests {
             let off = (JSTART as usize + jb) * BS;
             let blk = &torn[off..off + BS];
             if let Some((t, seq)) = commitfs_format::jbd2_log::parse_header(blk) {
-                if t == jbd2::BLOCKTYPE_COMMIT && seq == j.tx.running.lock().tid - 1 {
+                if t == jbd2::BLOCKTYPE_COMMIT && seq == j.running_tid() - 1 {
                     torn[off + 0x40] ^= 0xFF;
                     found = true;
                 }

@@ -100,12 +100,13 @@ pub struct LogOptions {
     pub use_fast_commit: bool,
 }
 
-pub(crate) struct CommitWrite {
+/// What the commit stage wrote ([`LogState::write_body`]).
+pub(crate) struct Body {
+    /// Log blocks including the commit block and a superblock update.
     pub log_blocks: u64,
-    pub checkpointed: bool,
-    /// Written as a single-flush commit (commit block with the data-range
-    /// extension, no FUA).
-    pub single_flush: bool,
+    /// The commit block and its byte offset, for the flush stage; `None` when it
+    /// was written already (single-flush).
+    pub commit: Option<(u64, Vec<u8>)>,
 }
 
 pub(crate) struct LogState {
@@ -246,7 +247,7 @@ impl LogState {
         self.next_tid
     }
 
-    fn capacity(&self) -> u64 {
+    pub(crate) fn capacity(&self) -> u64 {
         (self.last - self.first) as u64
     }
 
@@ -345,35 +346,47 @@ impl LogState {
         Ok(())
     }
 
-    pub fn commit(
-        &mut self,
-        dev: &dyn BlockDevice,
-        tid: u32,
-        frozen: &[(Arc<Buffer>, Arc<[u8]>)],
-        revokes: &std::collections::BTreeSet<u64>,
-        single_flush: Option<&[(u64, u32, u32)]>,
-    ) -> Result<CommitWrite> {
+    /// Whether the log must be checkpointed (emptied) before a transaction of
+    /// `nbufs` buffers and `nrevokes` revokes can be written; an error when it
+    /// could never fit. The caller drains the pipeline first: a checkpoint
+    /// restarts the log at `s_first`, which only works with nothing in flight.
+    pub fn needs_checkpoint(&self, nbufs: usize, revokes: &[u64]) -> Result<bool> {
         let f = self.fmt;
-        let revoke_list: Vec<u64> = revokes.iter().copied().collect();
-        let revoke_blocks = jbd2_log::build_revokes(&f, tid, &revoke_list);
+        let per_revoke = jbd2_log::build_revokes(&f, 0, revokes).len();
         let per = f.tags_per_descriptor().max(1);
-        let ndesc = frozen.len().div_ceil(per);
-        let needed = (revoke_blocks.len() + ndesc + frozen.len() + 1) as u64;
+        let needed = (per_revoke + nbufs.div_ceil(per) + nbufs + 1) as u64;
         if needed + 1 > self.capacity() {
             return Err(JournalError::TransactionTooBig {
                 needed,
                 capacity: self.capacity(),
             });
         }
-        let mut checkpointed = false;
         // Keep one block of slack so head never catches the tail. With the
         // FAST_COMMIT bit, never let a transaction straddle the wrap (e2fsprogs
         // 1.47 recovery bug, §8.10).
         let straddles = self.head as u64 + needed > self.last as u64;
-        if self.used() + needed + 1 > self.capacity() || (self.fast_commit_bit && straddles) {
-            self.checkpoint(dev)?;
-            checkpointed = true;
-        }
+        Ok(self.used() + needed + 1 > self.capacity() || (self.fast_commit_bit && straddles))
+    }
+
+    /// The commit stage of a transaction (CJFS §4.1): write its revoke,
+    /// descriptor and data-copy blocks (and, for a log that was empty, the
+    /// superblock pointing at it), no flush. Returns the commit block and where
+    /// it goes, for the flush stage to write after a flush; or, for a
+    /// single-flush commit (`single_flush` ranges given, CSUM_V3), writes the
+    /// commit block too (no FUA): one flush then makes everything durable.
+    /// Call only when [`Self::needs_checkpoint`] said no.
+    pub fn write_body(
+        &mut self,
+        dev: &dyn BlockDevice,
+        tid: u32,
+        frozen: &[(Arc<Buffer>, Arc<[u8]>)],
+        revokes: &std::collections::BTreeSet<u64>,
+        single_flush: Option<&[(u64, u32, u32)]>,
+    ) -> Result<Body> {
+        let f = self.fmt;
+        let revoke_list: Vec<u64> = revokes.iter().copied().collect();
+        let revoke_blocks = jbd2_log::build_revokes(&f, tid, &revoke_list);
+        let per = f.tags_per_descriptor().max(1);
         let mut sb_written = false;
         if self.tail == 0 {
             self.head = self.first;
@@ -410,42 +423,50 @@ impl LogState {
         self.write_log_blocks(dev, &blocks)?;
         let cj = self.head;
         let cp = self.map.require(cj)?;
+        let off = cp * self.bs as u64;
+        self.head = self.advance(cj);
+        self.next_tid = tid.wrapping_add(1);
+        let log_blocks = blocks.len() as u64 + 1 + sb_written as u64;
         // Single-flush commit (fc_data_csum, CSUM_V3 only): the commit block
         // carries the CRC32C of every data range the transaction makes reachable
         // that may not be durable yet, and goes out without FUA; one flush then
         // makes superblock pointer, log blocks, commit block and data durable
         // together. Recovery accepts such a transaction as the last one only when
         // every tag checksum and data range verifies (recovery.rs).
-        let single = match single_flush {
-            Some(ranges) if f.csum_v3() => {
-                let (sec, nsec) = self.commit_time();
-                match jbd2_log::build_commit_ext(&f, tid, sec, nsec, ranges) {
-                    Some(commit) => {
-                        dev.write_at(cp * self.bs as u64, &commit, IoCategory::Journal, false)?;
-                        dev.flush()?;
-                        true
-                    }
-                    None => false,
-                }
-            }
-            _ => false,
-        };
-        if !single {
-            // Log blocks, superblock pointer and ordered data durable before the
-            // commit.
-            dev.flush()?;
+        if let Some(ranges) = single_flush.filter(|_| f.csum_v3()) {
             let (sec, nsec) = self.commit_time();
-            let commit = jbd2_log::build_commit(&f, tid, sec, nsec);
-            dev.write_at(cp * self.bs as u64, &commit, IoCategory::Journal, true)?;
+            if let Some(commit) = jbd2_log::build_commit_ext(&f, tid, sec, nsec, ranges) {
+                dev.write_at(off, &commit, IoCategory::Journal, false)?;
+                return Ok(Body {
+                    log_blocks,
+                    commit: None,
+                });
+            }
         }
-        self.head = self.advance(cj);
-        self.next_tid = tid.wrapping_add(1);
+        let (sec, nsec) = self.commit_time();
+        Ok(Body {
+            log_blocks,
+            commit: Some((off, jbd2_log::build_commit(&f, tid, sec, nsec))),
+        })
+    }
+
+    /// Transaction `tid` is durable (its commit block and everything before it):
+    /// its copies become the buffers' committed versions, to be checkpointed;
+    /// its frees stop being checkpointed; the fast-commit area restarts.
+    pub fn committed(
+        &mut self,
+        dev: &dyn BlockDevice,
+        tid: u32,
+        bufs: &[Arc<Buffer>],
+        revokes: &std::collections::BTreeSet<u64>,
+    ) -> Result<()> {
         self.full_commits += 1;
         if self.fc_off > 0 {
             // The full commit supersedes this tid's fast commits; the area restarts
             // at block 0. A stale HEAD there would make e2fsck 1.47 refuse the
             // whole recovery (§9.8, §9.11 item 4): zero it (durable with the next
-            // flush).
+            // flush). Only now: until the commit is durable, those fast commits
+            // are what recovery would replay.
             self.fc_off = 0;
             self.zero_fc_head(dev)?;
         }
@@ -454,18 +475,14 @@ impl LogState {
         // them (they may be reused).
         for blk in revokes {
             if let Some(b) = self.checkpoint.remove(blk) {
-                b.committed.lock().take();
+                b.vers.lock().committed.take();
             }
         }
-        for (b, data) in frozen {
-            *b.committed.lock() = Some(data.clone());
+        for b in bufs {
+            b.vers.lock().promote(tid);
             self.checkpoint.insert(b.blocknr(), b.clone());
         }
-        Ok(CommitWrite {
-            log_blocks: blocks.len() as u64 + 1 + sb_written as u64,
-            checkpointed,
-            single_flush: single,
-        })
+        Ok(())
     }
 
     /// The commit time of a commit block written now (never going backwards).
@@ -480,7 +497,7 @@ impl LogState {
     pub fn checkpoint(&mut self, dev: &dyn BlockDevice) -> Result<()> {
         let bufs = std::mem::take(&mut self.checkpoint);
         for (blk, b) in &bufs {
-            let v = b.committed.lock().take();
+            let v = b.vers.lock().committed.take();
             if let Some(v) = v {
                 dev.write_at(blk * self.bs as u64, &v, IoCategory::Metadata, false)?;
             }
