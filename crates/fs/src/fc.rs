@@ -255,6 +255,9 @@ impl Inner {
         if !self.fc_enabled {
             return;
         }
+        // An untracked change: no fast commit covers it, so an fsync that
+        // entered after it must not count as covered by one (`fc_covered`).
+        self.fc.bump();
         let keep = match self.fc.ineligible {
             Some((_, t)) => (t.wrapping_sub(tid) as i32) >= 0,
             None => false,

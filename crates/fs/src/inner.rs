@@ -382,7 +382,13 @@ impl Inner {
             fast_commit,
             use_fast_commit: fast_commit && self.opts.fast_commit,
         };
-        self.journal = Arc::new(Journal::open_log(self.dev.clone(), self.bs, map, opts)?);
+        self.journal = Arc::new(Journal::open_log_with(
+            self.dev.clone(),
+            self.bs,
+            map,
+            opts,
+            self.opts.pipeline,
+        )?);
         self.fc_enabled = opts.use_fast_commit;
         self.fc_data_csum = self.fc_enabled && self.opts.fc_data_csum;
         // Single-flush full commits (needs CSUM_V3; the journal checks).

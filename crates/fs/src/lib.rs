@@ -100,9 +100,72 @@ pub struct Fs {
     errors: Arc<errors::ErrorState>,
     /// One fast-commit leader at a time (fast commits are written in the
     /// caller's thread); followers find themselves covered (group commit).
-    fc_lock: Mutex<()>,
+    fc_lock: LeaderLock,
     /// fsync/fdatasync calls (flushes per fsync = device flushes / this).
     fsyncs: std::sync::atomic::AtomicU64,
+    /// Fast-commit fsyncs under way (leader batching).
+    fsync_active: std::sync::atomic::AtomicUsize,
+    /// Batching limits (the journal pipeline's options).
+    pipeline: commitfs_journal::PipelineOptions,
+}
+
+/// One fast-commit leader at a time. Followers wait for the leader to finish
+/// and then all check at once whether its fast commit covered them, instead of
+/// queueing on a mutex one by one (the leader's batching would otherwise wait
+/// for threads that are stuck behind it).
+#[derive(Default)]
+struct LeaderLock {
+    held: Mutex<bool>,
+    cv: parking_lot::Condvar,
+}
+
+struct LeaderGuard<'a>(&'a LeaderLock);
+
+impl LeaderLock {
+    /// Take the lock, waiting as long as needed.
+    fn lock(&self) -> LeaderGuard<'_> {
+        let mut h = self.held.lock();
+        while *h {
+            self.cv.wait(&mut h);
+        }
+        *h = true;
+        LeaderGuard(self)
+    }
+
+    /// Take the lock if free; otherwise wait until the holder lets go and return
+    /// `None` (the caller checks again what it still needs).
+    fn lead_or_wait(&self) -> Option<LeaderGuard<'_>> {
+        let mut h = self.held.lock();
+        if *h {
+            self.cv.wait(&mut h);
+            return None;
+        }
+        *h = true;
+        Some(LeaderGuard(self))
+    }
+}
+
+impl Drop for LeaderGuard<'_> {
+    fn drop(&mut self) {
+        *self.0.held.lock() = false;
+        self.0.cv.notify_all();
+    }
+}
+
+/// Counts an fsync in [`Fs::fsync_active`] while it lives.
+struct ActiveFsync<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> ActiveFsync<'a> {
+    fn enter(c: &'a std::sync::atomic::AtomicUsize) -> Self {
+        c.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        ActiveFsync(c)
+    }
+}
+
+impl Drop for ActiveFsync<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// Background thread committing the running transaction every `commit=` seconds
@@ -162,6 +225,7 @@ impl Fs {
     /// Mount the file system on `dev`.
     pub fn open(dev: DeviceRef, opts: MountOptions) -> Result<Fs> {
         let interval = opts.commit_interval;
+        let pipeline = opts.pipeline;
         let inner = Inner::mount(dev.clone(), opts)?;
         // e2fsck 1.47 replays fast commits over a stale copy of this block unless
         // it is home (fc.rs, FcReason::JournalInodeBlock).
@@ -182,8 +246,10 @@ impl Fs {
             unmounted: Default::default(),
             committer: Mutex::new(committer),
             errors,
-            fc_lock: Mutex::new(()),
+            fc_lock: LeaderLock::default(),
             fsyncs: Default::default(),
+            fsync_active: Default::default(),
+            pipeline,
         })
     }
 
@@ -882,14 +948,23 @@ impl Fs {
             // commits and flushes).
             return self.sync();
         }
-        let _fcl = self.fc_lock.lock();
+        let _active = ActiveFsync::enter(&self.fsync_active);
         let t0 = std::time::Instant::now();
+        let mut batched = false;
+        let mut _fcl = None;
         loop {
             let mut g = self.lock()?;
             let meta_covered = g.fc_covered(entry_seq) || j.is_committed(entry_tid);
             if meta_covered && j.flushed_since(dgen) {
                 g.fc.stats.skipped += 1;
                 return Ok(());
+            }
+            if _fcl.is_none() {
+                // Lead, or wait for the leader's fast commit and check again:
+                // every follower wakes at once (no queue on a mutex).
+                drop(g);
+                _fcl = self.fc_lock.lead_or_wait();
+                continue;
             }
             if j.full_commit_in_flight() {
                 // The kernel waits for an ongoing full commit, then checks again:
@@ -901,6 +976,17 @@ impl Fs {
             if meta_covered {
                 drop(g);
                 return Ok(j.wait_data(dgen)?);
+            }
+            if !batched {
+                batched = true;
+                // Leading with other fsyncs under way: let those arriving join
+                // this fast commit (jbd2's batching, see `batch_fsyncs`).
+                let avg = g.fc.stats.total_ns.checked_div(g.fc.stats.commits);
+                if self.fsync_active.load(std::sync::atomic::Ordering::Acquire) > 1 {
+                    drop(g);
+                    self.batch_fsyncs(std::time::Duration::from_nanos(avg.unwrap_or(0)));
+                    continue;
+                }
             }
             let upto = g.fc_seq();
             let (tid, blocks, flush, logged) = match g.fc_plan()? {
@@ -973,6 +1059,29 @@ impl Fs {
                 drop(g);
                 // The fast commit's flush (if any) covers data written before it.
                 return Ok(j.wait_data(dgen)?);
+            }
+        }
+    }
+
+    /// Batching for a fast-commit leader (jbd2's `min_batch_time` /
+    /// `max_batch_time` rule, adapted): while other fsyncs keep arriving, wait
+    /// for them in short steps, at least `min_batch_time`, at most the average
+    /// fast-commit time (capped by `max_batch_time`), so that one fast commit
+    /// and one flush serve them all. A lone fsync never waits.
+    fn batch_fsyncs(&self, avg: std::time::Duration) {
+        use std::sync::atomic::Ordering;
+        use std::time::{Duration, Instant};
+        let p = self.pipeline;
+        let min = Duration::from_micros(p.min_batch_us);
+        let max = Duration::from_micros(p.max_batch_us).min(avg.max(min));
+        let t0 = Instant::now();
+        loop {
+            let n = self.fsync_active.load(Ordering::Acquire);
+            std::thread::sleep(Duration::from_micros(100));
+            let e = t0.elapsed();
+            let quiet = self.fsync_active.load(Ordering::Acquire) <= n;
+            if e >= max || (quiet && e >= min) {
+                return;
             }
         }
     }

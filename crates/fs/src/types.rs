@@ -176,6 +176,9 @@ pub struct MountOptions {
     /// `-o lazytime`: atime updates stay in memory until the inode changes
     /// otherwise, is fsynced or synced, at unmount, or after 12 h (ext4's rule).
     pub lazytime: bool,
+    /// The journal's commit pipeline (transactions in flight, versions per
+    /// buffer, batching; docs/ARCHITECTURE.md "concurrent journaling").
+    pub pipeline: commitfs_journal::PipelineOptions,
 }
 
 /// `errors=` (ext4 semantics, see docs/ARCHITECTURE.md "Device errors"). In every
@@ -274,6 +277,7 @@ impl Default for MountOptions {
             atime: AtimeMode::default(),
             nodiratime: false,
             lazytime: false,
+            pipeline: Default::default(),
         }
     }
 }

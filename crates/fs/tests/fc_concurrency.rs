@@ -15,59 +15,16 @@ use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
-use commitfs_device::{
-    BlockDevice, CrashSpec, IoCategory, IoStats, MemDevice, RecordingDevice, Result as DevResult,
-};
+mod common;
+
+use commitfs_device::{CrashSpec, MemDevice, RecordingDevice};
 use commitfs_fs::testutil::{fsck, mkfs, problem_lines};
 use commitfs_fs::*;
+use common::SlowDevice;
 
 const THREADS: u32 = 8;
 const ROUNDS: u32 = 50;
 const FILE_BYTES: usize = 4096;
-
-/// A recording device with latency: each cache flush and each FUA write takes
-/// `latency` (slept after the request is applied, as a device acknowledges it
-/// late). Remembers which threads wrote fast-commit blocks.
-struct SlowDevice {
-    inner: RecordingDevice,
-    latency: Duration,
-    fc_writers: Mutex<HashSet<ThreadId>>,
-    flushes: AtomicU64,
-}
-
-impl BlockDevice for SlowDevice {
-    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> DevResult<()> {
-        self.inner.read_at(offset, buf, cat)
-    }
-    fn write_at(&self, offset: u64, buf: &[u8], cat: IoCategory, fua: bool) -> DevResult<()> {
-        self.inner.write_at(offset, buf, cat, fua)?;
-        if cat == IoCategory::FastCommit {
-            self.fc_writers
-                .lock()
-                .unwrap()
-                .insert(std::thread::current().id());
-        }
-        if fua {
-            std::thread::sleep(self.latency);
-        }
-        Ok(())
-    }
-    fn flush(&self) -> DevResult<()> {
-        self.inner.flush()?;
-        self.flushes.fetch_add(1, Ordering::Relaxed);
-        std::thread::sleep(self.latency);
-        Ok(())
-    }
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-    fn is_read_only(&self) -> bool {
-        self.inner.is_read_only()
-    }
-    fn stats(&self) -> &IoStats {
-        self.inner.stats()
-    }
-}
 
 fn content(t: u32, i: u32) -> Vec<u8> {
     (0..FILE_BYTES)

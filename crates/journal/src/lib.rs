@@ -268,6 +268,9 @@ pub struct JournalStats {
     /// Handles that joined committed transactions (coalescing degree: handles per
     /// commit).
     pub commit_handles: u64,
+    /// Time from a commit's start to its durability, summed (average commit time
+    /// for batching).
+    pub commit_ns: u64,
 }
 
 /// Flush numbering: every flush the journal issues gets the next number when it
@@ -339,6 +342,8 @@ pub(crate) struct InFlight {
     pub single_data: Option<data::RangeSet>,
     pub log_blocks: u64,
     pub handles: u64,
+    /// When the commit thread picked it (commit time statistics).
+    pub started: std::time::Instant,
 }
 
 /// The running transaction and the pipeline (CJFS §4.1): everything the commit
@@ -363,6 +368,8 @@ pub(crate) struct TxQueue {
     pub flush_req: u64,
     /// Handles started in the running transaction (coalescing degree).
     pub running_handles_total: u64,
+    /// Commit requests since the commit thread last picked a transaction.
+    pub requesters: u32,
     pub stop: bool,
 }
 
@@ -530,6 +537,7 @@ impl Core {
                 hold: 0,
                 flush_req: 0,
                 running_handles_total: 0,
+                requesters: 0,
                 stop: false,
             }),
             cv: Condvar::new(),
@@ -857,6 +865,7 @@ impl Core {
                 if q.commit_req == 0 || !tid_le(t, q.commit_req) {
                     q.commit_req = t;
                 }
+                q.requesters += 1;
                 self.cv.notify_all();
                 (Some(t), q.running.buffers.len())
             } else {

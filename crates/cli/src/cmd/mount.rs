@@ -53,6 +53,9 @@ pub struct MountCmdOptions {
     pub keep_privileges: bool,
     /// `sandbox_user=NAME|UID`: whom the sandboxed worker runs as (`nobody`).
     pub sandbox_user: Option<String>,
+    /// `max_inflight=N`, `max_versions=N`, `min_batch_time=US`,
+    /// `max_batch_time=US`: the journal's commit pipeline (CJFS).
+    pub pipeline: commitfs_journal::PipelineOptions,
 }
 
 impl Default for MountCmdOptions {
@@ -74,6 +77,7 @@ impl Default for MountCmdOptions {
             nosuid: false,
             keep_privileges: false,
             sandbox_user: None,
+            pipeline: Default::default(),
         }
     }
 }
@@ -136,6 +140,25 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             _ => {
                 if let Some(v) = opt.strip_prefix("sandbox_user=") {
                     o.sandbox_user = Some(v.to_string());
+                } else if let Some((k, v)) = opt.split_once('=').filter(|(k, _)| {
+                    matches!(
+                        *k,
+                        "max_inflight" | "max_versions" | "min_batch_time" | "max_batch_time"
+                    )
+                }) {
+                    let n: u64 = v
+                        .parse()
+                        .map_err(|_| anyhow!("bad mount option {opt:?}: {k}=NUMBER"))?;
+                    let p = &mut o.pipeline;
+                    match k {
+                        "max_inflight" | "max_versions" if !(1..=64).contains(&n) => {
+                            bail!("bad mount option {opt:?}: {k} must be 1 to 64")
+                        }
+                        "max_inflight" => p.max_inflight = n as usize,
+                        "max_versions" => p.max_versions = n as usize,
+                        "min_batch_time" => p.min_batch_us = n,
+                        _ => p.max_batch_us = n,
+                    }
                 } else if let Some(v) = opt.strip_prefix("commit=") {
                     let n: u32 = v
                         .parse()
@@ -152,7 +175,8 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                          writeback_cache, allow_other, fast_commit, nofast_commit, fc_data_csum, \
                          errors=continue|remount-ro|panic, acl, noacl, strictatime, relatime, \
                          noatime, nodiratime, lazytime, dev, nodev, suid, nosuid, \
-                         keep_privileges, sandbox_user=USER, \
+                         keep_privileges, sandbox_user=USER, max_inflight=N, max_versions=N, \
+                         min_batch_time=US, max_batch_time=US, \
                          and from ext4 fstab lines user_xattr, data=ordered, barrier, discard)"
                     );
                 }
@@ -277,6 +301,7 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
             atime: o.atime,
             nodiratime: o.nodiratime,
             lazytime: o.lazytime,
+            pipeline: o.pipeline,
         },
     )
     .map_err(|e| anyhow!("cannot mount {}: {e}", req.image.display()))?;
@@ -481,6 +506,15 @@ mod tests {
         assert!(!o.read_only && o.allow_other && o.no_fast_commit && o.fc_data_csum);
         assert_eq!(p(&["commit=0"]).unwrap().commit, 5);
         assert!(p(&["commit=x"]).is_err());
+        let o =
+            p(&["max_inflight=2,max_versions=5,min_batch_time=100,max_batch_time=900"]).unwrap();
+        assert_eq!((o.pipeline.max_inflight, o.pipeline.max_versions), (2, 5));
+        assert_eq!(
+            (o.pipeline.min_batch_us, o.pipeline.max_batch_us),
+            (100, 900)
+        );
+        assert!(p(&["max_inflight=0"]).is_err());
+        assert!(p(&["max_versions=x"]).is_err());
         let e = p(&["bogus"]).unwrap_err().to_string();
         assert!(e.contains("bogus"), "{e}");
         assert_eq!(p(&[]).unwrap(), MountCmdOptions::default());

@@ -69,6 +69,17 @@ pub fn stats_json(fs: &Fs) -> Value {
             "log_blocks": j.log_blocks,
             "checkpoints": j.checkpoints,
             "revokes": j.revokes,
+            "flushes": j.flushes,
+            "fsyncs": s.fsyncs,
+            "flushes_per_fsync": if s.fsyncs == 0 { 0.0 } else { s.device.flushes as f64 / s.fsyncs as f64 },
+            "in_flight": j.inflight,
+            "max_in_flight": j.max_inflight,
+            "commits_per_flush": if j.commit_flushes == 0 { 0.0 } else { j.commits_by_flush as f64 / j.commit_flushes as f64 },
+            "max_commits_per_flush": j.max_commits_per_flush,
+            "handles_per_commit": if j.commits == 0 { 0.0 } else { j.commit_handles as f64 / j.commits as f64 },
+            "coalescing_unlocks": j.lock_unlocks,
+            "durability_waits": j.durability_waits,
+            "avg_durability_wait_us": if j.durability_waits == 0 { 0.0 } else { j.durability_wait_ns as f64 / j.durability_waits as f64 / 1000.0 },
         },
         "fast_commit": {
             "commits": fc.commits,
@@ -150,6 +161,19 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
     println!(
         "journal: {} commits, {} log blocks, {} checkpoints, {} revokes",
         j["commits"], j["log_blocks"], j["checkpoints"], j["revokes"]
+    );
+    println!(
+        "pipeline: {} fsyncs, {:.3} flushes per fsync, {} in flight (max {}), {:.2} commits per flush \
+         (max {}), {:.1} handles per commit, {} coalescing unlocks, avg durability wait {:.0} us",
+        j["fsyncs"],
+        j["flushes_per_fsync"].as_f64().unwrap_or(0.0),
+        j["in_flight"],
+        j["max_in_flight"],
+        j["commits_per_flush"].as_f64().unwrap_or(0.0),
+        j["max_commits_per_flush"],
+        j["handles_per_commit"].as_f64().unwrap_or(0.0),
+        j["coalescing_unlocks"],
+        j["avg_durability_wait_us"].as_f64().unwrap_or(0.0)
     );
     let f = &v["fast_commit"];
     println!(

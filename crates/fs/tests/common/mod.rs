@@ -336,3 +336,69 @@ pub fn pattern(seed: u32, len: usize) -> Vec<u8> {
         .map(|i| (seed.wrapping_mul(31).wrapping_add(i as u32 / 7) % 251) as u8 + 1)
         .collect()
 }
+
+// -------------------------------------------------------------------------------------
+// A slow device
+// -------------------------------------------------------------------------------------
+
+use commitfs_device::{BlockDevice, IoCategory, IoStats, RecordingDevice, Result as DevResult};
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::thread::ThreadId;
+use std::time::Duration;
+
+/// A recording device with latency: each cache flush and each FUA write takes
+/// `latency` (slept after the request is applied, as a device acknowledges it
+/// late). Remembers which threads wrote fast-commit blocks.
+pub struct SlowDevice {
+    pub inner: RecordingDevice,
+    pub latency: Duration,
+    pub fc_writers: Mutex<HashSet<ThreadId>>,
+    pub flushes: AtomicU64,
+}
+
+impl BlockDevice for SlowDevice {
+    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> DevResult<()> {
+        self.inner.read_at(offset, buf, cat)
+    }
+    fn write_at(&self, offset: u64, buf: &[u8], cat: IoCategory, fua: bool) -> DevResult<()> {
+        self.inner.write_at(offset, buf, cat, fua)?;
+        if cat == IoCategory::FastCommit {
+            self.fc_writers
+                .lock()
+                .unwrap()
+                .insert(std::thread::current().id());
+        }
+        if fua {
+            std::thread::sleep(self.latency);
+        }
+        Ok(())
+    }
+    fn flush(&self) -> DevResult<()> {
+        self.inner.flush()?;
+        self.flushes.fetch_add(1, Ordering::Relaxed);
+        std::thread::sleep(self.latency);
+        Ok(())
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn is_read_only(&self) -> bool {
+        self.inner.is_read_only()
+    }
+    fn stats(&self) -> &IoStats {
+        self.inner.stats()
+    }
+}
+
+impl SlowDevice {
+    pub fn new(image: Vec<u8>, latency: Duration) -> SlowDevice {
+        SlowDevice {
+            inner: RecordingDevice::new(image),
+            latency,
+            fc_writers: Mutex::new(HashSet::new()),
+            flushes: AtomicU64::new(0),
+        }
+    }
+}

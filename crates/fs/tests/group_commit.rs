@@ -1,0 +1,208 @@
+//! Group commit and compound flush, by counts (issue #10, acceptance 2): 16
+//! threads each create a file in their own directory, write 4 KiB and fsync it,
+//! on a device whose cache flush and FUA writes are slow (so fsyncs overlap), in
+//! every journal mode: JBD2 (no fast_commit), fast commit, and fast commit with
+//! `fc_data_csum`. Checked: at most 0.2 device flushes per fsync; more than one
+//! fsync served per commit; in JBD2 mode more than one transaction made durable
+//! by one flush (CJFS §4.4 compound flush) and more than one transaction in
+//! flight; and every fsync durable: the image a power cut leaves right after an
+//! fsync returned recovers with that file and its data; the final image is clean.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use commitfs_device::{CrashSpec, MemDevice};
+use commitfs_fs::testutil::{fsck, mkfs, problem_lines};
+use commitfs_fs::*;
+use common::SlowDevice;
+
+const THREADS: u32 = 16;
+const ROUNDS: u32 = 25;
+const FILE_BYTES: usize = 4096;
+const MAX_FLUSHES_PER_FSYNC: f64 = 0.2;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Jbd2,
+    FastCommit,
+    FcDataCsum,
+}
+
+fn content(t: u32, i: u32) -> Vec<u8> {
+    (0..FILE_BYTES)
+        .map(|b| (t * 37 + i * 101 + b as u32 / 7) as u8 | 1)
+        .collect()
+}
+
+/// Recover the image after the first `k` device requests (only what was durable
+/// survives) and check every file of `must`.
+fn check_durable(dev: &SlowDevice, k: usize, must: &[(u32, u32)], what: &str) -> Vec<u8> {
+    let img = dev.inner.crash_log().image(&CrashSpec {
+        k,
+        seed: 0,
+        keep_256: 0,
+        torn: false,
+    });
+    let mem = Arc::new(MemDevice::from_vec(img));
+    let fs = Fs::open(mem.clone(), MountOptions::default())
+        .unwrap_or_else(|e| panic!("{what}: recovery failed: {e}"));
+    for &(t, i) in must {
+        let path = format!("/t{t}/f{i}");
+        let ino = fs
+            .resolve(&path)
+            .unwrap_or_else(|e| panic!("{what}: {path} was fsynced but is missing: {e}"));
+        let mut buf = vec![0u8; FILE_BYTES];
+        assert_eq!(
+            fs.read(ino, 0, &mut buf).unwrap(),
+            FILE_BYTES,
+            "{what}: {path}"
+        );
+        assert!(buf == content(t, i), "{what}: data of {path}");
+    }
+    fs.unmount().unwrap();
+    drop(fs);
+    Arc::try_unwrap(mem)
+        .ok()
+        .expect("the file system let go of the device")
+        .into_vec()
+}
+
+fn run(mode: Mode) {
+    let mut args = vec!["-b", "4096"];
+    if mode != Mode::Jbd2 {
+        args.extend(["-O", "fast_commit"]);
+    }
+    args.extend(["-J", "size=32"]);
+    let img = mkfs("groupcommit", 128, &args);
+    let dev = Arc::new(SlowDevice::new(
+        std::fs::read(&img.path).unwrap(),
+        Duration::from_millis(2),
+    ));
+    let fs = Fs::open(
+        dev.clone(),
+        MountOptions {
+            commit_interval: 0,
+            fc_data_csum: mode == Mode::FcDataCsum,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let dirs: Vec<Ino> = (0..THREADS)
+        .map(|t| {
+            fs.mkdir(ROOT_INO, format!("t{t}").as_bytes(), 0o755, 0, 0)
+                .unwrap()
+                .ino
+        })
+        .collect();
+    fs.sync().unwrap();
+    let s0 = fs.stats();
+    let fc0 = fs.fc_stats();
+    let flushes0 = dev.flushes.load(Ordering::Relaxed);
+    // (thread, file, device requests when its fsync returned)
+    let done = Mutex::new(Vec::<(u32, u32, usize)>::new());
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (fs, dev, done, dir) = (&fs, &dev, &done, dirs[t as usize]);
+            s.spawn(move || {
+                for i in 0..ROUNDS {
+                    let a = fs
+                        .create(dir, format!("f{i}").as_bytes(), 0o644, 0, 0)
+                        .unwrap();
+                    fs.write(a.ino, 0, &content(t, i)).unwrap();
+                    fs.fsync(a.ino, false).unwrap();
+                    done.lock().unwrap().push((t, i, dev.inner.op_count()));
+                }
+            });
+        }
+    });
+    let s1 = fs.stats();
+    let fc1 = fs.fc_stats();
+    let fsyncs = s1.fsyncs - s0.fsyncs;
+    let flushes = dev.flushes.load(Ordering::Relaxed) - flushes0;
+    let j = |f: fn(&commitfs_journal::JournalStats) -> u64| f(&s1.journal) - f(&s0.journal);
+    let commits = j(|s| s.commits);
+    let fast = fc1.commits - fc0.commits;
+    let ratio = flushes as f64 / fsyncs as f64;
+    eprintln!(
+        "{mode:?}: {fsyncs} fsyncs, {flushes} device flushes ({ratio:.3} per fsync), \
+         {commits} full commits, {fast} fast commits, {} commits by {} flushes (max {}), \
+         max {} in flight, {} coalescing unlocks, fallbacks {:?}",
+        j(|s| s.commits_by_flush),
+        j(|s| s.commit_flushes),
+        s1.journal.max_commits_per_flush,
+        s1.journal.max_inflight,
+        j(|s| s.lock_unlocks),
+        fc1.ineligible
+    );
+    assert_eq!(fsyncs, (THREADS * ROUNDS) as u64);
+    assert!(
+        ratio <= MAX_FLUSHES_PER_FSYNC,
+        "{mode:?}: {flushes} flushes for {fsyncs} fsyncs ({ratio:.3} > {MAX_FLUSHES_PER_FSYNC})"
+    );
+    let served_commits = match mode {
+        Mode::Jbd2 => commits,
+        _ => commits + fast,
+    };
+    assert!(
+        served_commits > 0 && served_commits < fsyncs,
+        "{mode:?}: {served_commits} commits for {fsyncs} fsyncs: no fsync shared a commit"
+    );
+    if mode == Mode::Jbd2 {
+        assert!(
+            s1.journal.max_commits_per_flush > 1,
+            "JBD2: no flush made more than one transaction durable (compound flush)"
+        );
+        assert!(
+            s1.journal.max_inflight >= 2,
+            "JBD2: never two transactions in flight"
+        );
+    }
+
+    // Durability at sampled fsync returns, then everything.
+    let mut done = done.into_inner().unwrap();
+    done.sort_by_key(|d| d.2);
+    let n = done.len();
+    let mut samples: Vec<usize> = (1..=8).map(|k| k * n / 8 - 1).collect();
+    samples.insert(0, 0);
+    samples.dedup();
+    for &s in &samples {
+        let k = done[s].2;
+        let must: Vec<(u32, u32)> = done
+            .iter()
+            .filter(|d| d.2 <= k)
+            .map(|d| (d.0, d.1))
+            .collect();
+        check_durable(&dev, k, &must, &format!("{mode:?}: after fsync {}", s + 1));
+    }
+    let all: Vec<(u32, u32)> = done.iter().map(|d| (d.0, d.1)).collect();
+    let end = check_durable(&dev, dev.inner.op_count(), &all, &format!("{mode:?}: end"));
+    let scratch = img.path.with_extension("recovered.img");
+    std::fs::write(&scratch, &end).unwrap();
+    let r = fsck(&scratch);
+    let _ = std::fs::remove_file(&scratch);
+    assert!(
+        r.is_clean(),
+        "{mode:?}: e2fsck -fn after recovery: {:?}\n{}",
+        problem_lines(&r.output),
+        r.output
+    );
+    fs.unmount().unwrap();
+}
+
+#[test]
+fn jbd2_sixteen_threads_share_commits_and_flushes() {
+    run(Mode::Jbd2);
+}
+
+#[test]
+fn fast_commit_sixteen_threads_share_commits_and_flushes() {
+    run(Mode::FastCommit);
+}
+
+#[test]
+fn fc_data_csum_sixteen_threads_share_commits_and_flushes() {
+    run(Mode::FcDataCsum);
+}
