@@ -182,7 +182,7 @@ pub fn analyze(log: &CrashLog, bs: usize) -> Inflight {
     let mut owner: HashMap<u64, (u32, u32)> = HashMap::new();
     // Fast commits: finished units and the one being written.
     let mut fc_done: Vec<FcOpen> = Vec::new();
-    let mut fc_cur: Option<FcOpen> = None;
+    let mut fc_pending: BTreeMap<u64, usize> = BTreeMap::new();
     let mut fc_next_start = fc_first.unwrap_or(0);
 
     for (i, op) in ops.iter().enumerate() {
@@ -246,39 +246,39 @@ pub fn analyze(log: &CrashLog, bs: usize) -> Inflight {
                     }
                     let (head, tail) = fc_tags(b);
                     // The area restarted (after a full commit): positions go back.
+                    // Blocks still pending belonged to no finished commit.
                     if pos < fc_next_start || (head && Some(pos) == fc_first) {
                         fc_next_start = fc_first.unwrap_or(pos).min(pos);
-                        if let Some(c) = fc_cur.take() {
-                            fc_done.push(c);
-                        }
+                        fc_pending.clear();
                     }
-                    let cur = fc_cur.get_or_insert_with(|| FcOpen {
-                        start: fc_next_start,
-                        tail: None,
-                        blocks: BTreeMap::new(),
-                    });
-                    cur.blocks.insert(pos, i);
+                    fc_pending.insert(pos, i);
                     if let Some(tid) = tail {
-                        cur.tail = Some((pos, tid));
+                        // The commit is the pending blocks up to its TAIL; blocks
+                        // beyond it (a successor's body written early) stay pending.
+                        let mut blocks = fc_pending.split_off(&(pos + 1));
+                        std::mem::swap(&mut blocks, &mut fc_pending);
+                        blocks.retain(|&p, _| p >= fc_next_start);
+                        fc_done.push(FcOpen {
+                            start: fc_next_start,
+                            tail: Some((pos, tid)),
+                            blocks,
+                        });
                         fc_next_start = pos + 1;
-                        if let Some(c) = fc_cur.take() {
-                            fc_done.push(c);
-                        }
                     }
                 }
             }
             _ => {}
         }
     }
-    if let Some(c) = fc_cur.take() {
-        fc_done.push(c);
-    }
 
     let mut units = Vec::new();
     let mut push = |kind, tid, mut writes: Vec<usize>, complete: bool| {
         writes.sort_unstable();
         writes.dedup();
-        let Some(&first) = writes.first() else {
+        // A transaction that never completed (no commit block, a fast commit
+        // without TAIL or with a block never written) is not counted at all: the
+        // count errs low, never high.
+        let Some(&first) = writes.first().filter(|_| complete) else {
             return;
         };
         let durable_at = if complete {
@@ -422,5 +422,24 @@ mod tests {
         assert_eq!(a.max(), 1);
         assert_eq!(a.at(2), 1);
         assert_eq!(a.at(3), 0);
+
+        // Chained: FC2's body written before FC1's TAIL; both in flight until the
+        // flush, FC1's TAIL then FC2's with FUA. A fast commit never finished (no
+        // TAIL) is not counted.
+        let d = RecordingDevice::new(vec![0; 64 * BS]);
+        fw(&d, 40, &[(TAG_HEAD, 6)], false); // 0
+        fw(&d, 42, &[(1, 6)], false); // 1: FC2 body
+        fw(&d, 41, &[(1, 6), (TAG_TAIL, 6)], false); // 2: FC1 tail
+        d.flush().unwrap(); // 3
+        fw(&d, 43, &[(1, 6), (TAG_TAIL, 6)], true); // 4: FC2 tail
+        fw(&d, 44, &[(1, 6)], false); // 5: never finished
+        let a = analyze(&d.crash_log(), BS);
+        assert_eq!(a.count(UnitKind::FastCommit), 2, "{:?}", a.units);
+        assert_eq!(a.units[0].writes, vec![0, 2]);
+        assert_eq!(a.units[1].writes, vec![1, 4]);
+        assert_eq!(a.max(), 2);
+        assert_eq!(a.points_with(2), vec![2, 3]);
+        assert_eq!(a.at(5), 0);
+        assert_eq!(a.at(6), 0);
     }
 }

@@ -5,8 +5,8 @@
 //! the most transactions are in flight. Checked per thread without knowing the
 //! interleaving (`crashtest::concurrent`): 0 failures.
 //!
-//! States: 6 workloads × 3 modes × 170 = 3,060 here, on top of crash_states.rs
-//! (7,250) and fc_crash_states.rs (10,100): 20,410 per CI run.
+//! States: 6 workloads × 3 modes × 250 = 4,500 here, on top of crash_states.rs
+//! (7,250) and fc_crash_states.rs (10,100): 21,850 per CI run.
 //!
 //! `committing_transactions_overlap` is the in-flight gate: every 8- and
 //! 16-thread recording in JBD2 and fast-commit mode must show at least
@@ -17,7 +17,7 @@ use commitfs_crashtest::concurrent::{record_for, ConcConfig};
 use commitfs_crashtest::{run_conc, ConcSummary, CONC_WORKLOADS, MIN_INFLIGHT};
 
 /// States per recording.
-const STATES: usize = 170;
+const STATES: usize = 250;
 
 fn suite(
     workload: &str,
