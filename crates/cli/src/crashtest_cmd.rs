@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use commitfs_crashtest::{Config, WORKLOADS};
+use commitfs_crashtest::concurrent::find_conc;
+use commitfs_crashtest::{run_conc, ConcConfig, Config, CONC_WORKLOADS, WORKLOADS};
 
 #[derive(Args, Debug)]
 pub struct CrashtestArgs {
@@ -50,10 +51,19 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
         for w in WORKLOADS {
             println!("{:<10} {} thread(s), {}", w.name, w.threads, w.about);
         }
+        for w in CONC_WORKLOADS {
+            println!(
+                "{:<18} {} threads, {:?}, no workload lock: per-thread prefix checker, commits in flight counted",
+                w.name, w.threads, w.shape
+            );
+        }
         return Ok(());
     }
     if a.block_size != 1024 && a.block_size != 4096 {
         bail!("--block-size must be 1024 or 4096");
+    }
+    if find_conc(&a.workload).is_some() {
+        return run_concurrent(a);
     }
     let cfg = Config {
         workload: a.workload,
@@ -82,6 +92,36 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
                 .map(|p| format!(" [saved {}]", p.display()))
                 .unwrap_or_default()
         );
+    }
+    println!("{summary}");
+    if !summary.failures.is_empty() {
+        bail!(
+            "{} of {} crash states failed",
+            summary.failures.len(),
+            summary.states
+        );
+    }
+    Ok(())
+}
+
+/// A concurrent workload (crates/crashtest/src/concurrent.rs): 8 or 16 threads,
+/// checked per thread; prints how many commits were in flight at once.
+fn run_concurrent(a: CrashtestArgs) -> Result<()> {
+    let cfg = ConcConfig {
+        workload: a.workload,
+        states: a.states,
+        seed: a.seed,
+        torn: a.torn,
+        block_size: a.block_size,
+        workers: a.jobs,
+        fast_commit: a.fast_commit || a.fc_data_csum,
+        fc_data_csum: a.fc_data_csum,
+        save_failures: a.save_failures,
+        ..ConcConfig::default()
+    };
+    let summary = run_conc(&cfg).map_err(anyhow::Error::msg)?;
+    for line in summary.failure_report(10).lines() {
+        eprintln!("FAIL {line}");
     }
     println!("{summary}");
     if !summary.failures.is_empty() {

@@ -82,7 +82,7 @@ impl Drop for ScratchFile {
     }
 }
 
-fn mount_opts() -> MountOptions {
+pub(crate) fn mount_opts() -> MountOptions {
     MountOptions {
         read_only: false,
         commit_interval: 0,

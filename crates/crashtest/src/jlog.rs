@@ -148,6 +148,31 @@ pub fn fast_commit_scan(img: &[u8]) -> Result<Option<(u32, FcScan)>, String> {
     Ok(scan.map(|s| (report.end_tid, s)))
 }
 
+/// What JBD2 recovery of a crash image replays (the tid run `start_tid..end_tid`),
+/// scanned as commitfs's recovery scans it (`fc_data_csum` images verify their
+/// last transaction). `None` when the image has no journal or an empty log.
+pub fn jbd2_report(img: &[u8]) -> Result<Option<commitfs_journal::RecoveryReport>, String> {
+    let sb = Superblock::parse(img.get(1024..2048).ok_or("image too small")?)
+        .map_err(|e| format!("superblock: {e}"))?;
+    if !sb.has_compat(sbf::COMPAT_HAS_JOURNAL) {
+        return Ok(None);
+    }
+    let bs = sb.block_size();
+    let map = journal_map(img, &sb)?;
+    let dev = SliceDevice {
+        img,
+        stats: IoStats::default(),
+    };
+    let opts = commitfs_journal::RecoverOptions {
+        verify_last: sb.has_incompat(sbf::INCOMPAT_COMMITFS_FC_DATA_CSUM),
+        inode_size: sb.inode_size() as usize,
+    };
+    let (_, report) =
+        commitfs_journal::scan_with(&dev, &map, bs, sb.has_compat(sbf::COMPAT_FAST_COMMIT), opts)
+            .map_err(|e| format!("JBD2 scan: {e}"))?;
+    Ok(report.needed.then_some(report))
+}
+
 /// Whether the image carries commitfs's `fc_data_csum` incompat bit (mounted
 /// with `-o fc_data_csum` when it crashed).
 pub fn has_fc_data_csum(img: &[u8]) -> bool {

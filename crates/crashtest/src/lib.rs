@@ -16,6 +16,8 @@
 //! This crate sits on top of everything; nothing in the file system depends on it.
 
 pub mod check;
+pub mod concurrent;
+pub mod inflight;
 pub mod jlog;
 pub mod model;
 pub mod observe;
@@ -32,6 +34,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 pub use check::{check_image, ScratchFile};
+pub use concurrent::{run_conc, ConcConfig, ConcSummary, CONC_WORKLOADS};
+pub use inflight::MIN_INFLIGHT;
 pub use workload::{find, record, record_options, record_with, Recording, WorkloadSpec, WORKLOADS};
 
 /// A fresh image made once per block size and process: 16 MiB with 1 KiB blocks,

@@ -891,3 +891,146 @@ fn replayers_agree_one_dir_1k() {
 fn replayers_agree_one_dir_4k() {
     replayers_agree(4096, 300, 12);
 }
+
+// -------------------------------------------------------------------------------------
+// (d) crash images cut while commits are in flight (issue #10, gate K)
+// -------------------------------------------------------------------------------------
+
+/// Gate K of issue #10: crash images of the concurrent workloads (8 and 16
+/// threads, `crashtest::concurrent`) cut where at least `MIN_INFLIGHT` committing
+/// transactions are in flight (counted from the device log, `crashtest::inflight`),
+/// in JBD2 and fast-commit modes (`fc_data_csum` images are commitfs-only: their
+/// incompat bit keeps the kernel away). Each image is recovered by commitfs (and
+/// checked against the recording's per-thread models, as in
+/// conc_crash_states.rs) and by the kernel (read-write loop mount); both trees are
+/// compared through kernel mounts as in (a), and `e2fsck -fn` must be clean on
+/// both. Torn and reordered writes included.
+#[test]
+fn kernel_replays_crash_images_with_commits_in_flight() {
+    use commitfs_crashtest::concurrent::{check_conc_image, record_for, ConcConfig};
+    use commitfs_crashtest::MIN_INFLIGHT;
+    use rand::{Rng, SeedableRng};
+
+    let t0 = Instant::now();
+    // (workload, seed, block size, fast_commit, images wanted): 52 in all.
+    let runs: &[(&str, u64, u32, bool, usize)] = &[
+        ("varmail-shared-8", 81, 1024, false, 9),
+        ("varmail-split-16", 82, 4096, false, 9),
+        ("fsmark-16", 83, 1024, false, 8),
+        ("varmail-shared-16", 84, 4096, true, 9),
+        ("varmail-split-8", 85, 1024, true, 9),
+        ("fsmark-8", 86, 4096, true, 8),
+    ];
+    let scratch = ScratchFile::new("kinfl");
+    let (mut checked, mut inflight_sum, mut inflight_max) = (0usize, 0usize, 0usize);
+    let mut report = Vec::new();
+    let mut failures = Vec::new();
+    for &(workload, seed, bs, fast_commit, want) in runs {
+        let cfg = ConcConfig {
+            workload: workload.into(),
+            seed,
+            block_size: bs,
+            fast_commit,
+            ..ConcConfig::default()
+        };
+        let rec = record_for(&cfg).unwrap_or_else(|e| panic!("{workload} seed {seed}: {e}"));
+        let pts: Vec<usize> = rec
+            .inflight
+            .points_with(MIN_INFLIGHT)
+            .into_iter()
+            .filter(|&k| k >= rec.workload_start)
+            .collect();
+        report.push(format!(
+            "{workload} bs={bs} fast_commit={fast_commit} seed={seed}: {}, {} crash points with >= {MIN_INFLIGHT} in flight",
+            rec.inflight.describe(),
+            pts.len()
+        ));
+        if pts.len() < want {
+            failures.push(format!(
+                "{workload} bs={bs} fast_commit={fast_commit}: only {} crash points with at least {MIN_INFLIGHT} committing transactions in flight (want {want})",
+                pts.len()
+            ));
+            continue;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut specs: Vec<CrashSpec> = (0..want)
+            .map(|i| CrashSpec {
+                k: pts[i * pts.len() / want],
+                seed: rng.gen(),
+                keep_256: if i % 3 == 0 { 255 } else { rng.gen() },
+                torn: i % 2 == 1,
+            })
+            .collect();
+        specs.sort_by_key(|s| s.k);
+        let mut mat = Materializer::new(rec.log.clone());
+        for spec in specs {
+            let mut img = Vec::new();
+            mat.image_into(&spec, &mut img);
+            let n = rec.inflight.at(spec.k);
+            let what = format!(
+                "{workload} bs={bs} fast_commit={fast_commit} seed={seed} k={} state seed={:#x} keep={}/256 torn={} ({n} in flight)",
+                spec.k, spec.seed, spec.keep_256, spec.torn
+            );
+            let img_copy = img.clone();
+            let r = (|| -> Result<(), String> {
+                if fast_commit {
+                    if let Some((_, s)) = jlog::fast_commit_scan(&img)? {
+                        if s.kernel_error() {
+                            return Err(format!(
+                                "the kernel would refuse this fast-commit area ({:?})",
+                                s.end
+                            ));
+                        }
+                    }
+                }
+                let b_img = ImageFile::new("kinfl-b", &img);
+                let (r, recovered) = check_conc_image(&rec, img, spec.k, &scratch);
+                r.map_err(|e| format!("commitfs recovery: {e}"))?;
+                let a_img = ImageFile::new(
+                    "kinfl-a",
+                    &recovered.ok_or("commitfs recovery gave no image")?,
+                );
+                let _k = kernel_lock();
+                let b = kernel_snapshot(&b_img.path, "rw,noatime")
+                    .map_err(|e| format!("kernel recovery (mount): {e}"))?;
+                fsck_clean(&b_img.path, "kernel")?;
+                let a = kernel_snapshot(&a_img.path, "ro,noatime")
+                    .map_err(|e| format!("kernel mount of the commitfs-recovered copy: {e}"))?;
+                fsck_clean(&a_img.path, "commitfs")?;
+                let d = differences(&a, &b);
+                if !d.is_empty() {
+                    return Err(format!(
+                        "trees differ ({} differences):\n    {}",
+                        d.len(),
+                        first_differences(&d)
+                    ));
+                }
+                Ok(())
+            })();
+            checked += 1;
+            inflight_sum += n;
+            inflight_max = inflight_max.max(n);
+            if let Err(e) = r {
+                let saved = save_failure(
+                    &format!("inflight-{workload}-bs{bs}-seed{seed}-k{}", spec.k),
+                    &img_copy,
+                );
+                failures.push(format!("{what}: {e}{saved}"));
+            }
+        }
+    }
+    println!("{}", report.join("\n"));
+    println!(
+        "kernel replay of crash images with commits in flight: {checked} images (>= {MIN_INFLIGHT} \
+         in flight each, {inflight_sum} in all, at most {inflight_max}), {} failures, {:.1}s",
+        failures.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    assert!(checked >= 50, "only {checked} images checked");
+}
