@@ -121,9 +121,17 @@ impl FuseConfig {
         c.n_threads = Some(self.threads.max(1));
         // One descriptor per event loop: replies and reads do not contend on one
         // file, and each clone keeps its own processing list in the kernel.
-        c.clone_fd = true;
+        // Cloning opens /dev/fuse itself: a user mount (fusermount3 opened the
+        // device for us) that may not open it shares one descriptor instead.
+        c.clone_fd = root || may_open_dev_fuse();
         c
     }
+}
+
+/// Can this process open `/dev/fuse` read-write (needed to clone descriptors)?
+fn may_open_dev_fuse() -> bool {
+    // SAFETY: access with a NUL-terminated path has no other preconditions.
+    unsafe { libc::access(c"/dev/fuse".as_ptr(), libc::R_OK | libc::W_OK) == 0 }
 }
 
 /// Does this process run with root's effective uid?
