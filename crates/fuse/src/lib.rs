@@ -1,9 +1,11 @@
 //! FUSE adapter over [`commitfs_fs::Fs`].
 //!
-//! The fuser session loop reads requests from the kernel and hands each one, with
-//! its reply object, to a small worker pool ([`pool`]); the worker calls the library
-//! and replies. A slow request (an fsync) therefore never holds up unrelated ones.
-//! Library errors become errnos only here ([`convert::errno_of`]).
+//! fuser's own multi-threaded session serves the mount: `threads` event-loop
+//! threads, each reading its own clone of the `/dev/fuse` descriptor
+//! (`FUSE_DEV_IOC_CLONE`), call the library inline and reply. Only requests that
+//! wait for durability (fsync, fsyncdir) go to a separate pool ([`pool`]), so the
+//! event loops are never all parked in a commit (docs/ARCHITECTURE.md, issue #10
+//! design D). Library errors become errnos only here ([`convert::errno_of`]).
 
 pub mod convert;
 mod ops;
@@ -11,12 +13,13 @@ mod pool;
 
 use std::io;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use commitfs_fs::{Fs, FsError};
 use fuser::{Config, MountOption, SessionACL};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 pub use convert::{errno_of, ext4_ino, fuse_ino};
 pub use ops::CommitFuse;
@@ -32,8 +35,13 @@ pub struct FuseConfig {
     pub allow_other: bool,
     /// Shown as the mount source (`fsname=`), normally the image path.
     pub fsname: String,
-    /// Worker threads serving requests.
-    pub workers: usize,
+    /// Event-loop threads, each on its own cloned `/dev/fuse` descriptor
+    /// (`-o threads=`; default [`default_threads`]).
+    pub threads: usize,
+    /// Threads that serve fsync/fsyncdir, which wait for a commit
+    /// (`-o fsync_threads=`; default 2 × `threads`, at least 32: waiting fsyncs
+    /// are what group commit batches, so many may wait at once).
+    pub fsync_threads: usize,
     /// POSIX ACLs (`-o acl`, the default; `-o noacl`): the kernel checks them
     /// (FUSE_POSIX_ACL) and leaves the umask to us (FUSE_DONT_MASK), so a default
     /// ACL can replace it. Should match the `Fs`'s `MountOptions::acl`.
@@ -52,12 +60,23 @@ impl Default for FuseConfig {
             writeback_cache: false,
             allow_other: false,
             fsname: "commitfs".into(),
-            workers: 4,
+            threads: default_threads(),
+            fsync_threads: (2 * default_threads()).max(32),
             acl: true,
             dev: true,
             suid: true,
         }
     }
+}
+
+/// `min(16, ncpu)`: beyond the CPU count extra event loops only help while
+/// requests block, which the fsync pool already absorbs; 16 is where the
+/// benchmarks stop (issue #10's 16 threads).
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .clamp(1, 16)
 }
 
 impl FuseConfig {
@@ -100,9 +119,20 @@ impl FuseConfig {
         } else {
             SessionACL::Owner
         };
-        c.n_threads = Some(1);
+        c.n_threads = Some(self.threads.max(1));
+        // One descriptor per event loop: replies and reads do not contend on one
+        // file, and each clone keeps its own processing list in the kernel.
+        // Cloning opens /dev/fuse itself: a user mount (fusermount3 opened the
+        // device for us) that may not open it shares one descriptor instead.
+        c.clone_fd = root || may_open_dev_fuse();
         c
     }
+}
+
+/// Can this process open `/dev/fuse` read-write (needed to clone descriptors)?
+fn may_open_dev_fuse() -> bool {
+    // SAFETY: access with a NUL-terminated path has no other preconditions.
+    unsafe { libc::access(c"/dev/fuse".as_ptr(), libc::R_OK | libc::W_OK) == 0 }
 }
 
 /// Does this process run with root's effective uid?
@@ -118,6 +148,8 @@ pub enum SessionError {
     Session(io::Error),
     /// The file system could not be written home at unmount.
     Unmount(FsError),
+    /// The step to run before serving (entering the sandbox) failed.
+    Prepare(Box<dyn std::error::Error + Send + Sync>),
 }
 
 impl std::fmt::Display for SessionError {
@@ -125,6 +157,7 @@ impl std::fmt::Display for SessionError {
         match self {
             SessionError::Session(e) => write!(f, "FUSE session failed: {e}"),
             SessionError::Unmount(e) => write!(f, "unmount failed: {e}"),
+            SessionError::Prepare(e) => write!(f, "{e}"),
         }
     }
 }
@@ -134,10 +167,49 @@ impl std::error::Error for SessionError {}
 /// Outcome of `Fs::unmount` at the end of a session (set by `destroy`).
 pub(crate) type UnmountStatus = Arc<Mutex<Option<commitfs_fs::Result<()>>>>;
 
+/// Holds requests until the process is ready to serve them. A root daemon must
+/// let fuser clone its `/dev/fuse` descriptors (open + ioctl, which the sandbox's
+/// seccomp filter refuses) before it drops privileges, yet serve no request as
+/// root: the event loops start, wait here, and are let go once the sandbox is on.
+#[derive(Debug, Default)]
+pub(crate) struct Gate {
+    open: AtomicBool,
+    lock: Mutex<()>,
+    cv: Condvar,
+}
+
+impl Gate {
+    fn opened() -> Gate {
+        Gate {
+            open: AtomicBool::new(true),
+            ..Gate::default()
+        }
+    }
+
+    /// Wait until open (one atomic load once it is).
+    #[inline]
+    pub(crate) fn pass(&self) {
+        if !self.open.load(Ordering::Acquire) {
+            let mut g = self.lock.lock();
+            while !self.open.load(Ordering::Acquire) {
+                self.cv.wait(&mut g);
+            }
+        }
+    }
+
+    fn open(&self) {
+        let _g = self.lock.lock();
+        self.open.store(true, Ordering::Release);
+        self.cv.notify_all();
+    }
+}
+
 /// A mounted (kernel-side) FUSE session that is not yet serving requests.
 pub struct FuseSession {
     session: fuser::Session<CommitFuse>,
     status: UnmountStatus,
+    gate: Arc<Gate>,
+    threads: usize,
 }
 
 /// Mount `fs` at `mountpoint`. When this returns the kernel has completed the FUSE
@@ -145,9 +217,33 @@ pub struct FuseSession {
 /// [`FuseSession::spawn`] starts serving.
 pub fn mount(fs: Arc<Fs>, mountpoint: &Path, cfg: &FuseConfig) -> io::Result<FuseSession> {
     let status: UnmountStatus = Arc::new(Mutex::new(None));
-    let fsys = CommitFuse::new(fs, cfg, status.clone())?;
+    let gate = Arc::new(Gate::opened());
+    let fsys = CommitFuse::new(fs, cfg, status.clone(), gate.clone())?;
     let session = fuser::Session::new(fsys, mountpoint, &cfg.fuser_config())?;
-    Ok(FuseSession { session, status })
+    Ok(FuseSession {
+        session,
+        status,
+        gate,
+        threads: cfg.threads.max(1),
+    })
+}
+
+/// Names of fuser's event-loop threads (`session.rs`: `fuser-{i}`), spawned only
+/// after every descriptor was cloned.
+const EVENT_LOOP_PREFIX: &str = "fuser-";
+
+/// How many of this process's threads are fuser event loops.
+fn event_loops_running() -> usize {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|c| c.starts_with(EVENT_LOOP_PREFIX))
+        })
+        .count()
 }
 
 impl FuseSession {
@@ -161,6 +257,55 @@ impl FuseSession {
     pub fn run(self) -> Result<(), SessionError> {
         let r = self.session.run();
         finish(r, &self.status)
+    }
+
+    /// Serve requests, but first run `prepare` (entering the sandbox): after fuser
+    /// has cloned its descriptors (it clones them all before it starts any event
+    /// loop) and before any request is served ([`Gate`]). If `prepare` fails the
+    /// mount is detached and the error returned; the held event loops serve
+    /// nothing and end with the process.
+    pub fn run_with<E>(self, prepare: impl FnOnce() -> Result<(), E>) -> Result<(), SessionError>
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let FuseSession {
+            mut session,
+            status,
+            gate,
+            threads,
+        } = self;
+        gate.open.store(false, Ordering::Release);
+        let mut unmounter = session.unmount_callable();
+        let before = event_loops_running();
+        let runner = std::thread::Builder::new()
+            .name("commitfs-fuse".into())
+            .spawn(move || session.run())
+            .map_err(SessionError::Session)?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while event_loops_running() < before + threads {
+            if runner.is_finished() {
+                let r = runner
+                    .join()
+                    .unwrap_or_else(|_| Err(io::Error::other("FUSE session thread panicked")));
+                return finish(r, &status);
+            }
+            if Instant::now() > deadline {
+                let _ = unmounter.unmount();
+                return Err(SessionError::Session(io::Error::other(
+                    "FUSE event loops did not start within 30 s",
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if let Err(e) = prepare() {
+            let _ = unmounter.unmount();
+            return Err(SessionError::Prepare(e.into()));
+        }
+        gate.open();
+        let r = runner
+            .join()
+            .unwrap_or_else(|_| Err(io::Error::other("FUSE session thread panicked")));
+        finish(r, &status)
     }
 
     /// Serve requests on a background thread.

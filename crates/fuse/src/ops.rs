@@ -1,9 +1,11 @@
-//! The `fuser::Filesystem` implementation: every request is decoded on the session
-//! thread (names and data copied), then served and answered on a pool worker.
+//! The `fuser::Filesystem` implementation: fuser's event-loop threads call the
+//! library inline (names and data borrowed from the request buffer); fsync and
+//! fsyncdir, which wait for a commit, are answered from the fsync pool.
 
 use std::ffi::OsStr;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -19,9 +21,9 @@ use fuser::{
 
 use crate::convert::{ext4_ino, file_attr, fuse_ino, fuse_kind, request_timestamp, to_errno};
 use crate::pool::Pool;
-use crate::{FuseConfig, UnmountStatus};
+use crate::{FuseConfig, Gate, UnmountStatus};
 
-/// State the workers share.
+/// State the event loops and the fsync pool share.
 pub(crate) struct Shared {
     fs: Arc<Fs>,
     ttl: Duration,
@@ -37,9 +39,12 @@ impl Shared {
 /// The FUSE file system: a thin, concurrent front end to [`Fs`].
 pub struct CommitFuse {
     shared: Arc<Shared>,
+    /// Serves the requests that wait for durability.
     pool: Pool<Shared>,
+    gate: Arc<Gate>,
     writeback_cache: bool,
     acl: bool,
+    threads: usize,
     status: UnmountStatus,
 }
 
@@ -116,23 +121,43 @@ fn reply_xattr_bytes(reply: ReplyXattr, size: u32, bytes: &[u8]) {
 }
 
 impl CommitFuse {
-    pub(crate) fn new(fs: Arc<Fs>, cfg: &FuseConfig, status: UnmountStatus) -> io::Result<Self> {
+    pub(crate) fn new(
+        fs: Arc<Fs>,
+        cfg: &FuseConfig,
+        status: UnmountStatus,
+        gate: Arc<Gate>,
+    ) -> io::Result<Self> {
         let shared = Arc::new(Shared {
             fs,
             ttl: cfg.ttl(),
             next_fh: AtomicU64::new(1),
         });
-        let pool = Pool::new(shared.clone(), cfg.workers)?;
+        let pool = Pool::new(shared.clone(), cfg.fsync_threads)?;
         Ok(CommitFuse {
             shared,
             pool,
+            gate,
             writeback_cache: cfg.writeback_cache,
             acl: cfg.acl,
+            threads: cfg.threads.max(1),
             status,
         })
     }
 
-    fn run(&self, job: impl FnOnce(&Shared) + Send + 'static) {
+    /// Serve a request on this event-loop thread. A panic is logged and the
+    /// dropped reply answers EIO, as on the pool.
+    fn run(&self, job: impl FnOnce(&Shared)) {
+        self.gate.pass();
+        if catch_unwind(AssertUnwindSafe(|| job(&self.shared))).is_err() {
+            tracing::error!("FUSE request handler panicked (answered EIO)");
+        }
+    }
+
+    /// Serve a request that waits for durability on the fsync pool, so that the
+    /// event loops keep serving while commits are in flight (with `threads`
+    /// concurrent fsyncs inline, every event loop would sleep in a commit).
+    fn run_durable(&self, job: impl FnOnce(&Shared) + Send + 'static) {
+        self.gate.pass();
         self.pool.submit(Box::new(job));
     }
 }
@@ -156,14 +181,23 @@ impl Filesystem for CommitFuse {
                 );
             }
         }
-        // Lookups and readdirs in one directory may run in parallel.
-        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // Lookups and readdirs in one directory may run in parallel (without it
+        // the kernel holds the directory's i_rwsem exclusively across each).
+        if let Err(missing) = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS) {
+            tracing::warn!("kernel lacks parallel directory operations ({missing:?})");
+        }
+        // Background requests (readahead, writeback-cache writes, async direct
+        // I/O) may use every event loop; the kernel's default is 12 (fuser: 16).
+        let bg = u16::try_from(self.threads.max(16)).unwrap_or(u16::MAX);
+        let _ = config.set_max_background(bg);
+        let _ = config.set_congestion_threshold(bg);
         tracing::info!("FUSE session initialised");
         Ok(())
     }
 
     fn destroy(&mut self) {
-        // Finish in-flight requests before writing everything home.
+        // The event loops have ended; finish queued fsyncs before writing
+        // everything home.
         self.pool.shutdown();
         let r = self.shared.fs.unmount();
         match &r {
@@ -175,8 +209,8 @@ impl Filesystem for CommitFuse {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let parent = ino_or_reply!(parent, reply);
-        let name = name.as_bytes().to_vec();
-        self.run(move |s| reply_entry(s, "lookup", reply, s.fs.lookup(parent, &name)));
+        let name = name.as_bytes();
+        self.run(move |s| reply_entry(s, "lookup", reply, s.fs.lookup(parent, name)));
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
@@ -266,12 +300,12 @@ impl Filesystem for CommitFuse {
         reply: ReplyEntry,
     ) {
         let parent = ino_or_reply!(parent, reply);
-        let name = name.as_bytes().to_vec();
+        let name = name.as_bytes();
         let (uid, gid) = (req.uid(), req.gid());
         // The library applies the umask unless the directory has a default ACL.
         let (mode, umask) = (mode as u16, (umask & 0o777) as u16);
         self.run(move |s| {
-            let r = s.fs.mknod_umask(parent, &name, mode, umask, rdev, uid, gid);
+            let r = s.fs.mknod_umask(parent, name, mode, umask, rdev, uid, gid);
             reply_entry(s, "mknod", reply, r)
         });
     }
@@ -286,25 +320,25 @@ impl Filesystem for CommitFuse {
         reply: ReplyEntry,
     ) {
         let parent = ino_or_reply!(parent, reply);
-        let name = name.as_bytes().to_vec();
+        let name = name.as_bytes();
         let (uid, gid) = (req.uid(), req.gid());
         let (perm, umask) = ((mode & 0o7777) as u16, (umask & 0o777) as u16);
         self.run(move |s| {
-            let r = s.fs.mkdir_umask(parent, &name, perm, umask, uid, gid);
+            let r = s.fs.mkdir_umask(parent, name, perm, umask, uid, gid);
             reply_entry(s, "mkdir", reply, r)
         });
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let parent = ino_or_reply!(parent, reply);
-        let name = name.as_bytes().to_vec();
-        self.run(move |s| reply_empty("unlink", reply, s.fs.unlink(parent, &name)));
+        let name = name.as_bytes();
+        self.run(move |s| reply_empty("unlink", reply, s.fs.unlink(parent, name)));
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let parent = ino_or_reply!(parent, reply);
-        let name = name.as_bytes().to_vec();
-        self.run(move |s| reply_empty("rmdir", reply, s.fs.rmdir(parent, &name)));
+        let name = name.as_bytes();
+        self.run(move |s| reply_empty("rmdir", reply, s.fs.rmdir(parent, name)));
     }
 
     fn symlink(
@@ -316,11 +350,11 @@ impl Filesystem for CommitFuse {
         reply: ReplyEntry,
     ) {
         let parent = ino_or_reply!(parent, reply);
-        let name = link_name.as_bytes().to_vec();
-        let target = target.as_os_str().as_bytes().to_vec();
+        let name = link_name.as_bytes();
+        let target = target.as_os_str().as_bytes();
         let (uid, gid) = (req.uid(), req.gid());
         self.run(move |s| {
-            let r = s.fs.symlink(parent, &name, &target, uid, gid);
+            let r = s.fs.symlink(parent, name, target, uid, gid);
             reply_entry(s, "symlink", reply, r)
         });
     }
@@ -347,10 +381,10 @@ impl Filesystem for CommitFuse {
             noreplace: flags.contains(fuser::RenameFlags::RENAME_NOREPLACE),
             exchange: flags.contains(fuser::RenameFlags::RENAME_EXCHANGE),
         };
-        let name = name.as_bytes().to_vec();
-        let newname = newname.as_bytes().to_vec();
+        let name = name.as_bytes();
+        let newname = newname.as_bytes();
         self.run(move |s| {
-            let r = s.fs.rename(parent, &name, newparent, &newname, rf);
+            let r = s.fs.rename(parent, name, newparent, newname, rf);
             reply_empty("rename", reply, r)
         });
     }
@@ -365,9 +399,9 @@ impl Filesystem for CommitFuse {
     ) {
         let ino = ino_or_reply!(ino, reply);
         let newparent = ino_or_reply!(newparent, reply);
-        let newname = newname.as_bytes().to_vec();
+        let newname = newname.as_bytes();
         self.run(move |s| {
-            let r = s.fs.link(ino, newparent, &newname);
+            let r = s.fs.link(ino, newparent, newname);
             reply_entry(s, "link", reply, r)
         });
     }
@@ -414,14 +448,13 @@ impl Filesystem for CommitFuse {
         reply: ReplyWrite,
     ) {
         let ino = ino_or_reply!(ino, reply);
-        let data = data.to_vec();
         // The kernel clears setuid, and setgid of group-executable files, itself
         // (a SETATTR before the write); the rest of its rule (setgid of a file
         // whose group the caller is not in) is ours: see `Caller`.
         let (uid, gid, pid) = (req.uid(), req.gid(), req.pid());
         self.run(move |s| {
             let caller = move || crate::convert::caller_of(uid, gid, pid);
-            match s.fs.write_by(ino, offset, &data, Some(&caller)) {
+            match s.fs.write_by(ino, offset, data, Some(&caller)) {
                 Ok(n) => reply.written(n as u32),
                 Err(e) => reply.error(to_errno("write", &e)),
             }
@@ -463,7 +496,7 @@ impl Filesystem for CommitFuse {
         reply: ReplyEmpty,
     ) {
         let ino = ino_or_reply!(ino, reply);
-        self.run(move |s| reply_empty("fsync", reply, s.fs.fsync(ino, datasync)));
+        self.run_durable(move |s| reply_empty("fsync", reply, s.fs.fsync(ino, datasync)));
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -519,7 +552,7 @@ impl Filesystem for CommitFuse {
         reply: ReplyEmpty,
     ) {
         let ino = ino_or_reply!(ino, reply);
-        self.run(move |s| reply_empty("fsyncdir", reply, s.fs.fsyncdir(ino)));
+        self.run_durable(move |s| reply_empty("fsyncdir", reply, s.fs.fsyncdir(ino)));
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
@@ -557,8 +590,7 @@ impl Filesystem for CommitFuse {
             create: flags & libc::XATTR_CREATE != 0,
             replace: flags & libc::XATTR_REPLACE != 0,
         };
-        let name = name.as_bytes().to_vec();
-        let value = value.to_vec();
+        let name = name.as_bytes();
         let (uid, gid, pid) = (req.uid(), req.gid(), req.pid());
         self.run(move |s| {
             let r = if name == b"system.posix_acl_access" {
@@ -570,10 +602,10 @@ impl Filesystem for CommitFuse {
                         let c = crate::convert::caller_of(uid, gid, pid);
                         !(c.cap_fsetid || c.in_group(a.gid))
                     };
-                    s.fs.setxattr_ext(ino, &name, &value, xf, kill)
+                    s.fs.setxattr_ext(ino, name, value, xf, kill)
                 })
             } else {
-                s.fs.setxattr(ino, &name, &value, xf)
+                s.fs.setxattr(ino, name, value, xf)
             };
             reply_empty("setxattr", reply, r)
         });
@@ -581,8 +613,8 @@ impl Filesystem for CommitFuse {
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
         let ino = ino_or_reply!(ino, reply);
-        let name = name.as_bytes().to_vec();
-        self.run(move |s| match s.fs.getxattr(ino, &name) {
+        let name = name.as_bytes();
+        self.run(move |s| match s.fs.getxattr(ino, name) {
             Ok(v) => reply_xattr_bytes(reply, size, &v),
             Err(e) => reply.error(to_errno("getxattr", &e)),
         });
@@ -605,8 +637,8 @@ impl Filesystem for CommitFuse {
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let ino = ino_or_reply!(ino, reply);
-        let name = name.as_bytes().to_vec();
-        self.run(move |s| reply_empty("removexattr", reply, s.fs.removexattr(ino, &name)));
+        let name = name.as_bytes();
+        self.run(move |s| reply_empty("removexattr", reply, s.fs.removexattr(ino, name)));
     }
 
     fn create(
@@ -620,13 +652,13 @@ impl Filesystem for CommitFuse {
         reply: ReplyCreate,
     ) {
         let parent = ino_or_reply!(parent, reply);
-        let name = name.as_bytes().to_vec();
+        let name = name.as_bytes();
         let (uid, gid) = (req.uid(), req.gid());
         let (perm, umask) = ((mode & 0o7777) as u16, (umask & 0o777) as u16);
         self.run(move |s| {
             // One reference for the kernel's lookup count, one for the open handle.
             let r =
-                s.fs.create_umask(parent, &name, perm, umask, uid, gid)
+                s.fs.create_umask(parent, name, perm, umask, uid, gid)
                     .and_then(|a| {
                         s.fs.open_inode(a.ino)?;
                         s.fs.open_inode(a.ino).map(|()| a)

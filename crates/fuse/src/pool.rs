@@ -1,5 +1,7 @@
-//! A small fixed thread pool: the FUSE loop hands each request (with its reply
-//! object) to a worker, so a slow request (fsync) never holds up the next ones.
+//! A small fixed thread pool for the requests that wait for durability (fsync,
+//! fsyncdir): an event loop hands the request (with its reply object) to a
+//! worker and goes back to reading, so commits in flight never occupy every
+//! event loop.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};

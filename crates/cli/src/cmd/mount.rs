@@ -56,6 +56,10 @@ pub struct MountCmdOptions {
     /// `max_inflight=N`, `max_versions=N`, `min_batch_time=US`,
     /// `max_batch_time=US`: the journal's commit pipeline (CJFS).
     pub pipeline: commitfs_journal::PipelineOptions,
+    /// `threads=N`: FUSE event-loop threads (default `min(16, ncpu)`).
+    pub threads: Option<usize>,
+    /// `fsync_threads=N`: threads serving fsyncs (default 2 × threads, at least 32).
+    pub fsync_threads: Option<usize>,
 }
 
 impl Default for MountCmdOptions {
@@ -78,6 +82,8 @@ impl Default for MountCmdOptions {
             keep_privileges: false,
             sandbox_user: None,
             pipeline: Default::default(),
+            threads: None,
+            fsync_threads: None,
         }
     }
 }
@@ -159,6 +165,10 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                         "min_batch_time" => p.min_batch_us = n,
                         _ => p.max_batch_us = n,
                     }
+                } else if let Some(v) = opt.strip_prefix("threads=") {
+                    o.threads = Some(thread_count(opt, v)?);
+                } else if let Some(v) = opt.strip_prefix("fsync_threads=") {
+                    o.fsync_threads = Some(thread_count(opt, v)?);
                 } else if let Some(v) = opt.strip_prefix("commit=") {
                     let n: u32 = v
                         .parse()
@@ -175,8 +185,8 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                          writeback_cache, allow_other, fast_commit, nofast_commit, fc_data_csum, \
                          errors=continue|remount-ro|panic, acl, noacl, strictatime, relatime, \
                          noatime, nodiratime, lazytime, dev, nodev, suid, nosuid, \
-                         keep_privileges, sandbox_user=USER, max_inflight=N, max_versions=N, \
-                         min_batch_time=US, max_batch_time=US, \
+                         keep_privileges, sandbox_user=USER, threads=N, fsync_threads=N, \
+                         max_inflight=N, max_versions=N, min_batch_time=US, max_batch_time=US, \
                          and from ext4 fstab lines user_xattr, data=ordered, barrier, discard)"
                     );
                 }
@@ -184,6 +194,14 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
         }
     }
     Ok(o)
+}
+
+/// A thread count of `threads=` / `fsync_threads=`: 1 to 256.
+fn thread_count(opt: &str, v: &str) -> Result<usize> {
+    match v.parse::<usize>() {
+        Ok(n) if (1..=256).contains(&n) => Ok(n),
+        _ => bail!("bad mount option {opt:?}: a thread count from 1 to 256"),
+    }
 }
 
 /// Everything `commitfs mount` was asked.
@@ -312,6 +330,7 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         tracing::error!("errors=panic: commitfs daemon exiting after an I/O error");
         std::process::exit(2);
     });
+    let threads = o.threads.unwrap_or_else(commitfs_fuse::default_threads);
     let cfg = FuseConfig {
         read_only: o.read_only || fs.is_read_only(),
         writeback_cache: o.writeback_cache && !o.read_only,
@@ -320,7 +339,8 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         acl: !o.noacl,
         dev: !o.nodev,
         suid: !o.nosuid,
-        ..FuseConfig::default()
+        threads,
+        fsync_threads: o.fsync_threads.unwrap_or((2 * threads).max(32)),
     };
     let mut session = commitfs_fuse::mount(fs.clone(), &req.dir, &cfg)
         .map_err(|e| anyhow!("FUSE mount at {} failed: {e}", req.dir.display()))?;
@@ -356,10 +376,12 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         .ok();
     crate::sandbox::notify_mounted();
     on_mounted(req)?;
-    if let Some(id) = sandbox {
-        crate::sandbox::enter(id)?;
-    }
-    let r = session.run();
+    // fuser clones its /dev/fuse descriptors when the session starts, which the
+    // sandbox forbids: enter it once they are cloned, before any request is served.
+    let r = match sandbox {
+        Some(id) => session.run_with(|| crate::sandbox::enter(id).map_err(|e| format!("{e:#}"))),
+        None => session.run(),
+    };
     let stats = fs.io_stats();
     tracing::info!(
         "unmounted {}: {} device writes ({} bytes), {} flushes",
@@ -521,6 +543,13 @@ mod tests {
         let o = p(&["keep_privileges,sandbox_user=daemon"]).unwrap();
         assert!(o.keep_privileges && o.sandbox_user.as_deref() == Some("daemon"));
         assert!(!MountCmdOptions::default().keep_privileges);
+        let o = p(&["threads=8,fsync_threads=3"]).unwrap();
+        assert_eq!((o.threads, o.fsync_threads), (Some(8), Some(3)));
+        assert_eq!(p(&[]).unwrap().threads, None);
+        for bad in ["threads=0", "threads=x", "fsync_threads=257", "threads="] {
+            let e = p(&[bad]).unwrap_err().to_string();
+            assert!(e.contains(bad), "{e}");
+        }
     }
 
     #[test]
