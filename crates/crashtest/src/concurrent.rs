@@ -469,7 +469,8 @@ pub fn record_conc(
     seed: u64,
     opts: MountOptions,
 ) -> Result<ConcRecording, String> {
-    let dev = Arc::new(RecordingDevice::new(base.to_vec()));
+    // A flush takes a while, as on a real device: fsyncs and commits overlap it.
+    let dev = Arc::new(RecordingDevice::new(base.to_vec()).with_flush_latency(FLUSH_LATENCY));
     let fs = Fs::open(dev.clone(), opts).map_err(|e| format!("mount of the base image: {e}"))?;
     let bs = fs.block_size() as usize;
     let mut dirs: Vec<(String, Ino)> = Vec::new();
@@ -954,6 +955,9 @@ pub fn mode_name(fast_commit: bool, fc_data_csum: bool) -> &'static str {
         _ => "jbd2",
     }
 }
+
+/// How long a flush of a concurrent recording takes to be acknowledged.
+pub const FLUSH_LATENCY: std::time::Duration = std::time::Duration::from_micros(500);
 
 /// Record a concurrent workload as `cfg` says (image made with `-O fast_commit`
 /// for the fast-commit modes).

@@ -56,6 +56,9 @@ pub struct RecordingDevice {
     dev: MemDevice,
     base: Arc<Vec<u8>>,
     log: Mutex<Vec<LogOp>>,
+    /// Time a flush takes to be acknowledged after it was logged (a device's
+    /// cache flush is slow; concurrent recordings need requests to overlap it).
+    flush_latency: std::time::Duration,
 }
 
 impl RecordingDevice {
@@ -66,7 +69,15 @@ impl RecordingDevice {
             dev: MemDevice::from_vec(image),
             base,
             log: Mutex::new(Vec::new()),
+            flush_latency: std::time::Duration::ZERO,
         }
+    }
+
+    /// Acknowledge each flush `d` after logging it. Writes issued meanwhile are
+    /// logged after the flush, so it does not cover them, as on a real device.
+    pub fn with_flush_latency(mut self, d: std::time::Duration) -> RecordingDevice {
+        self.flush_latency = d;
+        self
     }
 
     /// Number of requests logged so far: the index the next request will get. A
@@ -108,9 +119,14 @@ impl BlockDevice for RecordingDevice {
         Ok(())
     }
     fn flush(&self) -> Result<()> {
-        let mut log = self.log.lock();
-        self.dev.flush()?;
-        log.push(LogOp::Flush);
+        {
+            let mut log = self.log.lock();
+            self.dev.flush()?;
+            log.push(LogOp::Flush);
+        }
+        if !self.flush_latency.is_zero() {
+            std::thread::sleep(self.flush_latency);
+        }
         Ok(())
     }
     fn size(&self) -> u64 {
