@@ -103,10 +103,18 @@ pub struct Fs {
     fc_lock: LeaderLock,
     /// fsync/fdatasync calls (flushes per fsync = device flushes / this).
     fsyncs: std::sync::atomic::AtomicU64,
-    /// Fast-commit fsyncs under way (leader batching).
+    /// Fast-commit fsyncs under way (leader batching), and the most seen at
+    /// once lately.
     fsync_active: std::sync::atomic::AtomicUsize,
+    fsync_peak: std::sync::atomic::AtomicUsize,
     /// Batching limits (the journal pipeline's options).
     pipeline: commitfs_journal::PipelineOptions,
+    /// Per inode, the flush generation when its data was last written (an
+    /// fsync needs a flush started after it; entries leave once an fsync saw
+    /// them durable).
+    data_gens: Mutex<std::collections::HashMap<Ino, u64>>,
+    /// The mount's journal (the same as `Inner::journal`).
+    journal: Arc<commitfs_journal::Journal>,
 }
 
 /// One fast-commit leader at a time. Followers wait for the leader to finish
@@ -156,8 +164,9 @@ impl Drop for LeaderGuard<'_> {
 struct ActiveFsync<'a>(&'a std::sync::atomic::AtomicUsize);
 
 impl<'a> ActiveFsync<'a> {
-    fn enter(c: &'a std::sync::atomic::AtomicUsize) -> Self {
-        c.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    fn enter(c: &'a std::sync::atomic::AtomicUsize, peak: &std::sync::atomic::AtomicUsize) -> Self {
+        let n = c.fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1;
+        peak.fetch_max(n, std::sync::atomic::Ordering::AcqRel);
         ActiveFsync(c)
     }
 }
@@ -238,6 +247,7 @@ impl Fs {
             )
         });
         let errors = inner.errors.clone();
+        let journal = inner.journal.clone();
         Ok(Fs {
             block_size: inner.bs as u32,
             read_only: inner.read_only,
@@ -249,7 +259,10 @@ impl Fs {
             fc_lock: LeaderLock::default(),
             fsyncs: Default::default(),
             fsync_active: Default::default(),
+            fsync_peak: Default::default(),
             pipeline,
+            data_gens: Mutex::new(Default::default()),
+            journal,
         })
     }
 
@@ -530,6 +543,35 @@ impl Fs {
         self.inner.lock().sb.clone()
     }
 
+    /// An fsync's full commit: transaction `tid` (the running one when the fsync
+    /// began) and every earlier one durable, and the file's data written up to
+    /// flush generation `dgen` (group commit: `Journal::commit_upto`).
+    fn sync_for(&self, tid: u32, dgen: Option<u64>) -> Result<()> {
+        let journal = {
+            let mut g = self.lock()?;
+            if g.journal.is_aborted() {
+                return Err(commitfs_journal::JournalError::Aborted.into());
+            }
+            if g.read_only {
+                return Ok(());
+            }
+            g.prepare_commit()?;
+            g.journal.clone()
+        };
+        let r = journal
+            .commit_upto(tid, dgen)
+            .map(|_| ())
+            .map_err(FsError::from);
+        self.check(&journal, "commit", r)
+    }
+
+    /// Note that file data of `ino` was written up to now: its next fsync waits
+    /// for a flush that starts later.
+    fn note_data(&self, ino: Ino) {
+        let g = self.journal.flush_gen();
+        self.data_gens.lock().insert(ino, g);
+    }
+
     /// Commit all pending changes and flush the device. The device writes and the
     /// flush happen outside the file-system lock.
     pub fn sync(&self) -> Result<()> {
@@ -599,8 +641,12 @@ impl Fs {
                     let size = g.read_inode(ino)?.size;
                     Ok((new.min(size) / g.bs64(), u64::MAX))
                 };
-                self.lock_guarded(Some((ino, &span)))?
-                    .setattr(ino, set, caller)?
+                let r = self
+                    .lock_guarded(Some((ino, &span)))?
+                    .setattr(ino, set, caller);
+                // A truncate zeroes the tail of the last block in place.
+                self.note_data(ino);
+                r?
             }
             None => self.lock()?.setattr(ino, set, caller)?,
         };
@@ -812,7 +858,9 @@ impl Fs {
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
         let n =
-            self.retry_nospace_guarded(Some((ino, &span)), |g| g.write(ino, offset, data, caller))?;
+            self.retry_nospace_guarded(Some((ino, &span)), |g| g.write(ino, offset, data, caller));
+        self.note_data(ino);
+        let n = n?;
         self.maybe_commit()?;
         Ok(n)
     }
@@ -839,9 +887,11 @@ impl Fs {
             let size = g.read_inode(ino)?.size;
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
-        self.retry_nospace_guarded(Some((ino, &span)), |g| {
+        let r = self.retry_nospace_guarded(Some((ino, &span)), |g| {
             g.fallocate(ino, offset, len, flags, caller)
-        })?;
+        });
+        self.note_data(ino);
+        r?;
         self.maybe_commit()
     }
 
@@ -939,23 +989,53 @@ impl Fs {
             g.flush_lazy_atimes(Some(ino))?;
             let j = g.journal.clone();
             let t = j.running_tid();
-            (j.clone(), t, g.fc_seq(), j.data_gen(), g.fc_on())
+            let dgen = self.data_gens.lock().get(&ino).copied();
+            (j.clone(), t, g.fc_seq(), dgen, g.fc_on())
+        };
+        let r = self.fsync_covered(ino, &j, entry_tid, entry_seq, dgen, fc_on);
+        if r.is_ok() {
+            if let Some(g) = dgen {
+                let mut m = self.data_gens.lock();
+                if m.get(&ino) == Some(&g) && j.flushed_since(g) {
+                    m.remove(&ino);
+                }
+            }
+        }
+        r
+    }
+
+    /// [`Self::fsync_inner`] once the entry values are noted.
+    fn fsync_covered(
+        &self,
+        _ino: Ino,
+        j: &Arc<commitfs_journal::Journal>,
+        entry_tid: u32,
+        entry_seq: u64,
+        dgen: Option<u64>,
+        fc_on: bool,
+    ) -> Result<()> {
+        let data_done = |j: &commitfs_journal::Journal| dgen.is_none_or(|g| j.flushed_since(g));
+        let wait_data = |j: &commitfs_journal::Journal| -> Result<()> {
+            if let Some(g) = dgen {
+                j.wait_data(g)?;
+            }
+            Ok(())
         };
         self.fsyncs
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if !fc_on {
             // JBD2 mode: the journal's group commit (concurrent callers share
             // commits and flushes).
-            return self.sync();
+            return self.sync_for(entry_tid, dgen);
         }
-        let _active = ActiveFsync::enter(&self.fsync_active);
+        let _active = ActiveFsync::enter(&self.fsync_active, &self.fsync_peak);
         let t0 = std::time::Instant::now();
         let mut batched = false;
         let mut _fcl = None;
         loop {
             let mut g = self.lock()?;
             let meta_covered = g.fc_covered(entry_seq) || j.is_committed(entry_tid);
-            if meta_covered && j.flushed_since(dgen) {
+            if meta_covered && data_done(j) {
                 g.fc.stats.skipped += 1;
                 return Ok(());
             }
@@ -975,7 +1055,7 @@ impl Fs {
             }
             if meta_covered {
                 drop(g);
-                return Ok(j.wait_data(dgen)?);
+                return wait_data(j);
             }
             if !batched {
                 batched = true;
@@ -995,13 +1075,13 @@ impl Fs {
                     // full commit that pruned it is durable); data may not be.
                     g.fc.durable_upto = g.fc.durable_upto.max(upto);
                     drop(g);
-                    return Ok(j.wait_data(dgen)?);
+                    return wait_data(j);
                 }
                 fc::FcPlan::Full(_) if j.full_commit_in_flight() => continue,
                 fc::FcPlan::Full(r) => {
                     g.fc_count_ineligible(r);
                     drop(g);
-                    return self.sync();
+                    return self.sync_for(entry_tid, dgen);
                 }
                 fc::FcPlan::Fast {
                     tid,
@@ -1025,7 +1105,7 @@ impl Fs {
                         g.fc_count_ineligible(r);
                         g.fc_ineligible(r, tid);
                         drop(g);
-                        return self.sync();
+                        return self.sync_for(j.running_tid(), dgen);
                     };
                     let mode = if g.fc_data_csum {
                         commitfs_journal::FcFlush::Together
@@ -1058,32 +1138,39 @@ impl Fs {
             if wrote {
                 drop(g);
                 // The fast commit's flush (if any) covers data written before it.
-                return Ok(j.wait_data(dgen)?);
+                return wait_data(j);
             }
         }
     }
 
     /// Batching for a fast-commit leader (jbd2's `min_batch_time` /
-    /// `max_batch_time` rule, adapted): while other fsyncs keep arriving, wait
-    /// for them in short steps, at least `min_batch_time`, at most the average
-    /// fast-commit time (capped by `max_batch_time`), so that one fast commit
-    /// and one flush serve them all. A lone fsync never waits.
+    /// `max_batch_time` rule, adapted): wait until as many fsyncs are under way
+    /// as lately (at least `min_batch_time`, at most the average fast-commit time
+    /// capped by `max_batch_time`), so that one fast commit and one flush serve
+    /// them all. A lone fsync never waits.
     fn batch_fsyncs(&self, avg: std::time::Duration) {
         use std::sync::atomic::Ordering;
         use std::time::{Duration, Instant};
         let p = self.pipeline;
         let min = Duration::from_micros(p.min_batch_us);
         let max = Duration::from_micros(p.max_batch_us).min(avg.max(min));
+        // Wait for as many fsyncs as were under way at once lately (a thread
+        // released by the last fast commit is busy with its next request through
+        // FUSE for longer than any fixed quiet period), then set the mark to what
+        // this wait saw, so it follows the load down as well as up.
+        let target = self.fsync_peak.load(Ordering::Acquire);
         let t0 = Instant::now();
+        let mut seen = 0;
         loop {
             let n = self.fsync_active.load(Ordering::Acquire);
-            std::thread::sleep(Duration::from_micros(100));
+            seen = seen.max(n);
             let e = t0.elapsed();
-            let quiet = self.fsync_active.load(Ordering::Acquire) <= n;
-            if e >= max || (quiet && e >= min) {
-                return;
+            if e >= max || (n >= target && e >= min) {
+                break;
             }
+            std::thread::sleep(Duration::from_micros(50));
         }
+        self.fsync_peak.store(seen, Ordering::Release);
     }
 
     /// Fast-commit counters (commits, blocks, single-block count, time, fallbacks

@@ -368,8 +368,10 @@ pub(crate) struct TxQueue {
     pub flush_req: u64,
     /// Handles started in the running transaction (coalescing degree).
     pub running_handles_total: u64,
-    /// Commit requests since the commit thread last picked a transaction.
+    /// Commit requests since the commit thread last picked a transaction, and
+    /// how many the last batch had (the batching target).
     pub requesters: u32,
+    pub peak_requesters: u32,
     pub stop: bool,
 }
 
@@ -538,6 +540,7 @@ impl Core {
                 flush_req: 0,
                 running_handles_total: 0,
                 requesters: 0,
+                peak_requesters: 0,
                 stop: false,
             }),
             cv: Condvar::new(),
@@ -852,12 +855,28 @@ impl Core {
         if self.log.is_none() || self.read_only {
             return self.commit_home();
         }
+        let tid = self.running_tid();
+        self.commit_upto(tid, Some(self.data_gen()))
+    }
+
+    /// Group commit for one caller (an fsync): make transaction `tid` and every
+    /// earlier one durable — when `tid` is still running, commit it (if it
+    /// changed anything) — and, with `data_gen`, wait for a flush that started
+    /// after that flush generation (the caller's file data). Concurrent callers
+    /// share commits and flushes. Returns the number of buffers the running
+    /// transaction held when it was asked for.
+    pub fn commit_upto(&self, tid: u32, data_gen: Option<u64>) -> Result<usize> {
+        if self.log.is_none() || self.read_only {
+            return self.commit_home();
+        }
         self.check_live()?;
         let t0 = std::time::Instant::now();
-        let dgen = self.data_gen();
         let (target, n) = {
             let mut q = self.txq.lock();
-            if q.running.locked {
+            if !tid_le(q.running.tid, tid) {
+                // Switched already: in flight or durable.
+                (Some(tid), 0)
+            } else if q.running.locked {
                 // Being frozen by the commit thread right now: not in flight yet.
                 (Some(q.running.tid), 0)
             } else if !q.running.is_empty() {
@@ -875,11 +894,19 @@ impl Core {
         if let Some(t) = target {
             self.wait_committed(t)?;
         }
-        self.wait_data(dgen)?;
+        if let Some(g) = data_gen {
+            self.wait_data(g)?;
+        }
         let mut s = self.stats.lock();
         s.durability_waits += 1;
         s.durability_wait_ns += t0.elapsed().as_nanos() as u64;
         Ok(n)
+    }
+
+    /// The number of flushes started so far: a data write that completes now is
+    /// durable once [`Self::flushed_since`] this value.
+    pub fn flush_gen(&self) -> u64 {
+        self.gens.started.load(Ordering::Acquire)
     }
 
     /// Ask for the running transaction to be committed without waiting (like

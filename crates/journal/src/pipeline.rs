@@ -135,18 +135,40 @@ impl Core {
                 Duration::from_nanos(s.commit_ns.checked_div(s.commits).unwrap_or(0))
             };
             let max = Duration::from_micros(self.opts.max_batch_us).min(avg.max(min));
-            loop {
-                let before = q.running_handles_total;
-                let until = std::time::Instant::now() + BATCH_STEP;
-                while std::time::Instant::now() < until && !q.stop {
+            let deadline = t0 + max;
+            if !q.inflight.is_empty() {
+                // Pipeline busy: a flush in progress cannot make this transaction
+                // durable anyway, so gather handles until it ends; then go at
+                // once: the flush thread waits for this log to share its next
+                // flush with the commit blocks it just wrote (compound flush).
+                while q.flush_busy && std::time::Instant::now() < deadline && !q.stop {
+                    self.cv.wait_until(&mut q, deadline);
+                }
+                // A little longer if fewer callers than lately have asked: less
+                // than the flush thread waits for this log.
+                let until = std::time::Instant::now() + FLUSH_BATCH * 3 / 4;
+                let target = q.peak_requesters.max(1);
+                while q.requesters < target && std::time::Instant::now() < until && !q.stop {
                     self.cv.wait_until(&mut q, until);
                 }
-                let quiet = q.running_handles_total == before && q.running.handles == 0;
-                let e = t0.elapsed();
-                if e >= max || (quiet && e >= min) {
-                    break;
+            } else {
+                // First commit of a burst: wait for as many callers as the last
+                // batches had (a caller released by the last commit is busy with
+                // its next request, through FUSE for longer than any fixed quiet
+                // period), at least `min_batch_us`; the mark follows what the
+                // wait saw, up or down.
+                let target = q.peak_requesters.max(1);
+                loop {
+                    let now = std::time::Instant::now();
+                    let e = now - t0;
+                    if now >= deadline || q.stop || (q.requesters >= target && e >= min) {
+                        break;
+                    }
+                    let until = (now + BATCH_STEP).min(deadline);
+                    self.cv.wait_until(&mut q, until);
                 }
             }
+            q.peak_requesters = q.requesters;
             if !self.commit_wanted(&q) || q.fc_ongoing || q.hold > 0 || self.is_aborted() {
                 return Ok(true);
             }
@@ -307,14 +329,18 @@ impl Core {
             }
             self.cv.wait_for(&mut q, WAIT_SLICE);
         }
-        // The commit thread is writing a successor's log blocks: let this flush
-        // cover them too (CJFS §4.4: one flush for consecutive commits), for at
-        // most a fraction of a flush.
+        // The commit thread is about to write, or writing, a successor's log
+        // blocks: let this flush cover them too (CJFS §4.4: one flush for
+        // consecutive commits), for at most a fraction of a flush.
         let until = std::time::Instant::now() + FLUSH_BATCH;
-        while q.inflight.back().is_some_and(|t| {
-            t.state == TxState::Committing && t.commit.is_none() && t.bufs.is_empty()
-        }) && std::time::Instant::now() < until
+        while (self.commit_wanted(&q)
+            || q.running.locked
+            || q.inflight.back().is_some_and(|t| {
+                t.state == TxState::Committing && t.commit.is_none() && t.bufs.is_empty()
+            }))
+            && std::time::Instant::now() < until
             && !self.is_aborted()
+            && !q.stop
         {
             self.cv.wait_until(&mut q, until);
         }
@@ -359,9 +385,19 @@ impl Core {
         for &tid in &logw {
             let (off, block, fua) = {
                 let mut q = self.txq.lock();
-                let alone = logw.len() == 1
-                    && q.inflight.back().is_some_and(|t| t.tid == tid)
-                    && !self.commit_wanted(&q);
+                let last = logw.len() == 1 && q.inflight.back().is_some_and(|t| t.tid == tid);
+                // Other threads are at work in the running transaction: a commit
+                // request for it is likely to come at once; give it a moment, so
+                // that C(T) rides on the next flush instead of costing a FUA write
+                // (a flush on devices without FUA). One thread fsyncing alone
+                // never waits: it is blocked on T, so no handle starts.
+                if last && q.running_handles_total > 0 && !self.commit_wanted(&q) {
+                    let until = std::time::Instant::now() + FLUSH_BATCH;
+                    while !self.commit_wanted(&q) && std::time::Instant::now() < until && !q.stop {
+                        self.cv.wait_until(&mut q, until);
+                    }
+                }
+                let alone = last && !self.commit_wanted(&q);
                 let t = q
                     .inflight
                     .iter_mut()
