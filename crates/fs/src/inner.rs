@@ -90,7 +90,10 @@ pub(crate) struct Inner {
     /// `-o fc_data_csum` in effect (fast commits on, read-write).
     pub fc_data_csum: bool,
     /// File data was written since the last flush we know of (selective flushing).
-    pub data_dirty: std::sync::atomic::AtomicBool,
+    pub data_dirty: Arc<std::sync::atomic::AtomicBool>,
+    /// Data writes between their metadata step and their device write
+    /// (`dataio.rs`); fast commits wait for them.
+    pub inflight: Arc<crate::dataio::Inflight>,
     /// Per-group hint: first inode bit that may be free.
     pub inode_hint: Vec<u32>,
     /// Last group a directory was placed in (spreads top-level directories).
@@ -101,7 +104,7 @@ pub(crate) struct Inner {
     pub errors: Arc<crate::errors::ErrorState>,
     /// Inodes a data write failed for since their last fsync: the next fsync
     /// reports EIO (errseq-like, once).
-    pub data_errors: HashSet<u32>,
+    pub data_errors: crate::dataio::DataErrorsRef,
     /// What this mount's recovery replayed (`None`: the journal was empty).
     pub recovery: Option<crate::Recovery>,
     /// `lazytime`: inodes whose cached copy carries an atime the inode table does
@@ -232,12 +235,13 @@ impl Inner {
             fc_enabled: false,
             fc_data_csum: false,
             data_dirty: Default::default(),
+            inflight: Default::default(),
             inode_hint: vec![0; groups as usize],
             last_dir_group: 0,
             next_generation: now().nsec ^ 0x9E37_79B9,
             opts,
             errors,
-            data_errors: HashSet::new(),
+            data_errors: Default::default(),
             recovery: None,
             lazy_atime: HashMap::new(),
             lazy_oldest: None,
@@ -541,8 +545,22 @@ impl Inner {
         self.journal
             .note_data(pblk, buf.len().div_ceil(self.bs) as u64);
         self.data_dirty
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+            .store(true, std::sync::atomic::Ordering::Release);
         Ok(())
+    }
+
+    /// Device access for file data without the `Inner` lock (`dataio.rs`).
+    pub fn data_io(&self) -> crate::dataio::DataIo {
+        crate::dataio::DataIo {
+            dev: self.dev.clone(),
+            journal: self.journal.clone(),
+            bs: self.bs,
+            first_data_block: self.sb.first_data_block() as u64,
+            blocks_count: self.sb.blocks_count(),
+            errors: self.errors.clone(),
+            read_only: self.read_only,
+            data_dirty: self.data_dirty.clone(),
+        }
     }
 
     fn check_data_range(&self, pblk: u64, len: usize) -> Result<()> {
