@@ -16,7 +16,7 @@
 //! * Freed blocks go through [`Inner::free_blocks`], which also drops any cached
 //!   metadata buffer for them.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -65,12 +65,9 @@ pub(crate) struct Inner {
     pub bpg: u32,
     pub inode_size: usize,
     pub read_only: bool,
-    /// Cached decoded inodes.
-    pub inodes: HashMap<u32, Inode>,
-    /// Open file handles per inode (open-unlinked files stay until the last close).
-    pub open_counts: HashMap<u32, u32>,
-    /// Inodes with no links left that are still open; freed at the last close.
-    pub unlinked_open: HashSet<u32>,
+    /// Cached inodes, open counts, open-unlinked inodes, lazytime atimes
+    /// (itable.rs: its own lock, design C.1).
+    pub itable: Arc<crate::itable::InodeTable>,
     /// Directory state owned by `dir.rs` (in-memory indexes).
     pub dirs: crate::dir::DirCache,
     /// Blocks freed by transactions that are not committed yet: start -> (end, tid).
@@ -107,11 +104,6 @@ pub(crate) struct Inner {
     pub data_errors: crate::dataio::DataErrorsRef,
     /// What this mount's recovery replayed (`None`: the journal was empty).
     pub recovery: Option<crate::Recovery>,
-    /// `lazytime`: inodes whose cached copy carries an atime the inode table does
-    /// not have yet -> coarse seconds when that started (`atime.rs`).
-    pub lazy_atime: HashMap<u32, u64>,
-    /// Oldest value in `lazy_atime` (a cheap expiry check per access).
-    pub lazy_oldest: Option<u64>,
 }
 
 /// Seconds of the coarse realtime clock, which is what `time()` (and so e2fsck)
@@ -224,9 +216,7 @@ impl Inner {
             sb_dirty: false,
             gds: Vec::with_capacity(groups as usize),
             read_only,
-            inodes: HashMap::new(),
-            open_counts: HashMap::new(),
-            unlinked_open: HashSet::new(),
+            itable: Default::default(),
             dirs: Default::default(),
             pending_free: Default::default(),
             pending_free_inodes: Default::default(),
@@ -243,8 +233,6 @@ impl Inner {
             errors,
             data_errors: Default::default(),
             recovery: None,
-            lazy_atime: HashMap::new(),
-            lazy_oldest: None,
         };
         inner.load_group_descs()?;
         if inspect_only {
@@ -410,7 +398,7 @@ impl Inner {
         self.errors.apply(&mut sb);
         self.sb = sb;
         self.journal = Arc::new(Journal::new(self.dev.clone(), self.bs, self.read_only));
-        self.inodes.clear();
+        self.itable.clear();
         self.gds.clear();
         self.load_group_descs()?;
         // Free counts in the superblock may lag (the kernel keeps them in memory);
@@ -660,9 +648,7 @@ impl Inner {
             self.errors.retry_record();
             return Ok(());
         }
-        let pending: Vec<u32> = self.unlinked_open.drain().collect();
-        for ino in pending {
-            self.open_counts.remove(&ino);
+        for ino in self.itable.take_unlinked_open() {
             self.evict_inode(ino)?;
         }
         let st = self.sb.state() | sbf::STATE_VALID_FS;
@@ -714,8 +700,8 @@ impl Inner {
 
     /// A copy of inode `ino` (from the cache or the inode table).
     pub fn read_inode(&mut self, ino: u32) -> Result<Inode> {
-        if let Some(i) = self.inodes.get(&ino) {
-            return Ok(i.clone());
+        if let Some(i) = self.itable.get(ino) {
+            return Ok(i);
         }
         let (blk, off) = self.inode_location(ino)?;
         let buf = self.read_meta(blk)?;
@@ -723,12 +709,7 @@ impl Inner {
             let d = buf.data();
             Inode::parse(&d[off..off + self.inode_size], ino, &self.csum, blk)?
         };
-        if self.inodes.len() > 1 << 20 {
-            // Lazytime atimes live only in the cache until written: keep them.
-            let lazy = &self.lazy_atime;
-            self.inodes.retain(|i, _| lazy.contains_key(i));
-        }
-        self.inodes.insert(ino, inode.clone());
+        self.itable.insert(ino, inode.clone());
         Ok(inode)
     }
 
@@ -740,11 +721,8 @@ impl Inner {
         self.modify_meta(h, blk, |d| {
             inode.serialize(&mut d[off..off + isz], ino, &csum)
         })?;
-        self.inodes.insert(ino, inode.clone());
         // The table now holds whatever atime the cache had.
-        if !self.lazy_atime.is_empty() {
-            self.lazy_atime.remove(&ino);
-        }
+        self.itable.store_written(ino, inode.clone());
         Ok(())
     }
 

@@ -17,6 +17,7 @@ mod fc_replay;
 mod file;
 mod ilock;
 mod inner;
+mod itable;
 mod ops;
 mod orphan;
 pub mod probe;
@@ -750,7 +751,7 @@ impl Fs {
     pub fn open_inode(&self, ino: Ino) -> Result<()> {
         let mut g = self.lock()?;
         g.read_inode(ino)?;
-        *g.open_counts.entry(ino).or_insert(0) += 1;
+        g.itable.open(ino);
         Ok(())
     }
 
