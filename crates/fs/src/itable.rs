@@ -46,6 +46,19 @@ impl InodeTable {
         self.st.lock().inodes.get(&ino).cloned()
     }
 
+    /// The attributes of a cached inode that is live (links, or open), without
+    /// `Inner`: `None` when it is not cached (the caller asks `Inner`),
+    /// `Some(Err(NotFound))` when it is freed or unlinked and closed.
+    pub fn cached_attr(&self, ino: u32, bs: usize) -> Option<crate::Result<crate::Attr>> {
+        let st = self.st.lock();
+        let i = st.inodes.get(&ino)?;
+        let open = st.open.get(&ino).is_some_and(|&c| c > 0);
+        if i.mode == 0 || (i.links_count == 0 && !open) {
+            return Some(Err(crate::FsError::NotFound));
+        }
+        Some(crate::ops::attr_from(ino, i, bs))
+    }
+
     /// `f` of the cached inode, without copying it.
     pub fn with<R>(&self, ino: u32, f: impl FnOnce(&Inode) -> R) -> Option<R> {
         self.st.lock().inodes.get(&ino).map(f)

@@ -106,6 +106,8 @@ pub struct Fs {
     ilocks: ilock::InodeLocks,
     /// File data device access without `inner` (dataio.rs).
     dio: dataio::DataIo,
+    /// Shared with `Inner`: cached inodes and open counts (itable.rs).
+    itable: Arc<itable::InodeTable>,
     /// Shared with `Inner`: data write failures for the next fsync.
     data_errors: Arc<dataio::DataErrors>,
 }
@@ -181,7 +183,9 @@ impl Fs {
         let errors = inner.errors.clone();
         let dio = inner.data_io();
         let data_errors = inner.data_errors.0.clone();
+        let itable = inner.itable.clone();
         Ok(Fs {
+            itable,
             ilocks: Default::default(),
             dio,
             data_errors,
@@ -510,7 +514,16 @@ impl Fs {
         })
     }
 
+    /// A cached inode is answered by the inode table alone (its own short lock,
+    /// itable.rs), without the file-system lock; a miss reads it under `Inner`.
     pub fn getattr(&self, ino: Ino) -> Result<Attr> {
+        self.errors.write_deferred();
+        if self.errors.is_dead() {
+            return Err(FsError::Shutdown);
+        }
+        if let Some(a) = self.itable.cached_attr(ino, self.block_size as usize) {
+            return a;
+        }
         self.lock()?.getattr(ino)
     }
 

@@ -39,6 +39,13 @@ pub(crate) fn empty_extent_root() -> [u8; 60] {
 
 impl Inner {
     pub fn attr_of(&self, ino: u32, i: &Inode) -> Result<Attr> {
+        attr_from(ino, i, self.bs)
+    }
+}
+
+/// The attributes of inode `ino` (`bs`: block size).
+pub(crate) fn attr_from(ino: u32, i: &Inode, bs: usize) -> Result<Attr> {
+    {
         let kind = FileType::from_mode(i.mode)
             .ok_or_else(|| FsError::corrupt(format!("inode {ino}: bad mode {:o}", i.mode)))?;
         Ok(Attr {
@@ -49,7 +56,7 @@ impl Inner {
             uid: i.uid,
             gid: i.gid,
             size: i.size,
-            blocks: i.blocks_512(self.bs),
+            blocks: i.blocks_512(bs),
             atime: i.atime,
             mtime: i.mtime,
             ctime: i.ctime,
@@ -60,10 +67,12 @@ impl Inner {
             },
             generation: i.generation,
             flags: i.flags,
-            blksize: self.bs as u32,
+            blksize: bs as u32,
         })
     }
+}
 
+impl Inner {
     /// Read an inode that must be live (links > 0 or still open).
     pub fn live_inode(&mut self, ino: u32) -> Result<Inode> {
         let i = self.read_inode(ino)?;

@@ -297,6 +297,122 @@ fn data_reads_run_in_parallel() {
     fs.unmount().unwrap();
 }
 
+/// A device that, once armed, holds the next metadata read until released (or
+/// 10 s pass).
+struct HoldMeta {
+    inner: DeviceRef,
+    /// (armed, holding, released)
+    st: Mutex<(bool, bool, bool)>,
+    cv: Condvar,
+}
+
+impl HoldMeta {
+    fn wait_holding(&self) -> bool {
+        let deadline = Instant::now() + GATE_TIMEOUT;
+        let mut st = self.st.lock().unwrap();
+        while !st.1 {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            st = self.cv.wait_timeout(st, deadline - now).unwrap().0;
+        }
+        true
+    }
+    fn release(&self) {
+        self.st.lock().unwrap().2 = true;
+        self.cv.notify_all();
+    }
+}
+
+impl BlockDevice for HoldMeta {
+    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> DevResult<()> {
+        if cat == IoCategory::Metadata {
+            let mut st = self.st.lock().unwrap();
+            if st.0 {
+                st.0 = false;
+                st.1 = true;
+                self.cv.notify_all();
+                let deadline = Instant::now() + 2 * GATE_TIMEOUT;
+                while !st.2 && Instant::now() < deadline {
+                    st = self
+                        .cv
+                        .wait_timeout(st, Duration::from_millis(50))
+                        .unwrap()
+                        .0;
+                }
+                st.1 = false;
+            }
+        }
+        self.inner.read_at(offset, buf, cat)
+    }
+    fn write_at(&self, offset: u64, buf: &[u8], cat: IoCategory, fua: bool) -> DevResult<()> {
+        self.inner.write_at(offset, buf, cat, fua)
+    }
+    fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> DevResult<()> {
+        self.inner.write_sectors(offset, buf, cat)
+    }
+    fn flush(&self) -> DevResult<()> {
+        self.inner.flush()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn is_read_only(&self) -> bool {
+        self.inner.is_read_only()
+    }
+    fn stats(&self) -> &IoStats {
+        self.inner.stats()
+    }
+}
+
+/// `getattr` of a cached inode is answered by the inode table without the
+/// file-system lock: it returns while another thread holds that lock across a
+/// metadata read (a directory block missing from the cache).
+#[test]
+fn cached_getattr_needs_no_fs_lock() {
+    let img = mkfs("cc-getattr", 64, &["-b", "4096"]);
+    {
+        let fs = Fs::open_path(&img.path, opts()).unwrap();
+        let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
+        fs.create(d, b"x", 0o644, 0, 0).unwrap();
+        let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
+        fs.write(f, 0, &pattern(1, 5000)).unwrap();
+        fs.unmount().unwrap();
+    }
+    let dev = Arc::new(HoldMeta {
+        inner: Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        st: Mutex::new((false, false, false)),
+        cv: Condvar::new(),
+    });
+    let fs = Fs::open(dev.clone(), opts()).unwrap();
+    let f = fs.resolve("/f").unwrap();
+    assert_eq!(fs.getattr(f).unwrap().size, 5000);
+    dev.st.lock().unwrap().0 = true;
+    std::thread::scope(|s| {
+        // Holds the file-system lock across the read of d's directory block.
+        let a = s.spawn(|| fs.resolve("/d/x"));
+        let held = dev.wait_holding();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let fs = &fs;
+        s.spawn(move || {
+            let _ = tx.send(fs.getattr(f).map(|a| a.size));
+        });
+        let got = rx.recv_timeout(GATE_TIMEOUT);
+        let still_held = dev.st.lock().unwrap().1;
+        dev.release();
+        assert!(held, "the directory block read never came");
+        assert_eq!(
+            got.ok().map(|r| r.unwrap()),
+            Some(5000),
+            "getattr did not return while the file-system lock was held"
+        );
+        assert!(still_held, "the metadata read was released early");
+        a.join().unwrap().unwrap();
+    });
+    fs.unmount().unwrap();
+}
+
 // ---------------------------------------------------------------------------------
 // Stress
 // ---------------------------------------------------------------------------------
