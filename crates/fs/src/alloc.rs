@@ -438,7 +438,7 @@ impl Inner {
         }
         self.pending_free_inodes.insert(ino, h.tid());
         self.orphans_added.remove(&ino);
-        self.inodes.remove(&ino);
+        self.itable.remove(ino);
         Ok(())
     }
 

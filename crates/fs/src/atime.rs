@@ -62,8 +62,9 @@ impl Inner {
     fn try_touch_atime(&mut self, ino: u32) -> Result<bool> {
         let t = now();
         // Decide on the cached copy without cloning it (the common case: no update).
-        let due = match self.inodes.get(&ino) {
-            Some(i) => atime_due(&self.opts, i, t),
+        let opts = &self.opts;
+        let due = match self.itable.with(ino, |i| atime_due(opts, i, t)) {
+            Some(due) => due,
             None => {
                 let i = self.read_inode(ino)?;
                 atime_due(&self.opts, &i, t)
@@ -75,14 +76,9 @@ impl Inner {
         let mut i = self.read_inode(ino)?;
         i.atime = t;
         if self.opts.lazytime {
-            self.inodes.insert(ino, i);
             let secs = coarse_secs();
-            self.lazy_atime.entry(ino).or_insert(secs);
-            self.lazy_oldest.get_or_insert(secs);
-            if self
-                .lazy_oldest
-                .is_some_and(|o| secs.saturating_sub(o) >= LAZYTIME_EXPIRY)
-            {
+            let oldest = self.itable.lazy_note(ino, i, secs);
+            if secs.saturating_sub(oldest) >= LAZYTIME_EXPIRY {
                 self.flush_lazy_expired(secs)?;
                 return Ok(true);
             }
@@ -101,25 +97,19 @@ impl Inner {
 
     /// Write lazytime atimes to the inode table: of `only`, or of every inode.
     pub fn flush_lazy_atimes(&mut self, only: Option<u32>) -> Result<()> {
-        if self.lazy_atime.is_empty() {
+        if self.itable.lazy_is_empty() {
             return Ok(());
         }
-        let inos: Vec<u32> = match only {
-            Some(ino) if self.lazy_atime.contains_key(&ino) => vec![ino],
-            Some(_) => return Ok(()),
-            None => self.lazy_atime.keys().copied().collect(),
-        };
+        let inos = self.itable.lazy_inos(only);
+        if inos.is_empty() {
+            return Ok(());
+        }
         self.write_lazy(&inos)
     }
 
     /// Write the lazytime atimes older than [`LAZYTIME_EXPIRY`].
     fn flush_lazy_expired(&mut self, now_secs: u64) -> Result<()> {
-        let inos: Vec<u32> = self
-            .lazy_atime
-            .iter()
-            .filter(|(_, &since)| now_secs.saturating_sub(since) >= LAZYTIME_EXPIRY)
-            .map(|(&ino, _)| ino)
-            .collect();
+        let inos = self.itable.lazy_expired(now_secs, LAZYTIME_EXPIRY);
         self.write_lazy(&inos)
     }
 
@@ -136,7 +126,7 @@ impl Inner {
             self.stop(h)?;
             r?;
         }
-        self.lazy_oldest = self.lazy_atime.values().copied().min();
+        self.itable.lazy_refresh_oldest();
         Ok(())
     }
 }

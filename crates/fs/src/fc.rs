@@ -323,6 +323,12 @@ impl Inner {
         if !self.fc_enabled {
             return Ok(FcPlan::Full(FcReason::NoFullCommitYet));
         }
+        // A write between its metadata step and its data write must not be
+        // logged: its new blocks may not hold their data yet (ordered mode), and
+        // fc_data_csum would checksum half-written blocks. In-flight writes never
+        // take `Inner`, which is held here, so none starts and the wait ends
+        // (dataio.rs; the kernel's jbd2_journal_lock_updates).
+        self.inflight.wait_idle();
         self.fc_prune();
         let Some((tid, _, _)) = self.journal.fc_slot() else {
             return Ok(FcPlan::Full(FcReason::NoFullCommitYet));

@@ -8,6 +8,7 @@
 use commitfs_format::inode::{self as fi, Inode};
 use commitfs_journal::Handle;
 
+use crate::dataio::{Chunk, Seg, WriteBegun};
 use crate::error::{FsError, Result};
 use crate::extent::Mapping;
 use crate::inner::{now, Inner};
@@ -22,12 +23,13 @@ fn max_file_size(bs: usize) -> u64 {
 const MAX_ALLOC_RUN: u32 = 32768;
 
 impl Inner {
-    /// Read `buf.len()` bytes at `off` of the inode's data (holes and unwritten
-    /// extents read as zeros); caller has clamped to the file size.
-    pub fn read_inode_data(&mut self, ino: u32, i: &Inode, off: u64, buf: &mut [u8]) -> Result<()> {
+    /// Where `len` bytes at `off` of the inode's data are: device pieces, holes
+    /// and unwritten extents (zeros). The caller has clamped to the file size.
+    pub fn read_plan(&mut self, ino: u32, i: &Inode, off: u64, len: usize) -> Result<Vec<Seg>> {
         let bs = self.bs as u64;
+        let mut segs = Vec::new();
         let mut pos = 0usize;
-        while pos < buf.len() {
+        while pos < len {
             let cur = off + pos as u64;
             let lblk = (cur / bs) as u32;
             let in_blk = (cur % bs) as usize;
@@ -39,31 +41,38 @@ impl Inner {
                     _ => u64::MAX / bs,
                 },
             };
-            let span = (avail_blocks * bs - in_blk as u64).min((buf.len() - pos) as u64) as usize;
-            let dst = &mut buf[pos..pos + span];
-            match m {
+            let span = (avail_blocks * bs - in_blk as u64).min((len - pos) as u64) as usize;
+            let pblk = match m {
                 Some(Mapping {
                     pblk,
                     unwritten: false,
                     ..
-                }) => {
-                    if in_blk == 0 && span.is_multiple_of(self.bs) {
-                        self.read_data(pblk, dst)?;
-                    } else {
-                        let nblk = (in_blk + span).div_ceil(self.bs);
-                        let mut tmp = vec![0u8; nblk * self.bs];
-                        self.read_data(pblk, &mut tmp)?;
-                        dst.copy_from_slice(&tmp[in_blk..in_blk + span]);
-                    }
-                }
-                _ => dst.fill(0),
-            }
+                }) => Some(pblk),
+                _ => None,
+            };
+            segs.push(Seg {
+                pblk,
+                in_blk,
+                span,
+                pos,
+            });
             pos += span;
         }
-        Ok(())
+        Ok(segs)
     }
 
-    pub fn read(&mut self, ino: u32, off: u64, buf: &mut [u8]) -> Result<usize> {
+    /// Read `buf.len()` bytes at `off` of the inode's data (holes and unwritten
+    /// extents read as zeros); caller has clamped to the file size. Under `Inner`:
+    /// for symlink bodies and the like; file reads go through [`Self::read_plan`].
+    pub fn read_inode_data(&mut self, ino: u32, i: &Inode, off: u64, buf: &mut [u8]) -> Result<()> {
+        let segs = self.read_plan(ino, i, off, buf.len())?;
+        self.data_io().read_segs(&segs, buf)
+    }
+
+    /// The metadata step of a read of up to `len` bytes at `off`: the bytes
+    /// there are (0 at or past the end) and where they are. The device read
+    /// happens outside `Inner`, under the inode's lock (shared).
+    pub fn read_begin(&mut self, ino: u32, off: u64, len: usize) -> Result<(usize, Vec<Seg>)> {
         let i = self.live_inode(ino)?;
         if i.is_dir() {
             return Err(FsError::IsDir);
@@ -72,11 +81,10 @@ impl Inner {
             return Err(FsError::Invalid("read of a non-regular file"));
         }
         if off >= i.size {
-            return Ok(0);
+            return Ok((0, Vec::new()));
         }
-        let n = ((i.size - off) as usize).min(buf.len());
-        self.read_inode_data(ino, &i, off, &mut buf[..n])?;
-        Ok(n)
+        let n = ((i.size - off) as usize).min(len);
+        Ok((n, self.read_plan(ino, &i, off, n)?))
     }
 
     /// Clear setuid/setgid of a regular file whose data `caller` changes, by
@@ -94,13 +102,22 @@ impl Inner {
         changed
     }
 
-    pub fn write(
+    /// The metadata step of a write of `len` bytes at `off` (the caller holds the
+    /// inode's lock exclusively): start a handle, map or allocate every block,
+    /// convert unwritten extents, track the change for fast commits, set size,
+    /// mtime and ctime (and drop privileges), and mark the write in flight. No
+    /// data is written: the caller writes the returned pieces outside `Inner`,
+    /// then drops the [`WriteBegun`] (in-flight mark, then the handle, which
+    /// keeps the transaction exposing the blocks from committing before the data
+    /// is written: ordered mode). `None`: nothing to write. On ENOSPC after some
+    /// progress the pieces cover a prefix (a short write, as POSIX allows).
+    pub fn write_begin(
         &mut self,
         ino: u32,
         off: u64,
-        data: &[u8],
+        len: usize,
         caller: CallerOf<'_>,
-    ) -> Result<usize> {
+    ) -> Result<Option<WriteBegun>> {
         let mut i = self.live_inode(ino)?;
         if i.is_dir() {
             return Err(FsError::IsDir);
@@ -108,10 +125,10 @@ impl Inner {
         if !i.is_reg() {
             return Err(FsError::Invalid("write to a non-regular file"));
         }
-        if data.is_empty() {
-            return Ok(0);
+        if len == 0 {
+            return Ok(None);
         }
-        off.checked_add(data.len() as u64)
+        off.checked_add(len as u64)
             .filter(|&e| e <= max_file_size(self.bs))
             .ok_or(FsError::FileTooBig)?;
         let h = self.start(64)?;
@@ -120,42 +137,65 @@ impl Inner {
         if Self::drop_privs(&mut i, caller) {
             i.ctime = now();
         }
-        let r = self.write_in(&h, ino, &mut i, off, data);
-        // Whatever part was written is recorded, even after an error (ENOSPC).
-        let written = match &r {
-            Ok(n) => *n,
-            Err(_) => 0,
-        };
-        if written > 0 {
+        let old_size = i.size;
+        let mut chunks = Vec::new();
+        let r = self.write_map(&h, ino, &mut i, off, len, &mut chunks);
+        if r.is_err() {
+            // Nothing is written: blocks mapped so far must not stay mapped with
+            // whatever they held (beyond the size, a later extension would show it).
+            for c in chunks.drain(..).filter(|c| c.changed > 0) {
+                let end = c.lblk as u64 + c.changed as u64;
+                let _ = self.remove_blocks(&h, ino, &mut i, c.lblk, end);
+            }
+        }
+        let planned: usize = chunks.iter().map(|c| c.span).sum();
+        if planned > 0 {
             let t = now();
             i.mtime = t;
             i.ctime = t;
-            // A short write (ENOSPC part-way) only grows the file by what it wrote.
-            i.size = i.size.max(off + written as u64);
+            // A short write (ENOSPC part-way) only grows the file by what it maps.
+            i.size = i.size.max(off + planned as u64);
         }
         let wr = self.write_inode(&h, ino, &i);
-        self.stop(h)?;
-        wr?;
-        r
+        match (r, wr) {
+            (Ok(()), Ok(())) => {}
+            (Err(e), _) | (Ok(()), Err(e)) => {
+                self.stop(h)?;
+                return Err(e);
+            }
+        }
+        if chunks.is_empty() {
+            self.stop(h)?;
+            return Ok(None);
+        }
+        let inflight = self.inflight.begin(ino);
+        Ok(Some(WriteBegun {
+            chunks,
+            old_size,
+            inflight,
+            h,
+        }))
     }
 
-    /// Write data; returns bytes written. On ENOSPC after some progress, returns
-    /// the progress (a short write, as POSIX allows).
-    fn write_in(
+    /// Map (allocating where needed) the blocks of a write into `chunks`, its
+    /// pieces. On ENOSPC after some progress, `Ok` with the pieces so far; on an
+    /// error, `chunks` holds what was mapped before it.
+    fn write_map(
         &mut self,
         h: &Handle,
         ino: u32,
         i: &mut Inode,
         off: u64,
-        data: &[u8],
-    ) -> Result<usize> {
+        len: usize,
+        chunks: &mut Vec<Chunk>,
+    ) -> Result<()> {
         let bs = self.bs as u64;
         let mut pos = 0usize;
-        while pos < data.len() {
+        while pos < len {
             let cur = off + pos as u64;
             let lblk = (cur / bs) as u32;
             let in_blk = (cur % bs) as usize;
-            let last_lblk = ((off + data.len() as u64 - 1) / bs) as u32;
+            let last_lblk = ((off + len as u64 - 1) / bs) as u32;
             let m = self.ext_map(ino, i, lblk)?;
             let (pblk, nblocks, fresh, unwritten) = match m {
                 Some(m) => (m.pblk, m.len.min(last_lblk - lblk + 1), false, m.unwritten),
@@ -170,13 +210,13 @@ impl Inner {
                     let goal = self.data_goal(ino, i, lblk)?;
                     let (p, n) = match self.alloc_blocks(h, goal, want) {
                         Ok(x) => x,
-                        Err(FsError::NoSpace) if pos > 0 => return Ok(pos),
+                        Err(FsError::NoSpace) if pos > 0 => return Ok(()),
                         Err(e) => return Err(e),
                     };
                     if let Err(e) = self.ext_insert(h, ino, i, lblk, p, n, false) {
                         let _ = self.free_blocks(h, p, n as u64);
                         if matches!(e, FsError::NoSpace) && pos > 0 {
-                            return Ok(pos);
+                            return Ok(());
                         }
                         return Err(e);
                     }
@@ -186,27 +226,18 @@ impl Inner {
                     (p, n, true, false)
                 }
             };
-            let span = ((nblocks as u64 * bs) as usize - in_blk).min(data.len() - pos);
-            let src = &data[pos..pos + span];
-            let covered = (in_blk + span).div_ceil(self.bs);
-            let wr = self.write_chunk(pblk, in_blk, span, src, fresh, unwritten);
-            if let Err(e) = wr {
-                if matches!(e, FsError::Device(_)) {
-                    // The device refused the data: the file must not map fresh
-                    // blocks holding whatever was there before, and the next
-                    // fsync reports the loss (the writer sees it too, below).
-                    self.data_errors.insert(ino);
-                    if fresh {
-                        self.remove_blocks(h, ino, i, lblk, lblk as u64 + nblocks as u64)?;
-                    }
-                    if pos > 0 {
-                        return Ok(pos);
-                    }
-                }
-                return Err(e);
-            }
+            let span = ((nblocks as u64 * bs) as usize - in_blk).min(len - pos);
+            let covered = (in_blk + span).div_ceil(self.bs) as u32;
             if unwritten {
-                self.ext_convert_written(h, ino, i, lblk, covered as u32)?;
+                // Converted before the data is written: nobody sees the blocks
+                // in between (readers wait for the inode's lock, fast commits for
+                // the in-flight mark, a commit for the handle); a failed write
+                // unmaps them ([`Self::write_undo`]).
+                match self.ext_convert_written(h, ino, i, lblk, covered) {
+                    Ok(()) => {}
+                    Err(FsError::NoSpace) if pos > 0 => return Ok(()),
+                    Err(e) => return Err(e),
+                }
             }
             // fc_data_csum: data and the fast commit share one flush, so a fast
             // commit must name (ADD_RANGE, same mapping: a no-op at replay) and
@@ -216,44 +247,57 @@ impl Inner {
             if unwritten || (self.fc_data_csum && !fresh) {
                 self.fc_track_inode(ino, h.tid(), Some((lblk, lblk as u64 + covered as u64)));
             }
+            chunks.push(Chunk {
+                lblk,
+                pblk,
+                in_blk,
+                span,
+                pos,
+                fresh,
+                unwritten,
+                changed: if fresh {
+                    nblocks
+                } else if unwritten {
+                    covered
+                } else {
+                    0
+                },
+            });
             pos += span;
         }
-        Ok(pos)
+        Ok(())
     }
 
-    /// Write `span` bytes `src` at byte `in_blk` of the blocks from `pblk`.
-    fn write_chunk(
+    /// A write's data failed from piece `failed[0]` on, after `done` bytes: the
+    /// file must not map blocks holding whatever was there before (fresh or
+    /// formerly unwritten ones of the failed pieces are unmapped), and it only
+    /// grows by what was written. In a new handle: the write's own has stopped
+    /// (none may wait for `Inner` while holding one).
+    pub fn write_undo(
         &mut self,
-        pblk: u64,
-        in_blk: usize,
-        span: usize,
-        src: &[u8],
-        fresh: bool,
-        unwritten: bool,
+        ino: u32,
+        off: u64,
+        done: usize,
+        failed: &[Chunk],
+        old_size: u64,
     ) -> Result<()> {
-        let covered = (in_blk + span).div_ceil(self.bs);
-        {
-            if in_blk == 0 && span.is_multiple_of(self.bs) {
-                self.write_data(pblk, src)?;
-            } else {
-                // Partial head/tail block: read-modify-write unless the block is new
-                // or unwritten (then the rest must be zeros, never stale data).
-                let mut tmp = vec![0u8; covered * self.bs];
-                if !fresh && !unwritten {
-                    if in_blk != 0 {
-                        self.read_data(pblk, &mut tmp[..self.bs])?;
-                    }
-                    let tail_end = in_blk + span;
-                    if !tail_end.is_multiple_of(self.bs) && (covered > 1 || in_blk == 0) {
-                        let last = covered - 1;
-                        self.read_data(pblk + last as u64, &mut tmp[last * self.bs..])?;
-                    }
-                }
-                tmp[in_blk..in_blk + span].copy_from_slice(src);
-                self.write_data(pblk, &tmp)?;
+        let mut i = self.read_inode(ino)?;
+        let h = self.start(64)?;
+        let r = (|| {
+            for c in failed.iter().filter(|c| c.changed > 0) {
+                let end = c.lblk as u64 + c.changed as u64;
+                self.fc_track_inode(ino, h.tid(), Some((c.lblk, end)));
+                self.remove_blocks(&h, ino, &mut i, c.lblk, end)?;
             }
-        }
-        Ok(())
+            let size = old_size.max(off + done as u64);
+            if i.size > size {
+                i.size = size;
+            }
+            self.fc_track_inode(ino, h.tid(), None);
+            self.write_inode(&h, ino, &i)
+        })();
+        self.stop(h)?;
+        r
     }
 
     /// Device runs `(pblk, len)` of the written or unwritten blocks `ino` maps in

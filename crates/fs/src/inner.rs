@@ -16,7 +16,7 @@
 //! * Freed blocks go through [`Inner::free_blocks`], which also drops any cached
 //!   metadata buffer for them.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -65,12 +65,9 @@ pub(crate) struct Inner {
     pub bpg: u32,
     pub inode_size: usize,
     pub read_only: bool,
-    /// Cached decoded inodes.
-    pub inodes: HashMap<u32, Inode>,
-    /// Open file handles per inode (open-unlinked files stay until the last close).
-    pub open_counts: HashMap<u32, u32>,
-    /// Inodes with no links left that are still open; freed at the last close.
-    pub unlinked_open: HashSet<u32>,
+    /// Cached inodes, open counts, open-unlinked inodes, lazytime atimes
+    /// (itable.rs: its own lock, design C.1).
+    pub itable: Arc<crate::itable::InodeTable>,
     /// Directory state owned by `dir.rs` (in-memory indexes).
     pub dirs: crate::dir::DirCache,
     /// Blocks freed by transactions that are not committed yet: start -> (end, tid).
@@ -89,6 +86,9 @@ pub(crate) struct Inner {
     pub fc_enabled: bool,
     /// `-o fc_data_csum` in effect (fast commits on, read-write).
     pub fc_data_csum: bool,
+    /// Data writes between their metadata step and their device write
+    /// (`dataio.rs`); fast commits wait for them.
+    pub inflight: Arc<crate::dataio::Inflight>,
     /// Per-group hint: first inode bit that may be free.
     pub inode_hint: Vec<u32>,
     /// Last group a directory was placed in (spreads top-level directories).
@@ -99,14 +99,9 @@ pub(crate) struct Inner {
     pub errors: Arc<crate::errors::ErrorState>,
     /// Inodes a data write failed for since their last fsync: the next fsync
     /// reports EIO (errseq-like, once).
-    pub data_errors: HashSet<u32>,
+    pub data_errors: crate::dataio::DataErrorsRef,
     /// What this mount's recovery replayed (`None`: the journal was empty).
     pub recovery: Option<crate::Recovery>,
-    /// `lazytime`: inodes whose cached copy carries an atime the inode table does
-    /// not have yet -> coarse seconds when that started (`atime.rs`).
-    pub lazy_atime: HashMap<u32, u64>,
-    /// Oldest value in `lazy_atime` (a cheap expiry check per access).
-    pub lazy_oldest: Option<u64>,
 }
 
 /// Seconds of the coarse realtime clock, which is what `time()` (and so e2fsck)
@@ -219,9 +214,7 @@ impl Inner {
             sb_dirty: false,
             gds: Vec::with_capacity(groups as usize),
             read_only,
-            inodes: HashMap::new(),
-            open_counts: HashMap::new(),
-            unlinked_open: HashSet::new(),
+            itable: Default::default(),
             dirs: Default::default(),
             pending_free: Default::default(),
             pending_free_inodes: Default::default(),
@@ -229,15 +222,14 @@ impl Inner {
             fc: Default::default(),
             fc_enabled: false,
             fc_data_csum: false,
+            inflight: Default::default(),
             inode_hint: vec![0; groups as usize],
             last_dir_group: 0,
             next_generation: now().nsec ^ 0x9E37_79B9,
             opts,
             errors,
-            data_errors: HashSet::new(),
+            data_errors: Default::default(),
             recovery: None,
-            lazy_atime: HashMap::new(),
-            lazy_oldest: None,
         };
         inner.load_group_descs()?;
         if inspect_only {
@@ -409,7 +401,7 @@ impl Inner {
         self.errors.apply(&mut sb);
         self.sb = sb;
         self.journal = Arc::new(Journal::new(self.dev.clone(), self.bs, self.read_only));
-        self.inodes.clear();
+        self.itable.clear();
         self.gds.clear();
         self.load_group_descs()?;
         // Free counts in the superblock may lag (the kernel keeps them in memory);
@@ -549,6 +541,19 @@ impl Inner {
         Ok(())
     }
 
+    /// Device access for file data without the `Inner` lock (`dataio.rs`).
+    pub fn data_io(&self) -> crate::dataio::DataIo {
+        crate::dataio::DataIo {
+            dev: self.dev.clone(),
+            journal: self.journal.clone(),
+            bs: self.bs,
+            first_data_block: self.sb.first_data_block() as u64,
+            blocks_count: self.sb.blocks_count(),
+            errors: self.errors.clone(),
+            read_only: self.read_only,
+        }
+    }
+
     fn check_data_range(&self, pblk: u64, len: usize) -> Result<()> {
         let nblocks = len.div_ceil(self.bs) as u64;
         if pblk < self.sb.first_data_block() as u64
@@ -646,9 +651,7 @@ impl Inner {
             self.errors.retry_record();
             return Ok(());
         }
-        let pending: Vec<u32> = self.unlinked_open.drain().collect();
-        for ino in pending {
-            self.open_counts.remove(&ino);
+        for ino in self.itable.take_unlinked_open() {
             self.evict_inode(ino)?;
         }
         let st = self.sb.state() | sbf::STATE_VALID_FS;
@@ -700,8 +703,8 @@ impl Inner {
 
     /// A copy of inode `ino` (from the cache or the inode table).
     pub fn read_inode(&mut self, ino: u32) -> Result<Inode> {
-        if let Some(i) = self.inodes.get(&ino) {
-            return Ok(i.clone());
+        if let Some(i) = self.itable.get(ino) {
+            return Ok(i);
         }
         let (blk, off) = self.inode_location(ino)?;
         let buf = self.read_meta(blk)?;
@@ -709,12 +712,7 @@ impl Inner {
             let d = buf.data();
             Inode::parse(&d[off..off + self.inode_size], ino, &self.csum, blk)?
         };
-        if self.inodes.len() > 1 << 20 {
-            // Lazytime atimes live only in the cache until written: keep them.
-            let lazy = &self.lazy_atime;
-            self.inodes.retain(|i, _| lazy.contains_key(i));
-        }
-        self.inodes.insert(ino, inode.clone());
+        self.itable.insert(ino, inode.clone());
         Ok(inode)
     }
 
@@ -726,11 +724,8 @@ impl Inner {
         self.modify_meta(h, blk, |d| {
             inode.serialize(&mut d[off..off + isz], ino, &csum)
         })?;
-        self.inodes.insert(ino, inode.clone());
         // The table now holds whatever atime the cache had.
-        if !self.lazy_atime.is_empty() {
-            self.lazy_atime.remove(&ino);
-        }
+        self.itable.store_written(ino, inode.clone());
         Ok(())
     }
 

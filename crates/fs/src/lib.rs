@@ -7,6 +7,7 @@
 mod acl;
 mod alloc;
 mod atime;
+mod dataio;
 mod dir;
 mod error;
 mod errors;
@@ -14,7 +15,9 @@ mod extent;
 mod fc;
 mod fc_replay;
 mod file;
+mod ilock;
 mod inner;
+mod itable;
 mod ops;
 mod orphan;
 pub mod probe;
@@ -115,6 +118,15 @@ pub struct Fs {
     data_gens: Mutex<std::collections::HashMap<Ino, u64>>,
     /// The mount's journal (the same as `Inner::journal`).
     journal: Arc<commitfs_journal::Journal>,
+    /// Per-inode locks: file data I/O runs under these, outside `inner`; taken
+    /// before `inner`, never while holding it (ilock.rs).
+    ilocks: ilock::InodeLocks,
+    /// File data device access without `inner` (dataio.rs).
+    dio: dataio::DataIo,
+    /// Shared with `Inner`: cached inodes and open counts (itable.rs).
+    itable: Arc<itable::InodeTable>,
+    /// Shared with `Inner`: data write failures for the next fsync.
+    data_errors: Arc<dataio::DataErrors>,
 }
 
 /// One fast-commit leader at a time. Followers wait for the leader to finish
@@ -248,7 +260,14 @@ impl Fs {
         });
         let errors = inner.errors.clone();
         let journal = inner.journal.clone();
+        let dio = inner.data_io();
+        let data_errors = inner.data_errors.0.clone();
+        let itable = inner.itable.clone();
         Ok(Fs {
+            itable,
+            ilocks: Default::default(),
+            dio,
+            data_errors,
             block_size: inner.bs as u32,
             read_only: inner.read_only,
             inner: Mutex::new(inner),
@@ -607,7 +626,16 @@ impl Fs {
         })
     }
 
+    /// A cached inode is answered by the inode table alone (its own short lock,
+    /// itable.rs), without the file-system lock; a miss reads it under `Inner`.
     pub fn getattr(&self, ino: Ino) -> Result<Attr> {
+        self.errors.write_deferred();
+        if self.errors.is_dead() {
+            return Err(FsError::Shutdown);
+        }
+        if let Some(a) = self.itable.cached_attr(ino, self.block_size as usize) {
+            return a;
+        }
         self.lock()?.getattr(ino)
     }
 
@@ -634,6 +662,9 @@ impl Fs {
     /// [`Fs::setattr`] on behalf of `caller`: a truncate by a caller without
     /// `CAP_FSETID` clears setuid/setgid (see [`Caller::mode_after_change`]).
     pub fn setattr_by(&self, ino: Ino, set: &SetAttr, caller: CallerOf<'_>) -> Result<Attr> {
+        // A size change frees or zeroes blocks: no read or write of them may be
+        // under way.
+        let il = set.size.map(|_| self.ilocks.write(ino));
         let a = match set.size {
             // A truncate zeroes the tail of the new last block in place.
             Some(new) => {
@@ -650,6 +681,7 @@ impl Fs {
             }
             None => self.lock()?.setattr(ino, set, caller)?,
         };
+        drop(il);
         self.maybe_commit()?;
         Ok(a)
     }
@@ -795,7 +827,18 @@ impl Fs {
     }
 
     pub fn unlink(&self, parent: Ino, name: &[u8]) -> Result<()> {
-        self.lock()?.unlink(parent, name)?;
+        // The last link of a closed file frees its blocks: under its inode lock,
+        // taken before the file-system lock (so looked up first, and checked again).
+        loop {
+            let victim = self.lock()?.lookup_ino(parent, name)?;
+            let _il = self.ilocks.write(victim);
+            let mut g = self.lock()?;
+            if g.lookup_ino(parent, name)? != victim {
+                continue;
+            }
+            g.unlink(parent, name)?;
+            break;
+        }
         self.maybe_commit()
     }
 
@@ -811,31 +854,61 @@ impl Fs {
         new_name: &[u8],
         flags: RenameFlags,
     ) -> Result<()> {
-        self.retry_nospace(|g| g.rename(parent, name, new_parent, new_name, flags))
+        // A replaced target may be freed: under its inode lock, as in unlink.
+        loop {
+            let victim = if flags.exchange {
+                None
+            } else {
+                self.lock()?.lookup_ino(new_parent, new_name).ok()
+            };
+            let _il = victim.map(|v| self.ilocks.write(v));
+            let mut moved = false;
+            let r = self.retry_nospace(|g| {
+                if !flags.exchange && g.lookup_ino(new_parent, new_name).ok() != victim {
+                    moved = true;
+                    return Ok(());
+                }
+                g.rename(parent, name, new_parent, new_name, flags)
+            });
+            if !moved {
+                return r;
+            }
+        }
     }
 
     /// Note an open file handle (an unlinked file stays until its last close).
     pub fn open_inode(&self, ino: Ino) -> Result<()> {
         let mut g = self.lock()?;
         g.read_inode(ino)?;
-        *g.open_counts.entry(ino).or_insert(0) += 1;
+        g.itable.open(ino);
         Ok(())
     }
 
     /// Close a file handle opened with [`Fs::open_inode`].
     pub fn release(&self, ino: Ino) -> Result<()> {
+        // The last close of an unlinked file frees its blocks.
+        let _il = self.ilocks.write(ino);
         self.lock()?.release(ino)
     }
 
     /// Read file data; updates atime under the mount's atime policy.
+    ///
+    /// The blocks are mapped under the file-system lock and read from the device
+    /// outside it, under the inode's lock (shared): nothing can free them
+    /// meanwhile (every path that frees or remaps blocks holds it exclusively).
     pub fn read(&self, ino: Ino, offset: u64, buf: &mut [u8]) -> Result<usize> {
-        let mut g = self.lock()?;
-        let n = g.read(ino, offset, buf)?;
-        if !buf.is_empty() && g.touch_atime(ino) {
-            drop(g);
+        let il = self.ilocks.read(ino);
+        let (n, segs, atime) = {
+            let mut g = self.lock()?;
+            let (n, segs) = g.read_begin(ino, offset, buf.len())?;
+            (n, segs, !buf.is_empty() && g.touch_atime(ino))
+        };
+        let r = self.dio.read_segs(&segs, &mut buf[..n]);
+        drop(il);
+        if atime {
             self.commit_after_access();
         }
-        Ok(n)
+        r.map(|()| n)
     }
 
     /// Write by a privileged caller (setuid/setgid bits stay).
@@ -857,10 +930,52 @@ impl Fs {
             let size = g.read_inode(ino)?.size;
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
-        let n =
-            self.retry_nospace_guarded(Some((ino, &span)), |g| g.write(ino, offset, data, caller));
+        let il = self.ilocks.write(ino);
+        let Some(b) = self.retry_nospace_guarded(Some((ino, &span)), |g| {
+            g.write_begin(ino, offset, data.len(), caller)
+        })?
+        else {
+            return Ok(0);
+        };
+        // The data, outside the file-system lock: under the inode's lock and the
+        // handle of the transaction that maps the blocks (dataio.rs).
+        let mut failed = None;
+        for (k, c) in b.chunks.iter().enumerate() {
+            if let Err(e) = self.dio.write_chunk(c, &data[c.pos..c.pos + c.span]) {
+                failed = Some((k, e));
+                break;
+            }
+        }
+        let dataio::WriteBegun {
+            chunks,
+            old_size,
+            inflight,
+            h,
+        } = b;
+        drop(inflight);
+        drop(h);
+        // Its next fsync needs a flush that starts after these writes.
         self.note_data(ino);
-        let n = n?;
+        let mut n = chunks.iter().map(|c| c.span).sum();
+        if let Some((k, e)) = failed {
+            n = chunks[k].pos;
+            let device = matches!(e, FsError::Device(_));
+            if device {
+                // The next fsync reports the loss (the writer sees it too when
+                // nothing was written).
+                self.data_errors.insert(ino);
+            }
+            let undo = self
+                .lock()
+                .and_then(|mut g| g.write_undo(ino, offset, n, &chunks[k..], old_size));
+            if let Err(u) = undo {
+                tracing::warn!("undoing the mapping of a failed data write of inode {ino}: {u}");
+            }
+            if !device || n == 0 {
+                return Err(e);
+            }
+        }
+        drop(il);
         self.maybe_commit()?;
         Ok(n)
     }
@@ -887,11 +1002,13 @@ impl Fs {
             let size = g.read_inode(ino)?.size;
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
+        let il = self.ilocks.write(ino);
         let r = self.retry_nospace_guarded(Some((ino, &span)), |g| {
             g.fallocate(ino, offset, len, flags, caller)
         });
         self.note_data(ino);
         r?;
+        drop(il);
         self.maybe_commit()
     }
 

@@ -39,6 +39,13 @@ pub(crate) fn empty_extent_root() -> [u8; 60] {
 
 impl Inner {
     pub fn attr_of(&self, ino: u32, i: &Inode) -> Result<Attr> {
+        attr_from(ino, i, self.bs)
+    }
+}
+
+/// The attributes of inode `ino` (`bs`: block size).
+pub(crate) fn attr_from(ino: u32, i: &Inode, bs: usize) -> Result<Attr> {
+    {
         let kind = FileType::from_mode(i.mode)
             .ok_or_else(|| FsError::corrupt(format!("inode {ino}: bad mode {:o}", i.mode)))?;
         Ok(Attr {
@@ -49,7 +56,7 @@ impl Inner {
             uid: i.uid,
             gid: i.gid,
             size: i.size,
-            blocks: i.blocks_512(self.bs),
+            blocks: i.blocks_512(bs),
             atime: i.atime,
             mtime: i.mtime,
             ctime: i.ctime,
@@ -60,14 +67,16 @@ impl Inner {
             },
             generation: i.generation,
             flags: i.flags,
-            blksize: self.bs as u32,
+            blksize: bs as u32,
         })
     }
+}
 
+impl Inner {
     /// Read an inode that must be live (links > 0 or still open).
     pub fn live_inode(&mut self, ino: u32) -> Result<Inode> {
         let i = self.read_inode(ino)?;
-        if i.mode == 0 || (i.links_count == 0 && !self.open_counts.contains_key(&ino)) {
+        if i.mode == 0 || (i.links_count == 0 && !self.itable.is_open(ino)) {
             return Err(FsError::NotFound);
         }
         Ok(i)
@@ -370,7 +379,7 @@ impl Inner {
                 // (fc.rs, FcReason::UnlinkLast).
                 self.fc_ineligible(FcReason::UnlinkLast, h.tid());
             }
-            if self.open_counts.get(&ino).copied().unwrap_or(0) > 0 {
+            if self.itable.is_open(ino) {
                 // Still open: keep it, on the orphan list so a crash frees it. A
                 // fast commit stays possible, as in the kernel: it carries the
                 // UNLINK of the last name (the caller tracked it), whose replay
@@ -379,7 +388,7 @@ impl Inner {
                 // inode without links (the kernel's replay refuses such an INODE).
                 self.write_inode(h, ino, &i)?;
                 self.orphan_add(h, ino)?;
-                self.unlinked_open.insert(ino);
+                self.itable.mark_unlinked_open(ino);
                 return Ok(());
             }
             self.fc_track_inode(ino, h.tid(), Some((0, 1u64 << 32)));
@@ -396,12 +405,12 @@ impl Inner {
     fn drop_dir(&mut self, h: &Handle, ino: u32, mut i: Inode) -> Result<()> {
         i.links_count = 0;
         i.ctime = now();
-        if self.open_counts.get(&ino).copied().unwrap_or(0) == 0 {
+        if !self.itable.is_open(ino) {
             return self.evict_with(h, ino, i);
         }
         self.write_inode(h, ino, &i)?;
         self.orphan_add(h, ino)?;
-        self.unlinked_open.insert(ino);
+        self.itable.mark_unlinked_open(ino);
         Ok(())
     }
 
@@ -716,18 +725,8 @@ impl Inner {
     }
 
     pub fn release(&mut self, ino: u32) -> Result<()> {
-        let left = match self.open_counts.get_mut(&ino) {
-            Some(c) => {
-                *c = c.saturating_sub(1);
-                *c
-            }
-            None => return Ok(()),
-        };
-        if left == 0 {
-            self.open_counts.remove(&ino);
-            if self.unlinked_open.remove(&ino) && !self.read_only {
-                return self.evict_inode(ino);
-            }
+        if self.itable.release(ino) && !self.read_only {
+            return self.evict_inode(ino);
         }
         Ok(())
     }
@@ -839,7 +838,7 @@ impl Inner {
         if was_dir {
             self.dir_forget(ino);
         }
-        self.open_counts.remove(&ino);
+        self.itable.forget_open(ino);
         Ok(())
     }
 }

@@ -1,0 +1,187 @@
+//! The inode table component (issue #10, design C.1 `InodeTable`): cached
+//! decoded inodes, open counts, the open-unlinked set and lazytime atimes, moved
+//! out of `Inner` with their own lock.
+//!
+//! First step of the `Inner` split (migration step 7): callers still hold
+//! `Inner` around most uses, so the lock is nested inside it for now (rank:
+//! after `Inner` and the inode locks, like C.4's `SbState`). It is held only for
+//! map operations, never across device I/O, a journal call or another lock, so
+//! paths that leave `Inner` later (getattr on a cached inode, open counts) can
+//! use it alone. Methods copy out; no guard escapes.
+
+use std::collections::{HashMap, HashSet};
+
+use commitfs_format::inode::Inode;
+use parking_lot::Mutex;
+
+/// Cached inodes kept at most (beyond it the cache is emptied, keeping the
+/// inodes whose lazytime atime lives only here).
+const CACHE_MAX: usize = 1 << 20;
+
+#[derive(Default)]
+struct State {
+    /// Cached decoded inodes.
+    inodes: HashMap<u32, Inode>,
+    /// Open file handles per inode (open-unlinked files stay until the last close).
+    open: HashMap<u32, u32>,
+    /// Inodes with no links left that are still open; freed at the last close.
+    unlinked_open: HashSet<u32>,
+    /// `lazytime`: inodes whose cached copy carries an atime the inode table
+    /// does not have yet -> coarse seconds when that started (`atime.rs`).
+    lazy: HashMap<u32, u64>,
+    /// Oldest value in `lazy` (a cheap expiry check per access).
+    lazy_oldest: Option<u64>,
+}
+
+#[derive(Default)]
+pub(crate) struct InodeTable {
+    st: Mutex<State>,
+}
+
+impl InodeTable {
+    // ---- cache ----------------------------------------------------------------
+
+    /// A copy of the cached inode.
+    pub fn get(&self, ino: u32) -> Option<Inode> {
+        self.st.lock().inodes.get(&ino).cloned()
+    }
+
+    /// The attributes of a cached inode that is live (links, or open), without
+    /// `Inner`: `None` when it is not cached (the caller asks `Inner`),
+    /// `Some(Err(NotFound))` when it is freed or unlinked and closed.
+    pub fn cached_attr(&self, ino: u32, bs: usize) -> Option<crate::Result<crate::Attr>> {
+        let st = self.st.lock();
+        let i = st.inodes.get(&ino)?;
+        let open = st.open.get(&ino).is_some_and(|&c| c > 0);
+        if i.mode == 0 || (i.links_count == 0 && !open) {
+            return Some(Err(crate::FsError::NotFound));
+        }
+        Some(crate::ops::attr_from(ino, i, bs))
+    }
+
+    /// `f` of the cached inode, without copying it.
+    pub fn with<R>(&self, ino: u32, f: impl FnOnce(&Inode) -> R) -> Option<R> {
+        self.st.lock().inodes.get(&ino).map(f)
+    }
+
+    /// Cache an inode read from its table.
+    pub fn insert(&self, ino: u32, inode: Inode) {
+        let mut st = self.st.lock();
+        if st.inodes.len() > CACHE_MAX {
+            // Lazytime atimes live only in the cache until written: keep them.
+            let State { inodes, lazy, .. } = &mut *st;
+            inodes.retain(|i, _| lazy.contains_key(i));
+        }
+        st.inodes.insert(ino, inode);
+    }
+
+    /// Cache an inode just written to its table buffer (which now holds
+    /// whatever atime the cache had).
+    pub fn store_written(&self, ino: u32, inode: Inode) {
+        let mut st = self.st.lock();
+        st.inodes.insert(ino, inode);
+        if !st.lazy.is_empty() {
+            st.lazy.remove(&ino);
+        }
+    }
+
+    pub fn remove(&self, ino: u32) {
+        self.st.lock().inodes.remove(&ino);
+    }
+
+    /// Drop every cached inode (after a journal replay).
+    pub fn clear(&self) {
+        self.st.lock().inodes.clear();
+    }
+
+    // ---- open counts ------------------------------------------------------------
+
+    /// One more open file handle of `ino`.
+    pub fn open(&self, ino: u32) {
+        *self.st.lock().open.entry(ino).or_insert(0) += 1;
+    }
+
+    pub fn is_open(&self, ino: u32) -> bool {
+        self.st.lock().open.get(&ino).is_some_and(|&c| c > 0)
+    }
+
+    /// One handle of `ino` closed: `true` when it was the last one of an inode
+    /// unlinked while open (the caller frees it).
+    pub fn release(&self, ino: u32) -> bool {
+        let mut st = self.st.lock();
+        let left = match st.open.get_mut(&ino) {
+            Some(c) => {
+                *c = c.saturating_sub(1);
+                *c
+            }
+            None => return false,
+        };
+        if left > 0 {
+            return false;
+        }
+        st.open.remove(&ino);
+        st.unlinked_open.remove(&ino)
+    }
+
+    /// `ino` was freed: no handle counts for it any more.
+    pub fn forget_open(&self, ino: u32) {
+        self.st.lock().open.remove(&ino);
+    }
+
+    /// `ino` lost its last link while open: freed at the last close.
+    pub fn mark_unlinked_open(&self, ino: u32) {
+        self.st.lock().unlinked_open.insert(ino);
+    }
+
+    /// Every open-unlinked inode, forgetting their handles (unmount frees them).
+    pub fn take_unlinked_open(&self) -> Vec<u32> {
+        let mut st = self.st.lock();
+        let v: Vec<u32> = st.unlinked_open.drain().collect();
+        for ino in &v {
+            st.open.remove(ino);
+        }
+        v
+    }
+
+    // ---- lazytime ---------------------------------------------------------------
+
+    /// Cache `inode` with an atime the table does not have yet, since `secs`
+    /// (kept if older); returns the oldest such time.
+    pub fn lazy_note(&self, ino: u32, inode: Inode, secs: u64) -> u64 {
+        let mut st = self.st.lock();
+        st.inodes.insert(ino, inode);
+        st.lazy.entry(ino).or_insert(secs);
+        *st.lazy_oldest.get_or_insert(secs)
+    }
+
+    pub fn lazy_is_empty(&self) -> bool {
+        self.st.lock().lazy.is_empty()
+    }
+
+    /// Inodes with a pending lazytime atime: `only` (if pending), or all.
+    pub fn lazy_inos(&self, only: Option<u32>) -> Vec<u32> {
+        let st = self.st.lock();
+        match only {
+            Some(ino) if st.lazy.contains_key(&ino) => vec![ino],
+            Some(_) => Vec::new(),
+            None => st.lazy.keys().copied().collect(),
+        }
+    }
+
+    /// Inodes whose pending lazytime atime is at least `expiry` seconds old.
+    pub fn lazy_expired(&self, now_secs: u64, expiry: u64) -> Vec<u32> {
+        self.st
+            .lock()
+            .lazy
+            .iter()
+            .filter(|(_, &since)| now_secs.saturating_sub(since) >= expiry)
+            .map(|(&ino, _)| ino)
+            .collect()
+    }
+
+    /// Recompute the oldest pending lazytime atime after some were written.
+    pub fn lazy_refresh_oldest(&self) {
+        let mut st = self.st.lock();
+        st.lazy_oldest = st.lazy.values().copied().min();
+    }
+}

@@ -1,0 +1,670 @@
+//! Concurrent core, step 1 (issue #10, docs/ARCHITECTURE.md "Implemented:
+//! concurrent core, step 1"): file data I/O runs outside the file-system lock,
+//! under per-inode locks.
+//!
+//! Parallelism is shown by counts, not timing: a device whose data requests wait
+//! at a gate until N threads are inside the device at once. With data I/O under
+//! one file-system lock only one thread can ever be inside, the gate times out,
+//! and the test fails. The stress tests run 16 threads of writes (partial blocks
+//! included, on shared files in neighbouring byte ranges, so read-modify-writes
+//! of one block race), reads, truncates, punches, renames over files and fsyncs
+//! in every journal mode, then check the tree against a model after a remount and
+//! the image with `e2fsck -fn`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use commitfs_device::{
+    BlockDevice, DeviceRef, FileDevice, IoCategory, IoStats, Result as DevResult,
+};
+use commitfs_fs::testutil::{fsck, mkfs, problem_lines};
+use commitfs_fs::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// How long a gated request waits for the others before the gate gives up.
+const GATE_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Default)]
+struct GateState {
+    armed: bool,
+    want: usize,
+    inside: usize,
+    max_inside: usize,
+    timed_out: bool,
+}
+
+/// A device whose data reads or writes, while armed, wait until `want` of them
+/// are inside the device at once (or the gate times out and disarms).
+struct GateDevice {
+    inner: DeviceRef,
+    gate_writes: bool,
+    st: Mutex<GateState>,
+    cv: Condvar,
+}
+
+impl GateDevice {
+    fn new(inner: DeviceRef, gate_writes: bool) -> GateDevice {
+        GateDevice {
+            inner,
+            gate_writes,
+            st: Mutex::new(GateState::default()),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn arm(&self, want: usize) {
+        let mut st = self.st.lock().unwrap();
+        *st = GateState {
+            armed: true,
+            want,
+            ..Default::default()
+        };
+    }
+
+    /// (most requests inside at once, whether the gate timed out)
+    fn result(&self) -> (usize, bool) {
+        let st = self.st.lock().unwrap();
+        (st.max_inside, st.timed_out)
+    }
+
+    fn pass(&self) {
+        let mut st = self.st.lock().unwrap();
+        if !st.armed {
+            return;
+        }
+        st.inside += 1;
+        st.max_inside = st.max_inside.max(st.inside);
+        if st.max_inside >= st.want {
+            self.cv.notify_all();
+        }
+        let deadline = Instant::now() + GATE_TIMEOUT;
+        while st.armed && st.max_inside < st.want {
+            let now = Instant::now();
+            if now >= deadline {
+                st.timed_out = true;
+                st.armed = false;
+                self.cv.notify_all();
+                break;
+            }
+            st = self.cv.wait_timeout(st, deadline - now).unwrap().0;
+        }
+        st.inside -= 1;
+    }
+}
+
+impl BlockDevice for GateDevice {
+    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> DevResult<()> {
+        if cat == IoCategory::Data && !self.gate_writes {
+            self.pass();
+        }
+        self.inner.read_at(offset, buf, cat)
+    }
+    fn write_at(&self, offset: u64, buf: &[u8], cat: IoCategory, fua: bool) -> DevResult<()> {
+        if cat == IoCategory::Data && self.gate_writes {
+            self.pass();
+        }
+        self.inner.write_at(offset, buf, cat, fua)
+    }
+    fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> DevResult<()> {
+        self.inner.write_sectors(offset, buf, cat)
+    }
+    fn flush(&self) -> DevResult<()> {
+        self.inner.flush()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn is_read_only(&self) -> bool {
+        self.inner.is_read_only()
+    }
+    fn stats(&self) -> &IoStats {
+        self.inner.stats()
+    }
+}
+
+/// A device whose data requests take `delay` (slept before the request, as a
+/// device would take its time): makes data I/O of concurrent threads overlap, so
+/// a missing lock shows (two read-modify-writes of one block lose an update).
+struct SlowData {
+    inner: DeviceRef,
+    delay: Duration,
+}
+
+impl BlockDevice for SlowData {
+    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> DevResult<()> {
+        if cat == IoCategory::Data {
+            std::thread::sleep(self.delay);
+        }
+        self.inner.read_at(offset, buf, cat)
+    }
+    fn write_at(&self, offset: u64, buf: &[u8], cat: IoCategory, fua: bool) -> DevResult<()> {
+        if cat == IoCategory::Data {
+            std::thread::sleep(self.delay);
+        }
+        self.inner.write_at(offset, buf, cat, fua)
+    }
+    fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> DevResult<()> {
+        self.inner.write_sectors(offset, buf, cat)
+    }
+    fn flush(&self) -> DevResult<()> {
+        self.inner.flush()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn is_read_only(&self) -> bool {
+        self.inner.is_read_only()
+    }
+    fn stats(&self) -> &IoStats {
+        self.inner.stats()
+    }
+}
+
+fn opts() -> MountOptions {
+    MountOptions {
+        commit_interval: 0,
+        ..Default::default()
+    }
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (seed.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8 | 1)
+        .collect()
+}
+
+fn assert_clean(path: &std::path::Path, what: &str) {
+    let r = fsck(path);
+    assert!(
+        r.is_clean(),
+        "{what}: e2fsck -fn: {:?}\n{}",
+        problem_lines(&r.output),
+        r.output
+    );
+}
+
+const GATE_THREADS: usize = 8;
+
+/// Data writes of different files are inside the device at once: 8 threads,
+/// each a partial-block overwrite of its own file (read-modify-write) and an
+/// append to it.
+#[test]
+fn data_writes_run_in_parallel() {
+    let img = mkfs("cc-gate-w", 64, &["-b", "4096"]);
+    let dev = Arc::new(GateDevice::new(
+        Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        true,
+    ));
+    let fs = Fs::open(dev.clone(), opts()).unwrap();
+    let files: Vec<Ino> = (0..GATE_THREADS)
+        .map(|t| {
+            let a = fs
+                .create(ROOT_INO, format!("w{t}").as_bytes(), 0o644, 0, 0)
+                .unwrap();
+            fs.write(a.ino, 0, &pattern(t as u64, 8192)).unwrap();
+            a.ino
+        })
+        .collect();
+    fs.sync().unwrap();
+
+    for round in 0..2u64 {
+        dev.arm(GATE_THREADS);
+        std::thread::scope(|s| {
+            for (t, &ino) in files.iter().enumerate() {
+                let fs = &fs;
+                s.spawn(move || {
+                    let data = pattern(100 + t as u64 + round, 3000);
+                    if round == 0 {
+                        // In place, in the middle of block 0: read-modify-write.
+                        fs.write(ino, 500, &data).unwrap();
+                    } else {
+                        // An append: fresh blocks allocated under the lock,
+                        // written outside it.
+                        fs.write(ino, 8192, &data).unwrap();
+                    }
+                });
+            }
+        });
+        let (max, timed_out) = dev.result();
+        assert!(
+            !timed_out && max >= GATE_THREADS,
+            "round {round}: at most {max} data writes were in the device at once \
+             (want {GATE_THREADS}): data I/O is serialised"
+        );
+    }
+    // What was written is there.
+    for (t, &ino) in files.iter().enumerate() {
+        let mut want = pattern(t as u64, 8192);
+        want[500..3500].copy_from_slice(&pattern(100 + t as u64, 3000));
+        want.extend_from_slice(&pattern(101 + t as u64, 3000));
+        let mut buf = vec![0u8; want.len() + 10];
+        let n = fs.read(ino, 0, &mut buf).unwrap();
+        assert_eq!(n, want.len(), "size of w{t}");
+        assert!(buf[..n] == want[..], "content of w{t}");
+    }
+    fs.unmount().unwrap();
+    drop(fs);
+    assert_clean(&img.path, "after the gated writes");
+}
+
+/// Data reads are inside the device at once: readers of one file share its
+/// lock, readers of different files do not contend at all.
+#[test]
+fn data_reads_run_in_parallel() {
+    let img = mkfs("cc-gate-r", 64, &["-b", "1024"]);
+    let dev = Arc::new(GateDevice::new(
+        Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        false,
+    ));
+    let fs = Fs::open(dev.clone(), opts()).unwrap();
+    let shared = fs.create(ROOT_INO, b"shared", 0o644, 0, 0).unwrap().ino;
+    fs.write(shared, 0, &pattern(7, 10_000)).unwrap();
+    let own: Vec<Ino> = (0..GATE_THREADS / 2)
+        .map(|t| {
+            let a = fs
+                .create(ROOT_INO, format!("r{t}").as_bytes(), 0o644, 0, 0)
+                .unwrap();
+            fs.write(a.ino, 0, &pattern(t as u64, 5000)).unwrap();
+            a.ino
+        })
+        .collect();
+    fs.sync().unwrap();
+    dev.arm(GATE_THREADS);
+    std::thread::scope(|s| {
+        for t in 0..GATE_THREADS {
+            let (fs, own) = (&fs, &own);
+            s.spawn(move || {
+                let (ino, seed, len) = if t % 2 == 0 {
+                    (shared, 7, 10_000)
+                } else {
+                    (own[t / 2], (t / 2) as u64, 5000)
+                };
+                let mut buf = vec![0u8; len];
+                // Unaligned: the partial blocks are read whole and cut.
+                let n = fs.read(ino, 3, &mut buf).unwrap();
+                assert_eq!(n, len - 3);
+                assert!(buf[..n] == pattern(seed, len)[3..], "reader {t}");
+            });
+        }
+    });
+    let (max, timed_out) = dev.result();
+    assert!(
+        !timed_out && max >= GATE_THREADS,
+        "at most {max} data reads were in the device at once (want {GATE_THREADS})"
+    );
+    fs.unmount().unwrap();
+}
+
+/// A device that, once armed, holds the next metadata read until released (or
+/// 10 s pass).
+struct HoldMeta {
+    inner: DeviceRef,
+    /// (armed, holding, released)
+    st: Mutex<(bool, bool, bool)>,
+    cv: Condvar,
+}
+
+impl HoldMeta {
+    fn wait_holding(&self) -> bool {
+        let deadline = Instant::now() + GATE_TIMEOUT;
+        let mut st = self.st.lock().unwrap();
+        while !st.1 {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            st = self.cv.wait_timeout(st, deadline - now).unwrap().0;
+        }
+        true
+    }
+    fn release(&self) {
+        self.st.lock().unwrap().2 = true;
+        self.cv.notify_all();
+    }
+}
+
+impl BlockDevice for HoldMeta {
+    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> DevResult<()> {
+        if cat == IoCategory::Metadata {
+            let mut st = self.st.lock().unwrap();
+            if st.0 {
+                st.0 = false;
+                st.1 = true;
+                self.cv.notify_all();
+                let deadline = Instant::now() + 2 * GATE_TIMEOUT;
+                while !st.2 && Instant::now() < deadline {
+                    st = self
+                        .cv
+                        .wait_timeout(st, Duration::from_millis(50))
+                        .unwrap()
+                        .0;
+                }
+                st.1 = false;
+            }
+        }
+        self.inner.read_at(offset, buf, cat)
+    }
+    fn write_at(&self, offset: u64, buf: &[u8], cat: IoCategory, fua: bool) -> DevResult<()> {
+        self.inner.write_at(offset, buf, cat, fua)
+    }
+    fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> DevResult<()> {
+        self.inner.write_sectors(offset, buf, cat)
+    }
+    fn flush(&self) -> DevResult<()> {
+        self.inner.flush()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn is_read_only(&self) -> bool {
+        self.inner.is_read_only()
+    }
+    fn stats(&self) -> &IoStats {
+        self.inner.stats()
+    }
+}
+
+/// `getattr` of a cached inode is answered by the inode table without the
+/// file-system lock: it returns while another thread holds that lock across a
+/// metadata read (a directory block missing from the cache).
+#[test]
+fn cached_getattr_needs_no_fs_lock() {
+    let img = mkfs("cc-getattr", 64, &["-b", "4096"]);
+    {
+        let fs = Fs::open_path(&img.path, opts()).unwrap();
+        let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
+        fs.create(d, b"x", 0o644, 0, 0).unwrap();
+        let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
+        fs.write(f, 0, &pattern(1, 5000)).unwrap();
+        fs.unmount().unwrap();
+    }
+    let dev = Arc::new(HoldMeta {
+        inner: Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        st: Mutex::new((false, false, false)),
+        cv: Condvar::new(),
+    });
+    let fs = Fs::open(dev.clone(), opts()).unwrap();
+    let f = fs.resolve("/f").unwrap();
+    assert_eq!(fs.getattr(f).unwrap().size, 5000);
+    dev.st.lock().unwrap().0 = true;
+    std::thread::scope(|s| {
+        // Holds the file-system lock across the read of d's directory block.
+        let a = s.spawn(|| fs.resolve("/d/x"));
+        let held = dev.wait_holding();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let fs = &fs;
+        s.spawn(move || {
+            let _ = tx.send(fs.getattr(f).map(|a| a.size));
+        });
+        let got = rx.recv_timeout(GATE_TIMEOUT);
+        let still_held = dev.st.lock().unwrap().1;
+        dev.release();
+        assert!(held, "the directory block read never came");
+        assert_eq!(
+            got.ok().map(|r| r.unwrap()),
+            Some(5000),
+            "getattr did not return while the file-system lock was held"
+        );
+        assert!(still_held, "the metadata read was released early");
+        a.join().unwrap().unwrap();
+    });
+    fs.unmount().unwrap();
+}
+
+// ---------------------------------------------------------------------------------
+// Stress
+// ---------------------------------------------------------------------------------
+
+const THREADS: usize = 16;
+const OPS: usize = 120;
+const SHARED: usize = 3;
+/// Bytes of a shared file owned by one thread: not a multiple of any block size,
+/// so neighbouring threads' ranges share blocks.
+const REGION: u64 = 3001;
+
+/// The model of one thread's own file.
+struct Own {
+    name: String,
+    ino: Ino,
+    data: Vec<u8>,
+}
+
+fn stress(tag: &str, mkfs_args: &[&str], o: MountOptions) {
+    let img = mkfs(tag, 96, mkfs_args);
+    let dev = Arc::new(SlowData {
+        inner: Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        delay: Duration::from_micros(200),
+    });
+    let fs = Fs::open(dev, o.clone()).unwrap();
+    let dir = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
+    let shared: Vec<Ino> = (0..SHARED)
+        .map(|s| {
+            fs.create(dir, format!("shared{s}").as_bytes(), 0o644, 0, 0)
+                .unwrap()
+                .ino
+        })
+        .collect();
+    let shared_size: Vec<AtomicU64> = (0..SHARED).map(|_| AtomicU64::new(0)).collect();
+    fs.sync().unwrap();
+
+    let results: Vec<(Vec<Own>, Vec<Vec<u8>>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (fs, shared, shared_size) = (&fs, &shared, &shared_size);
+                s.spawn(move || {
+                    let mut rng = StdRng::seed_from_u64(0xC0FE + t as u64);
+                    let mut own: Vec<Own> = (0..2)
+                        .map(|k| {
+                            let name = format!("t{t}-{k}");
+                            let ino = fs.create(dir, name.as_bytes(), 0o644, 0, 0).unwrap().ino;
+                            Own {
+                                name,
+                                ino,
+                                data: Vec::new(),
+                            }
+                        })
+                        .collect();
+                    // This thread's region of each shared file.
+                    let mut regions = vec![vec![0u8; REGION as usize]; SHARED];
+                    let base = t as u64 * REGION;
+                    for op in 0..OPS {
+                        let seed = (t * 100_000 + op) as u64;
+                        let f = rng.gen_range(0..own.len());
+                        match rng.gen_range(0..100) {
+                            0..=29 => {
+                                let off = rng.gen_range(0..48_000u64);
+                                let len = rng.gen_range(1..9000usize);
+                                let d = pattern(seed, len);
+                                let o = &mut own[f];
+                                assert_eq!(fs.write(o.ino, off, &d).unwrap(), len);
+                                let end = off as usize + len;
+                                if o.data.len() < end {
+                                    o.data.resize(end, 0);
+                                }
+                                o.data[off as usize..end].copy_from_slice(&d);
+                            }
+                            30..=39 => {
+                                let size = rng.gen_range(0..52_000u64);
+                                let o = &mut own[f];
+                                let set = SetAttr {
+                                    size: Some(size),
+                                    ..Default::default()
+                                };
+                                fs.setattr(o.ino, &set).unwrap();
+                                o.data.resize(size as usize, 0);
+                            }
+                            40..=44 => {
+                                let o = &mut own[f];
+                                let off = rng.gen_range(0..50_000u64);
+                                let len = rng.gen_range(1..12_000u64);
+                                let flags = FallocFlags {
+                                    punch_hole: true,
+                                    keep_size: true,
+                                    ..Default::default()
+                                };
+                                fs.fallocate(o.ino, off, len, flags).unwrap();
+                                let size = o.data.len() as u64;
+                                if off < size {
+                                    let end = (off + len).min(size) as usize;
+                                    o.data[off as usize..end].fill(0);
+                                }
+                            }
+                            45..=49 => {
+                                // Replace the file by a new one (rename over it:
+                                // the old inode is freed).
+                                let o = &mut own[f];
+                                let tmp = format!("{}.tmp", o.name);
+                                let n = fs.create(dir, tmp.as_bytes(), 0o644, 0, 0).unwrap().ino;
+                                let d = pattern(seed, rng.gen_range(0..7000));
+                                fs.write(n, 0, &d).unwrap();
+                                fs.rename(
+                                    dir,
+                                    tmp.as_bytes(),
+                                    dir,
+                                    o.name.as_bytes(),
+                                    RenameFlags::default(),
+                                )
+                                .unwrap();
+                                o.ino = n;
+                                o.data = d;
+                            }
+                            50..=69 => {
+                                // Mostly near the region's ends, whose blocks the
+                                // neighbouring threads write too.
+                                let sf = rng.gen_range(0..SHARED);
+                                let (a, b) = match rng.gen_range(0..4) {
+                                    0 => {
+                                        let a = rng.gen_range(0..REGION);
+                                        (a, rng.gen_range(a + 1..=REGION))
+                                    }
+                                    1 => (0, rng.gen_range(1..200)),
+                                    _ => (rng.gen_range(REGION - 200..REGION), REGION),
+                                };
+                                let d = pattern(seed, (b - a) as usize);
+                                assert_eq!(fs.write(shared[sf], base + a, &d).unwrap(), d.len());
+                                regions[sf][a as usize..b as usize].copy_from_slice(&d);
+                                shared_size[sf].fetch_max(base + b, Ordering::Relaxed);
+                            }
+                            70..=79 => {
+                                let o = &own[f];
+                                let off = rng.gen_range(0..50_000u64);
+                                let mut buf = vec![0u8; rng.gen_range(1..10_000)];
+                                let n = fs.read(o.ino, off, &mut buf).unwrap();
+                                let want = o.data.get(off as usize..).unwrap_or(&[]);
+                                let want = &want[..want.len().min(buf.len())];
+                                assert_eq!(n, want.len(), "thread {t} op {op}: read size");
+                                assert!(buf[..n] == *want, "thread {t} op {op}: read data");
+                            }
+                            80..=89 => {
+                                let sf = rng.gen_range(0..SHARED);
+                                let mut buf = vec![0u8; REGION as usize];
+                                let n = fs.read(shared[sf], base, &mut buf).unwrap();
+                                let mine = regions[sf].iter().rposition(|&x| x != 0);
+                                assert!(
+                                    mine.is_none_or(|p| n > p),
+                                    "thread {t} op {op}: shared file too short"
+                                );
+                                assert!(
+                                    buf[..n] == regions[sf][..n],
+                                    "thread {t} op {op}: region of shared{sf}"
+                                );
+                            }
+                            _ => {
+                                let ino = if rng.gen_bool(0.5) {
+                                    own[f].ino
+                                } else {
+                                    shared[rng.gen_range(0..SHARED)]
+                                };
+                                fs.fsync(ino, rng.gen_bool(0.3)).unwrap();
+                            }
+                        }
+                    }
+                    (own, regions)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+
+    let check = |fs: &Fs, what: &str| {
+        for (own, _) in &results {
+            for o in own {
+                let ino = fs
+                    .resolve(&format!("/d/{}", o.name))
+                    .unwrap_or_else(|e| panic!("{what}: {}: {e}", o.name));
+                assert_eq!(ino, o.ino, "{what}: {}", o.name);
+                let mut buf = vec![0u8; o.data.len() + 100];
+                let n = fs.read(ino, 0, &mut buf).unwrap();
+                assert_eq!(n, o.data.len(), "{what}: size of {}", o.name);
+                assert!(buf[..n] == o.data[..], "{what}: content of {}", o.name);
+            }
+        }
+        for (sf, &ino) in shared.iter().enumerate() {
+            let size = shared_size[sf].load(Ordering::Relaxed);
+            assert_eq!(
+                fs.getattr(ino).unwrap().size,
+                size,
+                "{what}: size of shared{sf}"
+            );
+            let mut buf = vec![0u8; size as usize];
+            assert_eq!(fs.read(ino, 0, &mut buf).unwrap(), size as usize);
+            for (t, (_, regions)) in results.iter().enumerate() {
+                let a = (t as u64 * REGION).min(size) as usize;
+                let b = ((t as u64 + 1) * REGION).min(size) as usize;
+                assert!(
+                    buf[a..b] == regions[sf][..b - a],
+                    "{what}: region of thread {t} in shared{sf}"
+                );
+            }
+        }
+    };
+    check(&fs, "before unmount");
+    let st = fs.fc_stats();
+    eprintln!(
+        "{tag}: fast commits {}, fallbacks {:?}",
+        st.commits, st.ineligible
+    );
+    fs.unmount().unwrap();
+    drop(fs);
+    assert_clean(&img.path, tag);
+    let fs = Fs::open_path(&img.path, o).unwrap();
+    check(&fs, "after a remount");
+    fs.unmount().unwrap();
+    drop(fs);
+    assert_clean(&img.path, tag);
+}
+
+#[test]
+fn stress_jbd2() {
+    stress(
+        "cc-jbd2",
+        &["-b", "1024", "-O", "^fast_commit"],
+        MountOptions {
+            fast_commit: false,
+            ..opts()
+        },
+    );
+}
+
+#[test]
+fn stress_fast_commit() {
+    stress(
+        "cc-fc",
+        &["-b", "4096", "-O", "fast_commit", "-J", "size=16"],
+        opts(),
+    );
+}
+
+#[test]
+fn stress_fc_data_csum() {
+    stress(
+        "cc-fcdc",
+        &["-b", "4096", "-O", "fast_commit", "-J", "size=16"],
+        MountOptions {
+            fc_data_csum: true,
+            ..opts()
+        },
+    );
+}
