@@ -30,7 +30,7 @@ use common::{check_fsck, lib_resolve, open_lib, run, unique_path, FuseMount, Wat
 const BIN: &str = env!("CARGO_BIN_EXE_commitfs");
 
 const THREADS: usize = 16;
-const ROUNDS: usize = 50;
+const ROUNDS: usize = 100;
 const MIB: u64 = 1 << 20;
 
 fn bin() -> &'static Path {
