@@ -1,27 +1,34 @@
 //! The on-disk JBD2 log: geometry, the commit write sequence, checkpointing
 //! (ext4-format.md §8.9–8.11, §8.13).
 //!
-//! Commit protocol (ordered mode, synchronous commit like the kernel's default):
+//! Commit protocol (ordered mode). The commit thread (pipeline.rs) does 1–3, the
+//! flush thread 4–6:
 //!
-//! 1. File data was written to its home blocks by `write` before the commit starts.
+//! 1. File data was written to its home blocks by `write` before the commit starts
+//!    (under handles of the transaction, which have all stopped).
 //! 2. If the log is empty, the journal superblock is written with `s_start` = the
 //!    transaction's first block and `s_sequence` = its tid.
 //! 3. Revoke blocks, then descriptor + data-copy groups, are written to the log as
-//!    one contiguous write per physically contiguous run.
+//!    one contiguous write per physically contiguous run ([`LogState::write_body`]).
 //! 4. One device flush: log blocks, the superblock update and ordered file data
-//!    are now durable.
-//! 5. The commit block is written with FUA. The transaction is durable on return.
-//! 6. The committed copies become the buffers' "committed" versions; home writes
-//!    happen only at checkpoint: write them home, flush, then write the journal
-//!    superblock (FUA) marking the log empty.
+//!    are now durable (the same flush also makes the previous transactions'
+//!    commit blocks durable: compound flush).
+//! 5. The commit block: with FUA when nothing follows (the transaction is durable
+//!    when it completes), otherwise a plain write that the next flush makes
+//!    durable.
+//! 6. [`LogState::committed`]: the copies become the buffers' committed
+//!    versions; home writes happen only at checkpoint: write them home, flush, then
+//!    write the journal superblock (FUA) marking the log empty.
 //!
-//! Per fsync with metadata: 2 device writes (log run + commit block; 3 when the
-//! superblock must first be pointed at a fresh log) and 1 flush + 1 FUA.
+//! Per fsync with metadata, one at a time: 2 device writes (log run + commit
+//! block; 3 when the superblock must first be pointed at a fresh log) and 1 flush
+//! + 1 FUA.
 //!
-//! With `fc_data_csum` (and CSUM_V3) a commit may instead be *single-flush*:
-//! steps 2–5 without flush or FUA, the commit block carrying CRC32Cs of the
-//! transaction's not-yet-flushed data ranges, then one flush (like JBD2's
-//! `async_commit`, but verified per log block and per data range at recovery).
+//! With `fc_data_csum` (and CSUM_V3) a commit with nothing in flight before it may
+//! instead be *single-flush*: steps 2–3 and the commit block, carrying CRC32Cs of
+//! the transaction's not-yet-flushed data ranges, without flush or FUA, then one
+//! flush (like JBD2's `async_commit`, but verified per log block and per data
+//! range at recovery).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -275,7 +282,7 @@ impl LogState {
 
     /// A freed block. Returns whether its committed copy is still only in the live
     /// log (so the caller must revoke it). Its pending checkpoint stays until the
-    /// freeing transaction commits (see [`LogState::commit`]): a checkpoint before
+    /// freeing transaction commits (see [`LogState::committed`]): a checkpoint before
     /// that must still write it home, because on disk the block stays in use until
     /// the free is durable, and the checkpoint empties the log that held its copy.
     pub fn forget(&self, blocknr: u64) -> bool {

@@ -76,7 +76,7 @@ pub(crate) fn spawn(core: &Arc<Core>) -> Result<Vec<std::thread::JoinHandle<()>>
         std::thread::Builder::new()
             .name(name.into())
             .spawn(move || run(&c, f))
-            .map_err(|e| JournalError::BadJournal(format!("cannot start {}: {e}", "thread")))
+            .map_err(|e| JournalError::BadJournal(format!("cannot start thread {name}: {e}")))
     };
     Ok(vec![
         spawn_one("commitfs-jcommit", Core::commit_step)?,
