@@ -42,7 +42,14 @@ use crate::{tid_le, Buffer, Core, InFlight, JournalError, Result, TxState, WAIT_
 const BATCH_STEP: Duration = Duration::from_micros(100);
 
 /// How long the flush thread waits for a commit being written to join its flush.
-const FLUSH_BATCH: Duration = Duration::from_micros(500);
+const FLUSH_BATCH: Duration = Duration::from_micros(1500);
+
+/// How long no new commit request must come before the commit thread stops
+/// gathering after a flush.
+const GATHER_QUIET: Duration = Duration::from_micros(200);
+
+/// How long a lone commit block waits for a follower before it goes out with FUA.
+const FUA_WAIT: Duration = Duration::from_micros(500);
 
 /// Pipeline settings (mount options in commitfs-fs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,12 +151,25 @@ impl Core {
                 while q.flush_busy && std::time::Instant::now() < deadline && !q.stop {
                     self.cv.wait_until(&mut q, deadline);
                 }
-                // A little longer if fewer callers than lately have asked: less
-                // than the flush thread waits for this log.
+                // The callers that flush released come back with their next
+                // requests: keep gathering while requests keep arriving (until
+                // none came for GATHER_QUIET and as many as lately have asked),
+                // less long than the flush thread waits for this log.
                 let until = std::time::Instant::now() + FLUSH_BATCH * 3 / 4;
                 let target = q.peak_requesters.max(1);
-                while q.requesters < target && std::time::Instant::now() < until && !q.stop {
-                    self.cv.wait_until(&mut q, until);
+                let (mut seen, mut since) = (q.requesters, std::time::Instant::now());
+                loop {
+                    let now = std::time::Instant::now();
+                    if now >= until || q.stop {
+                        break;
+                    }
+                    if q.requesters != seen {
+                        (seen, since) = (q.requesters, now);
+                    } else if now - since >= GATHER_QUIET && q.requesters >= target {
+                        break;
+                    }
+                    self.cv
+                        .wait_until(&mut q, (now + BATCH_STEP / 2).min(until));
                 }
             } else {
                 // First commit of a burst: wait for as many callers as the last
@@ -392,7 +412,7 @@ impl Core {
                 // (a flush on devices without FUA). One thread fsyncing alone
                 // never waits: it is blocked on T, so no handle starts.
                 if last && q.running_handles_total > 0 && !self.commit_wanted(&q) {
-                    let until = std::time::Instant::now() + FLUSH_BATCH;
+                    let until = std::time::Instant::now() + FUA_WAIT;
                     while !self.commit_wanted(&q) && std::time::Instant::now() < until && !q.stop {
                         self.cv.wait_until(&mut q, until);
                     }
