@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use commitfs_device::{CrashSpec, MemDevice, RecordingDevice};
-use commitfs_fs::testutil::{fsck, mkfs, problem_lines};
+use commitfs_device::RecordingDevice;
+use commitfs_fs::testutil::mkfs;
 use commitfs_fs::*;
-use common::SlowDevice;
+use common::{check_fsyncs_durable, FsyncDone, SlowDevice};
 
 const THREADS: u32 = 8;
 const ROUNDS: u32 = 50;
@@ -30,46 +30,6 @@ fn content(t: u32, i: u32) -> Vec<u8> {
     (0..FILE_BYTES)
         .map(|b| (t * 131 + i * 17 + b as u32 / 13) as u8 | 1)
         .collect()
-}
-
-/// One completed fsync: which file, and the device log length when it returned.
-struct Done {
-    t: u32,
-    i: u32,
-    ops: usize,
-}
-
-/// Mount the image a power cut leaves after the first `k` device requests, keeping
-/// only what was durable; check that every file of `must` is there with its data.
-/// Returns the recovered image (cleanly unmounted).
-fn check_durable(dev: &SlowDevice, k: usize, must: &[(u32, u32)], what: &str) -> Vec<u8> {
-    let log = dev.inner.crash_log();
-    let img = log.image(&CrashSpec {
-        k,
-        seed: 0,
-        keep_256: 0,
-        torn: false,
-    });
-    let mem = Arc::new(MemDevice::from_vec(img));
-    let fs = Fs::open(mem.clone(), MountOptions::default())
-        .unwrap_or_else(|e| panic!("{what}: recovery failed: {e}"));
-    for &(t, i) in must {
-        let path = format!("/t{t}/f{i}");
-        let ino = fs
-            .resolve(&path)
-            .unwrap_or_else(|e| panic!("{what}: {path} was fsynced but is missing: {e}"));
-        let a = fs.getattr(ino).unwrap();
-        assert_eq!(a.size, FILE_BYTES as u64, "{what}: size of {path}");
-        let mut buf = vec![0u8; FILE_BYTES];
-        fs.read(ino, 0, &mut buf).unwrap();
-        assert!(buf == content(t, i), "{what}: data of {path}");
-    }
-    fs.unmount().unwrap();
-    drop(fs);
-    Arc::try_unwrap(mem)
-        .ok()
-        .expect("the file system let go of the device")
-        .into_vec()
 }
 
 fn concurrent_fsyncs(latency: Duration) {
@@ -114,7 +74,7 @@ fn concurrent_fsyncs(latency: Duration) {
     let full0 = fs.stats().journal.commits;
     let flushes0 = dev.flushes.load(Ordering::Relaxed);
 
-    let done = Mutex::new(Vec::<Done>::new());
+    let done = Mutex::new(Vec::<FsyncDone>::new());
     let workers = Mutex::new(HashSet::<ThreadId>::new());
     let started = Instant::now();
     std::thread::scope(|s| {
@@ -129,7 +89,7 @@ fn concurrent_fsyncs(latency: Duration) {
                     fs.write(a.ino, 0, &content(t, i)).unwrap();
                     fs.fsync(a.ino, false).unwrap();
                     let ops = dev.inner.op_count();
-                    done.lock().unwrap().push(Done { t, i, ops });
+                    done.lock().unwrap().push(FsyncDone { t, i, ops });
                 }
             });
         }
@@ -170,42 +130,8 @@ fn concurrent_fsyncs(latency: Duration) {
     );
 
     // Durability, without a clean unmount: power cuts right after fsyncs returned.
-    let mut done = done.into_inner().unwrap();
-    done.sort_by_key(|d| d.ops);
-    let samples: Vec<usize> = {
-        let n = done.len();
-        let mut v: Vec<usize> = (1..=12).map(|j| j * n / 12 - 1).collect();
-        v.insert(0, 0);
-        v.dedup();
-        v
-    };
-    for &j in &samples {
-        let k = done[j].ops;
-        let must: Vec<(u32, u32)> = done
-            .iter()
-            .filter(|d| d.ops <= k)
-            .map(|d| (d.t, d.i))
-            .collect();
-        check_durable(
-            &dev,
-            k,
-            &must,
-            &format!("after fsync {} of {}", j + 1, done.len()),
-        );
-    }
-    // The end: every file, and the recovered image is clean.
-    let all: Vec<(u32, u32)> = done.iter().map(|d| (d.t, d.i)).collect();
-    let end = check_durable(&dev, dev.inner.op_count(), &all, "at the end");
-    let scratch = img.path.with_extension("recovered.img");
-    std::fs::write(&scratch, &end).unwrap();
-    let r = fsck(&scratch);
-    let _ = std::fs::remove_file(&scratch);
-    assert!(
-        r.is_clean(),
-        "e2fsck -fn after recovery: {:?}\n{}",
-        problem_lines(&r.output),
-        r.output
-    );
+    let done = done.into_inner().unwrap();
+    check_fsyncs_durable(&dev.inner, done, content, 12, &img.path, "fast commits");
     fs.unmount().unwrap();
 }
 

@@ -14,10 +14,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use commitfs_device::{CrashSpec, MemDevice};
-use commitfs_fs::testutil::{fsck, mkfs, problem_lines};
+use commitfs_fs::testutil::mkfs;
 use commitfs_fs::*;
-use common::SlowDevice;
+use common::{check_fsyncs_durable, FsyncDone, SlowDevice};
 
 const THREADS: u32 = 16;
 const ROUNDS: u32 = 25;
@@ -35,39 +34,6 @@ fn content(t: u32, i: u32) -> Vec<u8> {
     (0..FILE_BYTES)
         .map(|b| (t * 37 + i * 101 + b as u32 / 7) as u8 | 1)
         .collect()
-}
-
-/// Recover the image after the first `k` device requests (only what was durable
-/// survives) and check every file of `must`.
-fn check_durable(dev: &SlowDevice, k: usize, must: &[(u32, u32)], what: &str) -> Vec<u8> {
-    let img = dev.inner.crash_log().image(&CrashSpec {
-        k,
-        seed: 0,
-        keep_256: 0,
-        torn: false,
-    });
-    let mem = Arc::new(MemDevice::from_vec(img));
-    let fs = Fs::open(mem.clone(), MountOptions::default())
-        .unwrap_or_else(|e| panic!("{what}: recovery failed: {e}"));
-    for &(t, i) in must {
-        let path = format!("/t{t}/f{i}");
-        let ino = fs
-            .resolve(&path)
-            .unwrap_or_else(|e| panic!("{what}: {path} was fsynced but is missing: {e}"));
-        let mut buf = vec![0u8; FILE_BYTES];
-        assert_eq!(
-            fs.read(ino, 0, &mut buf).unwrap(),
-            FILE_BYTES,
-            "{what}: {path}"
-        );
-        assert!(buf == content(t, i), "{what}: data of {path}");
-    }
-    fs.unmount().unwrap();
-    drop(fs);
-    Arc::try_unwrap(mem)
-        .ok()
-        .expect("the file system let go of the device")
-        .into_vec()
 }
 
 fn run(mode: Mode) {
@@ -101,8 +67,7 @@ fn run(mode: Mode) {
     let s0 = fs.stats();
     let fc0 = fs.fc_stats();
     let flushes0 = dev.flushes.load(Ordering::Relaxed);
-    // (thread, file, device requests when its fsync returned)
-    let done = Mutex::new(Vec::<(u32, u32, usize)>::new());
+    let done = Mutex::new(Vec::<FsyncDone>::new());
     std::thread::scope(|s| {
         for t in 0..THREADS {
             let (fs, dev, done, dir) = (&fs, &dev, &done, dirs[t as usize]);
@@ -113,7 +78,11 @@ fn run(mode: Mode) {
                         .unwrap();
                     fs.write(a.ino, 0, &content(t, i)).unwrap();
                     fs.fsync(a.ino, false).unwrap();
-                    done.lock().unwrap().push((t, i, dev.inner.op_count()));
+                    done.lock().unwrap().push(FsyncDone {
+                        t,
+                        i,
+                        ops: dev.inner.op_count(),
+                    });
                 }
             });
         }
@@ -162,32 +131,14 @@ fn run(mode: Mode) {
     }
 
     // Durability at sampled fsync returns, then everything.
-    let mut done = done.into_inner().unwrap();
-    done.sort_by_key(|d| d.2);
-    let n = done.len();
-    let mut samples: Vec<usize> = (1..=8).map(|k| k * n / 8 - 1).collect();
-    samples.insert(0, 0);
-    samples.dedup();
-    for &s in &samples {
-        let k = done[s].2;
-        let must: Vec<(u32, u32)> = done
-            .iter()
-            .filter(|d| d.2 <= k)
-            .map(|d| (d.0, d.1))
-            .collect();
-        check_durable(&dev, k, &must, &format!("{mode:?}: after fsync {}", s + 1));
-    }
-    let all: Vec<(u32, u32)> = done.iter().map(|d| (d.0, d.1)).collect();
-    let end = check_durable(&dev, dev.inner.op_count(), &all, &format!("{mode:?}: end"));
-    let scratch = img.path.with_extension("recovered.img");
-    std::fs::write(&scratch, &end).unwrap();
-    let r = fsck(&scratch);
-    let _ = std::fs::remove_file(&scratch);
-    assert!(
-        r.is_clean(),
-        "{mode:?}: e2fsck -fn after recovery: {:?}\n{}",
-        problem_lines(&r.output),
-        r.output
+    let done = done.into_inner().unwrap();
+    check_fsyncs_durable(
+        &dev.inner,
+        done,
+        content,
+        8,
+        &img.path,
+        &format!("{mode:?}"),
     );
     fs.unmount().unwrap();
 }

@@ -402,3 +402,87 @@ impl SlowDevice {
         }
     }
 }
+
+// -------------------------------------------------------------------------------------
+// Durability of concurrent fsyncs
+// -------------------------------------------------------------------------------------
+
+/// One fsync that returned: thread `t` fsynced its file `/t{t}/f{i}` (created with
+/// `content(t, i)`) when the device had logged `ops` requests.
+#[derive(Debug, Clone, Copy)]
+pub struct FsyncDone {
+    pub t: u32,
+    pub i: u32,
+    pub ops: usize,
+}
+
+/// Power cuts right after sampled fsync returns (`samples` of them, plus the
+/// first and the end): recover the image of what was durable and check that every
+/// file fsynced by then is there with its data; finally `e2fsck -fn` the end
+/// image. `img`: the test's image file (its name is reused for a scratch copy).
+pub fn check_fsyncs_durable(
+    dev: &RecordingDevice,
+    mut done: Vec<FsyncDone>,
+    content: impl Fn(u32, u32) -> Vec<u8>,
+    samples: usize,
+    img: &Path,
+    what: &str,
+) {
+    use commitfs_device::{CrashSpec, MemDevice};
+    use commitfs_fs::MountOptions;
+    use std::sync::Arc;
+    let check = |k: usize, must: &[&FsyncDone], label: &str| -> Vec<u8> {
+        let image = dev.crash_log().image(&CrashSpec {
+            k,
+            seed: 0,
+            keep_256: 0,
+            torn: false,
+        });
+        let mem = Arc::new(MemDevice::from_vec(image));
+        let fs = Fs::open(mem.clone(), MountOptions::default())
+            .unwrap_or_else(|e| panic!("{what} {label}: recovery failed: {e}"));
+        for d in must {
+            let path = format!("/t{}/f{}", d.t, d.i);
+            let ino = fs.resolve(&path).unwrap_or_else(|e| {
+                panic!("{what} {label}: {path} was fsynced but is missing: {e}")
+            });
+            let want = content(d.t, d.i);
+            assert_eq!(
+                fs.getattr(ino).unwrap().size,
+                want.len() as u64,
+                "{what} {label}: size of {path}"
+            );
+            let mut buf = vec![0u8; want.len()];
+            fs.read(ino, 0, &mut buf).unwrap();
+            assert!(buf == want, "{what} {label}: data of {path}");
+        }
+        fs.unmount().unwrap();
+        drop(fs);
+        Arc::try_unwrap(mem)
+            .ok()
+            .expect("the file system let go of the device")
+            .into_vec()
+    };
+    done.sort_by_key(|d| d.ops);
+    let n = done.len();
+    let mut picks: Vec<usize> = (1..=samples).map(|j| j * n / samples - 1).collect();
+    picks.insert(0, 0);
+    picks.dedup();
+    for &j in &picks {
+        let k = done[j].ops;
+        let must: Vec<&FsyncDone> = done.iter().filter(|d| d.ops <= k).collect();
+        check(k, &must, &format!("after fsync {} of {n}", j + 1));
+    }
+    let all: Vec<&FsyncDone> = done.iter().collect();
+    let end = check(dev.op_count(), &all, "at the end");
+    let scratch = img.with_extension("recovered.img");
+    std::fs::write(&scratch, &end).unwrap();
+    let r = fsck(&scratch);
+    let _ = std::fs::remove_file(&scratch);
+    assert!(
+        r.is_clean(),
+        "{what}: e2fsck -fn after recovery: {:?}\n{}",
+        problem_lines(&r.output),
+        r.output
+    );
+}
