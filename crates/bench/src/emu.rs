@@ -112,6 +112,51 @@ pub fn profiles() -> Vec<Profile> {
     ]
 }
 
+impl Profile {
+    /// A model with flush latency `flush_us` and nothing else (tests).
+    pub fn flush_only(flush_us: u64) -> Profile {
+        Profile {
+            name: "test".into(),
+            what: "flush latency only".into(),
+            lat_write_us: 0,
+            lat_read_us: 0,
+            lat_flush_us: flush_us,
+            lat_fua_us: 0,
+            iops: 0,
+            bw_mbps: 0,
+            destage_mbps: 0,
+        }
+    }
+}
+
+/// An emulated device in a work directory of its own (tests): fields drop in
+/// order, so the device (and its nbdfuse mount inside the directory) goes
+/// before the directory.
+pub struct ScratchDevice {
+    pub e: Emulated,
+    pub w: super::sys::TempPath,
+}
+
+impl ScratchDevice {
+    /// Start a device of `size` bytes with no latency yet (mkfs stays fast) in a
+    /// fresh directory under the temp directory named after `tag`.
+    pub fn start(tag: &str, size: u64, trace_cap: u64) -> Result<ScratchDevice> {
+        available().context(
+            "emulated device unavailable (apt-get install nbdkit nbdkit-plugin-dev libnbd-bin gcc)",
+        )?;
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "commitfs-emu-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&p).with_context(|| format!("create {}", p.display()))?;
+        let w = super::sys::TempPath::new(p);
+        let e = Emulated::start(&Profile::flush_only(0), size, &w.path, trace_cap)?;
+        Ok(ScratchDevice { e, w })
+    }
+}
+
 pub fn profile(name: &str) -> Result<Profile> {
     profiles()
         .into_iter()

@@ -22,44 +22,12 @@ use emu::{Emulated, Profile, OP_FLUSH, OP_READ, OP_WRITE};
 
 const MIB: u64 = 1 << 20;
 
-fn work_dir(tag: &str) -> sys::TempPath {
-    let p = std::env::temp_dir().join(format!(
-        "commitfs-benchdev-{tag}-{}-{}",
-        std::process::id(),
-        Instant::now().elapsed().subsec_nanos()
-    ));
-    std::fs::create_dir_all(&p).expect("work dir");
-    sys::TempPath::new(p)
-}
-
 fn model(flush_us: u64) -> Profile {
-    Profile {
-        name: "test".into(),
-        what: "flush latency only".into(),
-        lat_write_us: 0,
-        lat_read_us: 0,
-        lat_flush_us: flush_us,
-        lat_fua_us: 0,
-        iops: 0,
-        bw_mbps: 0,
-        destage_mbps: 0,
-    }
+    Profile::flush_only(flush_us)
 }
 
-/// The device and its work directory; fields drop in order, so the device (and
-/// its nbdfuse mount inside the directory) goes before the directory.
-struct Dev {
-    e: Emulated,
-    w: sys::TempPath,
-}
-
-fn start(tag: &str, size: u64) -> Dev {
-    if let Err(e) = emu::available() {
-        panic!("emulated device unavailable: {e} (apt-get install nbdkit nbdkit-plugin-dev libnbd-bin gcc)");
-    }
-    let w = work_dir(tag);
-    let e = Emulated::start(&model(0), size, &w.path, 4096).expect("start the emulated device");
-    Dev { e, w }
+fn start(tag: &str, size: u64) -> emu::ScratchDevice {
+    emu::ScratchDevice::start(tag, size, 4096).expect("start the emulated device")
 }
 
 /// A 4 KiB-aligned buffer for O_DIRECT.

@@ -24,8 +24,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use commitfs_bench::emu::{self, Emulated, Profile};
-use common::{check_fsck, lib_resolve, open_lib, run, unique_path, FuseMount, Watchdog};
+use commitfs_bench::emu::{self, Profile};
+use common::{check_fsck, lib_resolve, open_lib, run, FuseMount, Watchdog};
 
 const BIN: &str = env!("CARGO_BIN_EXE_commitfs");
 
@@ -37,49 +37,9 @@ fn bin() -> &'static Path {
     Path::new(BIN)
 }
 
-fn flush_only(flush_us: u64) -> Profile {
-    Profile {
-        name: "test".into(),
-        what: "flush latency only".into(),
-        lat_write_us: 0,
-        lat_read_us: 0,
-        lat_flush_us: flush_us,
-        lat_fua_us: 0,
-        iops: 0,
-        bw_mbps: 0,
-        destage_mbps: 0,
-    }
-}
-
-/// The emulated device and its work directory (dropped in this order).
-struct Dev {
-    e: Emulated,
-    _w: TempTree,
-}
-
-/// A work directory removed (recursively: it holds only the device's files and
-/// the emptied nbdfuse mount point) after the device is gone.
-struct TempTree(PathBuf);
-
-impl Drop for TempTree {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
-}
-
 /// An emulated device of `size` bytes with no latency yet (mkfs stays fast).
-fn device(tag: &str, size: u64) -> Dev {
-    if let Err(e) = emu::available() {
-        panic!(
-            "emulated device unavailable: {e} \
-             (apt-get install nbdkit nbdkit-plugin-dev libnbd-bin gcc)"
-        );
-    }
-    let w = unique_path(tag);
-    fs::create_dir_all(&w).unwrap();
-    let w = TempTree(w);
-    let e = Emulated::start(&flush_only(0), size, &w.0, 0).expect("start the emulated device");
-    Dev { e, _w: w }
+fn device(tag: &str, size: u64) -> emu::ScratchDevice {
+    emu::ScratchDevice::start(tag, size, 0).expect("start the emulated device")
 }
 
 fn mkfs(dev: &Path, fast_commit: bool) {
@@ -153,7 +113,7 @@ fn group_commit_through_fuse(mode: &str, fast_commit: bool, opts: &str) {
     });
     let c1 = d.e.counters().unwrap();
     let s1 = stats(m.path());
-    d.e.set_model(&flush_only(0)).unwrap();
+    d.e.set_model(&Profile::flush_only(0)).unwrap();
     let fsyncs = (THREADS * ROUNDS) as f64;
     let flushes = (c1.flushes - c0.flushes) as f64;
     let commits = num(&s1, &["journal", "commits"]) - num(&s0, &["journal", "commits"]);
@@ -240,7 +200,7 @@ fn requests_are_served_while_fsyncs_wait_for_a_slow_flush() {
     }
     File::open(root.join("d")).unwrap().sync_all().unwrap();
 
-    d.e.set_model(&flush_only(SLOW_FLUSH_US)).unwrap();
+    d.e.set_model(&Profile::flush_only(SLOW_FLUSH_US)).unwrap();
     let done = AtomicUsize::new(0);
     let storm_ops = AtomicUsize::new(0);
     // The fsyncers write first (the data reaches the device at write(2), with
@@ -298,7 +258,7 @@ fn requests_are_served_while_fsyncs_wait_for_a_slow_flush() {
         let times: Vec<Duration> = fsyncers.into_iter().map(|h| h.join().unwrap()).collect();
         (at_end, times)
     });
-    d.e.set_model(&flush_only(0)).unwrap();
+    d.e.set_model(&Profile::flush_only(0)).unwrap();
     let ops = storm_ops.load(Ordering::SeqCst);
     eprintln!(
         "storm: {ops} requests while {FSYNCERS} fsyncs waited; {done_at_storm_end} fsyncs had \
