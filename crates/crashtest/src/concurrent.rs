@@ -30,11 +30,11 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use commitfs_device::{CrashLog, CrashSpec, LogOp, Materializer, RecordingDevice};
+use commitfs_device::{CrashLog, CrashSpec, LogOp, RecordingDevice};
 use commitfs_format::jbd2;
 use commitfs_fs::{Fs, Ino, MountOptions, ROOT_INO};
 use rand::rngs::StdRng;
@@ -1073,64 +1073,44 @@ pub fn check_conc_states(
     workers: usize,
     save: Option<&std::path::Path>,
 ) -> Vec<Result<ConcPass, String>> {
-    let workers = if workers == 0 {
-        std::thread::available_parallelism().map_or(2, |n| n.get())
-    } else {
-        workers
-    }
-    .clamp(1, states.len().max(1));
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<ConcPass, String>>>> =
-        Mutex::new(vec![None; states.len()]);
-    std::thread::scope(|s| {
-        for _ in 0..workers {
-            s.spawn(|| {
-                let mut mat = Materializer::new(rec.log.clone());
-                let scratch = ScratchFile::new("conc");
-                let mut buf = Vec::new();
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(spec) = states.get(i) else { break };
-                    mat.image_into(spec, &mut buf);
-                    let img = std::mem::take(&mut buf);
-                    let keep = save.map(|_| img.clone());
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        let (r, back) = check_conc_image(rec, img, spec.k, &scratch);
-                        (r, back)
-                    }));
-                    let r = match r {
-                        Ok((r, back)) => {
-                            if let Some(b) = back {
-                                buf = b;
-                            }
-                            r
-                        }
-                        Err(p) => Err(format!(
-                            "panic during check: {}",
-                            p.downcast_ref::<String>()
-                                .cloned()
-                                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                                .unwrap_or_default()
-                        )),
-                    };
-                    if let (Err(m), Some(dir), Some(img)) = (&r, save, keep) {
-                        let stem = format!(
-                            "{}-bs{}-seed{}-k{}-s{:016x}",
-                            rec.spec.name, rec.bs, rec.seed, spec.k, spec.seed
-                        );
-                        let _ = std::fs::create_dir_all(dir)
-                            .and_then(|_| std::fs::write(dir.join(format!("{stem}.img")), &img))
-                            .and_then(|_| std::fs::write(dir.join(format!("{stem}.txt")), m));
+    crate::for_each_state(
+        &rec.log,
+        states,
+        workers,
+        "conc",
+        |mat, spec, scratch, buf| {
+            mat.image_into(spec, buf);
+            let img = std::mem::take(buf);
+            let keep = save.map(|_| img.clone());
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let (r, back) = check_conc_image(rec, img, spec.k, scratch);
+                (r, back)
+            }));
+            let r = match r {
+                Ok((r, back)) => {
+                    if let Some(b) = back {
+                        *buf = b;
                     }
-                    results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+                    r
                 }
-            });
-        }
-    });
-    results
-        .into_inner()
-        .unwrap_or_else(|e| e.into_inner())
-        .into_iter()
-        .map(|r| r.expect("every state checked"))
-        .collect()
+                Err(p) => Err(format!(
+                    "panic during check: {}",
+                    p.downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default()
+                )),
+            };
+            if let (Err(m), Some(dir), Some(img)) = (&r, save, keep) {
+                let stem = format!(
+                    "{}-bs{}-seed{}-k{}-s{:016x}",
+                    rec.spec.name, rec.bs, rec.seed, spec.k, spec.seed
+                );
+                let _ = std::fs::create_dir_all(dir)
+                    .and_then(|_| std::fs::write(dir.join(format!("{stem}.img")), &img))
+                    .and_then(|_| std::fs::write(dir.join(format!("{stem}.txt")), m));
+            }
+            r
+        },
+    )
 }

@@ -381,6 +381,25 @@ pub fn check_states(
     workers: usize,
     save: Option<&Path>,
 ) -> Vec<Result<StatePass, Failure>> {
+    for_each_state(
+        &rec.log,
+        states,
+        workers,
+        "check",
+        |mat, spec, scratch, buf| check_one(rec, mat, spec, scratch, buf, save),
+    )
+}
+
+/// Run `f` on every crash state, on `workers` threads (0: one per CPU), each
+/// with its own materializer, scratch file and image buffer; results in the
+/// order of `states`.
+pub(crate) fn for_each_state<T: Send>(
+    log: &commitfs_device::CrashLog,
+    states: &[CrashSpec],
+    workers: usize,
+    scratch_tag: &str,
+    f: impl Fn(&mut Materializer, &CrashSpec, &ScratchFile, &mut Vec<u8>) -> T + Sync,
+) -> Vec<T> {
     let workers = if workers == 0 {
         std::thread::available_parallelism().map_or(2, |n| n.get())
     } else {
@@ -388,18 +407,18 @@ pub fn check_states(
     }
     .clamp(1, states.len().max(1));
     let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<StatePass, Failure>>>> =
-        Mutex::new(vec![None; states.len()]);
+    let results: Mutex<Vec<Option<T>>> =
+        Mutex::new(std::iter::repeat_with(|| None).take(states.len()).collect());
     std::thread::scope(|s| {
         for _ in 0..workers {
             s.spawn(|| {
-                let mut mat = Materializer::new(rec.log.clone());
-                let scratch = ScratchFile::new("check");
+                let mut mat = Materializer::new(log.clone());
+                let scratch = ScratchFile::new(scratch_tag);
                 let mut buf = Vec::new();
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(spec) = states.get(i) else { break };
-                    let r = check_one(rec, &mut mat, spec, &scratch, &mut buf, save);
+                    let r = f(&mut mat, spec, &scratch, &mut buf);
                     results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
                 }
             });
