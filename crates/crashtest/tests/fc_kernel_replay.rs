@@ -257,6 +257,28 @@ fn pick(
     (picked, n, refused)
 }
 
+/// The kernel recovers the crash image `kernel_img` (a read-write loop mount)
+/// to the same tree as commitfs recovered `ours` to (read through a kernel
+/// mount too), and e2fsck -fn is clean on both. Returns commitfs's tree.
+fn kernel_agrees(ours: &Path, kernel_img: &Path) -> Result<Snapshot, String> {
+    let _k = kernel_lock();
+    let b = kernel_snapshot(kernel_img, "rw,noatime")
+        .map_err(|e| format!("kernel recovery (mount): {e}"))?;
+    fsck_clean(kernel_img, "kernel")?;
+    let a = kernel_snapshot(ours, "ro,noatime")
+        .map_err(|e| format!("kernel mount of the commitfs-recovered copy: {e}"))?;
+    fsck_clean(ours, "commitfs")?;
+    let d = differences(&a, &b);
+    if !d.is_empty() {
+        return Err(format!(
+            "trees differ ({} differences):\n    {}",
+            d.len(),
+            first_differences(&d)
+        ));
+    }
+    Ok(a)
+}
+
 #[test]
 fn kernel_replays_commitfs_fast_commits() {
     let t0 = Instant::now();
@@ -343,21 +365,7 @@ fn kernel_replays_commitfs_fast_commits() {
                     "fckr-a",
                     &recovered.ok_or("commitfs recovery gave no image")?,
                 );
-                let _k = kernel_lock();
-                let b = kernel_snapshot(&b_img.path, "rw,noatime")
-                    .map_err(|e| format!("kernel recovery (mount): {e}"))?;
-                fsck_clean(&b_img.path, "kernel")?;
-                let a = kernel_snapshot(&a_img.path, "ro,noatime")
-                    .map_err(|e| format!("kernel mount of the commitfs-recovered copy: {e}"))?;
-                fsck_clean(&a_img.path, "commitfs")?;
-                let d = differences(&a, &b);
-                if !d.is_empty() {
-                    return Err(format!(
-                        "trees differ ({} differences):\n    {}",
-                        d.len(),
-                        first_differences(&d)
-                    ));
-                }
+                let a = kernel_agrees(&a_img.path, &b_img.path)?;
                 if let Some(c_img) = &c_img {
                     // e2fsprogs' own replay (informational: printed, not judged).
                     let out = std::process::Command::new("e2fsck")
@@ -999,21 +1007,7 @@ fn kernel_replays_crash_images_with_commits_in_flight() {
                     "kinfl-a",
                     &recovered.ok_or("commitfs recovery gave no image")?,
                 );
-                let _k = kernel_lock();
-                let b = kernel_snapshot(&b_img.path, "rw,noatime")
-                    .map_err(|e| format!("kernel recovery (mount): {e}"))?;
-                fsck_clean(&b_img.path, "kernel")?;
-                let a = kernel_snapshot(&a_img.path, "ro,noatime")
-                    .map_err(|e| format!("kernel mount of the commitfs-recovered copy: {e}"))?;
-                fsck_clean(&a_img.path, "commitfs")?;
-                let d = differences(&a, &b);
-                if !d.is_empty() {
-                    return Err(format!(
-                        "trees differ ({} differences):\n    {}",
-                        d.len(),
-                        first_differences(&d)
-                    ));
-                }
+                kernel_agrees(&a_img.path, &b_img.path)?;
                 Ok(())
             })();
             checked += 1;
