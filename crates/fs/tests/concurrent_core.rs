@@ -413,6 +413,135 @@ fn cached_getattr_needs_no_fs_lock() {
     fs.unmount().unwrap();
 }
 
+/// A device that, once armed, holds the next flush until released (or 2 ×
+/// GATE_TIMEOUT pass).
+struct HoldFlush {
+    inner: DeviceRef,
+    /// (armed, holding, released)
+    st: Mutex<(bool, bool, bool)>,
+    cv: Condvar,
+}
+
+impl HoldFlush {
+    fn wait_holding(&self) -> bool {
+        let deadline = Instant::now() + GATE_TIMEOUT;
+        let mut st = self.st.lock().unwrap();
+        while !st.1 {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            st = self.cv.wait_timeout(st, deadline - now).unwrap().0;
+        }
+        true
+    }
+    fn release(&self) {
+        self.st.lock().unwrap().2 = true;
+        self.cv.notify_all();
+    }
+}
+
+impl BlockDevice for HoldFlush {
+    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> DevResult<()> {
+        self.inner.read_at(offset, buf, cat)
+    }
+    fn write_at(&self, offset: u64, buf: &[u8], cat: IoCategory, fua: bool) -> DevResult<()> {
+        self.inner.write_at(offset, buf, cat, fua)
+    }
+    fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> DevResult<()> {
+        self.inner.write_sectors(offset, buf, cat)
+    }
+    fn flush(&self) -> DevResult<()> {
+        let mut st = self.st.lock().unwrap();
+        if st.0 {
+            st.0 = false;
+            st.1 = true;
+            self.cv.notify_all();
+            let deadline = Instant::now() + 2 * GATE_TIMEOUT;
+            while !st.2 && Instant::now() < deadline {
+                st = self
+                    .cv
+                    .wait_timeout(st, Duration::from_millis(50))
+                    .unwrap()
+                    .0;
+            }
+            st.1 = false;
+        }
+        drop(st);
+        self.inner.flush()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn is_read_only(&self) -> bool {
+        self.inner.is_read_only()
+    }
+    fn stats(&self) -> &IoStats {
+        self.inner.stats()
+    }
+}
+
+/// Freeing blocks does not wait for a fast commit's flush: an unlink (whose
+/// freed blocks the journal checks against the log, under the file-system
+/// lock) returns while another thread's fast commit is held in its flush. It
+/// used to wait, because the fast commit held the log's lock across its I/O,
+/// and with it every operation queued behind the file-system lock.
+#[test]
+fn unlink_does_not_wait_for_a_fast_commit_flush() {
+    let img = mkfs("cc-fcflush", 64, &["-b", "4096", "-O", "fast_commit"]);
+    let dev = Arc::new(HoldFlush {
+        inner: Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        st: Mutex::new((false, false, false)),
+        cv: Condvar::new(),
+    });
+    let o = MountOptions {
+        fast_commit: true,
+        ..opts()
+    };
+    let fs = Fs::open(dev.clone(), o).unwrap();
+    let a = fs.create(ROOT_INO, b"a", 0o644, 0, 0).unwrap().ino;
+    fs.write(a, 0, &pattern(1, 20_000)).unwrap();
+    // A full commit: a's blocks are now in the log, waiting for a checkpoint.
+    fs.sync().unwrap();
+    let b = fs.create(ROOT_INO, b"b", 0o644, 0, 0).unwrap().ino;
+    fs.write(b, 0, &pattern(2, 5000)).unwrap();
+    let before = fs.fc_stats().commits;
+    dev.st.lock().unwrap().0 = true;
+    std::thread::scope(|s| {
+        // A fast commit (b's data is unflushed: its flush comes first).
+        let t = s.spawn(|| fs.fsync(b, false));
+        let held = dev.wait_holding();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let fs = &fs;
+        s.spawn(move || {
+            let _ = tx.send(fs.unlink(ROOT_INO, b"a"));
+        });
+        let got = rx.recv_timeout(GATE_TIMEOUT);
+        let still_held = dev.st.lock().unwrap().1;
+        dev.release();
+        assert!(held, "the fast commit's flush never came");
+        assert!(
+            matches!(got, Ok(Ok(()))),
+            "unlink did not return while a fast commit waited for its flush: {got:?}"
+        );
+        assert!(still_held, "the flush was released early");
+        t.join().unwrap().unwrap();
+    });
+    assert_eq!(
+        fs.fc_stats().commits,
+        before + 1,
+        "fsync was not a fast commit"
+    );
+    fs.unmount().unwrap();
+    drop(fs);
+    drop(dev);
+    assert_clean(&img.path, "after the unlink during a fast commit");
+    let fs = Fs::open_path(&img.path, opts()).unwrap();
+    assert!(fs.lookup(ROOT_INO, b"a").is_err());
+    assert_eq!(fs.getattr(fs.resolve("/b").unwrap()).unwrap().size, 5000);
+    fs.unmount().unwrap();
+}
+
 // ---------------------------------------------------------------------------------
 // Stress
 // ---------------------------------------------------------------------------------

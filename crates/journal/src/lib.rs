@@ -393,6 +393,12 @@ pub struct Core {
     cache_limit: usize,
     /// The on-disk JBD2 log; `None` = write-home mode (no journal on the image).
     log: Option<Mutex<log::LogState>>,
+    /// `LogState::logged_set`: asked by [`Core::forget`] without the log lock.
+    logged: Option<Arc<Mutex<std::collections::HashSet<u64>>>>,
+    /// The fast-commit area's size and the log's checksum version, fixed at
+    /// open: read under the file system's lock, so not behind the log lock.
+    fc_capacity: u32,
+    csum_v3: bool,
     /// A quarter of the log (blocks): a running transaction this large commits.
     max_tx_blocks: AtomicU64,
     opts: PipelineOptions,
@@ -479,6 +485,9 @@ impl Journal {
         let mut core = Core::new_with_gens(gdev, gens, block_size, false, popts);
         core.txq.get_mut().running.tid = state.next_tid();
         core.max_tx_blocks = AtomicU64::new(state.max_transaction_blocks());
+        core.logged = Some(state.logged_set());
+        core.fc_capacity = state.fc_capacity();
+        core.csum_v3 = state.csum_v3();
         core.log = Some(Mutex::new(state));
         let core = Arc::new(core);
         let threads = pipeline::spawn(&core)?;
@@ -548,6 +557,9 @@ impl Core {
             aborted: AtomicBool::new(false),
             cache_limit: 1 << 18,
             log: None,
+            logged: None,
+            fc_capacity: 0,
+            csum_v3: false,
             max_tx_blocks: AtomicU64::new(16384),
             opts,
             committed_tid: AtomicU32::new(0),
@@ -833,8 +845,8 @@ impl Core {
             let v = b.vers.lock();
             logged = !v.inflight.is_empty() || v.committed.is_some();
         }
-        if let Some(l) = &self.log {
-            logged |= l.lock().forget(blocknr);
+        if let Some(l) = &self.logged {
+            logged |= l.lock().contains(&blocknr);
             if logged {
                 self.txq.lock().running.revokes.insert(blocknr);
             }
@@ -1144,7 +1156,7 @@ impl Core {
     /// report data writes and frees ([`Self::note_data`], [`Self::forget_data`])
     /// and check in-place overwrites with [`Self::data_conflict`].
     pub fn set_single_flush(&self, on: bool) {
-        let v3 = self.log.as_ref().is_some_and(|l| l.lock().csum_v3());
+        let v3 = self.log.is_some() && self.csum_v3;
         let mut q = self.txq.lock();
         q.running.data = data::DataTrack {
             on: on && v3 && !self.read_only,
@@ -1263,14 +1275,24 @@ impl Core {
         };
         let mut wrote = false;
         let r = (|| {
-            let mut st = l.lock();
-            if let Some((t, head, free)) = st.fc_slot() {
-                if t == running && st.fc_has_room(1) {
-                    if let Some(b) = pack(t, head, free) {
-                        st.fc_write(&*self.dev, &[b], FcFlush::Fua)?;
-                        wrote = true;
+            let planned = {
+                let st = l.lock();
+                match st.fc_slot() {
+                    Some((t, head, free)) if t == running && st.fc_has_room(1) => {
+                        pack(t, head, free)
+                            .map(|b| {
+                                st.fc_plan_io(std::slice::from_ref(&b), FcFlush::Fua)
+                                    .map(|io| (b, io))
+                            })
+                            .transpose()?
                     }
+                    _ => None,
                 }
+            };
+            if let Some((b, io)) = planned {
+                io.issue(&*self.dev, std::slice::from_ref(&b))?;
+                l.lock().fc_written(&io);
+                wrote = true;
             }
             Ok(())
         })();
@@ -1306,7 +1328,7 @@ impl Core {
 
     /// Blocks of the whole fast-commit area (0 without one).
     pub fn fc_capacity(&self) -> u32 {
-        self.log.as_ref().map_or(0, |l| l.lock().fc_capacity())
+        self.fc_capacity
     }
 
     /// Write a fast commit built for transaction `tid` (TLV blocks, the last one
@@ -1333,7 +1355,14 @@ impl Core {
             m => m,
         };
         let flushes = self.gens.started.load(Ordering::Acquire);
-        let write = || l.lock().fc_write(&*self.dev, blocks, mode);
+        // The log lock only to plan and to advance: never across the I/O (see
+        // `log::FcIo`).
+        let write = || -> Result<()> {
+            let io = l.lock().fc_plan_io(blocks, mode)?;
+            io.issue(&*self.dev, blocks)?;
+            l.lock().fc_written(&io);
+            Ok(())
+        };
         let r = if mode == FcFlush::Together {
             // Its flush makes the data written so far durable.
             self.flushing_data(write)
@@ -1365,11 +1394,16 @@ impl Core {
             return Ok(false);
         }
         let r = (|| {
-            let mut st = l.lock();
-            if !st.fc_has_room(1) || !st.fc_started() {
-                return Ok(false);
-            }
-            st.fc_write(&*self.dev, &[block.to_vec()], FcFlush::Fua)?;
+            let blocks = [block.to_vec()];
+            let io = {
+                let st = l.lock();
+                if !st.fc_has_room(1) || !st.fc_started() {
+                    return Ok(false);
+                }
+                st.fc_plan_io(&blocks, FcFlush::Fua)?
+            };
+            io.issue(&*self.dev, &blocks)?;
+            l.lock().fc_written(&io);
             Ok(true)
         })();
         let wrote = matches!(r, Ok(true));

@@ -139,6 +139,11 @@ pub(crate) struct LogState {
     full_commits: u64,
     /// Buffers whose committed version is still only in the log.
     checkpoint: BTreeMap<u64, Arc<Buffer>>,
+    /// The block numbers of `checkpoint` (a superset while a checkpoint runs),
+    /// behind their own lock: `Core::forget` asks it under the file system's
+    /// lock, and must not wait for the log lock, which is held across the
+    /// checkpoint's and the log body's device I/O.
+    logged: Arc<parking_lot::Mutex<std::collections::HashSet<u64>>>,
 }
 
 fn now() -> (u64, u32) {
@@ -233,6 +238,7 @@ impl LogState {
             fc_off: 0,
             full_commits: 0,
             checkpoint: BTreeMap::new(),
+            logged: Arc::default(),
         };
         if use_fc {
             // Whatever an earlier mount left in the area is stale now (the log is
@@ -280,13 +286,15 @@ impl LogState {
         }
     }
 
-    /// A freed block. Returns whether its committed copy is still only in the live
-    /// log (so the caller must revoke it). Its pending checkpoint stays until the
-    /// freeing transaction commits (see [`LogState::committed`]): a checkpoint before
-    /// that must still write it home, because on disk the block stays in use until
-    /// the free is durable, and the checkpoint empties the log that held its copy.
-    pub fn forget(&self, blocknr: u64) -> bool {
-        self.checkpoint.contains_key(&blocknr)
+    /// Block numbers with a committed version only in the log: a block freed
+    /// while listed here still has a copy that replay would write over the
+    /// block's next use, so the freeing transaction must revoke it. A block's
+    /// pending checkpoint stays until the freeing transaction commits (see
+    /// [`LogState::committed`]): a checkpoint before that must still write it
+    /// home, because on disk the block stays in use until the free is durable,
+    /// and the checkpoint empties the log that held its copy.
+    pub fn logged_set(&self) -> Arc<parking_lot::Mutex<std::collections::HashSet<u64>>> {
+        self.logged.clone()
     }
 
     fn write_sb(
@@ -319,6 +327,26 @@ impl LogState {
         self.write_mapped(dev, &items, IoCategory::Journal)
     }
 
+    /// Runs of `jblocks` (journal blocks, in order) that are consecutive both in
+    /// the journal and on the device: `(physical block, first position, length)`.
+    fn map_runs(&self, jblocks: &[u32]) -> Result<Vec<(u64, usize, usize)>> {
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < jblocks.len() {
+            let p0 = self.map.require(jblocks[i])?;
+            let mut k = i + 1;
+            while k < jblocks.len()
+                && jblocks[k] == jblocks[k - 1] + 1
+                && self.map.phys(jblocks[k]) == Some(p0 + (k - i) as u64)
+            {
+                k += 1;
+            }
+            runs.push((p0, i, k - i));
+            i = k;
+        }
+        Ok(runs)
+    }
+
     /// Write `(journal block, contents)` items without FUA, in order, one request
     /// per run of consecutive journal blocks that are also consecutive on the
     /// device (the log and the fast-commit area share this).
@@ -328,27 +356,14 @@ impl LogState {
         items: &[(u32, &[u8])],
         cat: IoCategory,
     ) -> Result<()> {
-        let mut i = 0;
-        while i < items.len() {
-            let (j0, first) = items[i];
-            let p0 = self.map.require(j0)?;
-            let mut k = i + 1;
-            while k < items.len()
-                && items[k].0 == items[k - 1].0 + 1
-                && self.map.phys(items[k].0) == Some(p0 + (k - i) as u64)
-            {
-                k += 1;
-            }
-            if k == i + 1 {
-                dev.write_at(p0 * self.bs as u64, first, cat, false)?;
-            } else {
-                let run: Vec<u8> = items[i..k]
-                    .iter()
-                    .flat_map(|x| x.1.iter().copied())
-                    .collect();
-                dev.write_at(p0 * self.bs as u64, &run, cat, false)?;
-            }
-            i = k;
+        let jblocks: Vec<u32> = items.iter().map(|x| x.0).collect();
+        for (p0, i, n) in self.map_runs(&jblocks)? {
+            write_run(
+                dev,
+                p0 * self.bs as u64,
+                items[i..i + n].iter().map(|x| x.1),
+                cat,
+            )?;
         }
         Ok(())
     }
@@ -480,14 +495,17 @@ impl LogState {
         // This transaction's frees are durable now: the revoke records keep replay
         // from restoring the freed blocks, and a checkpoint must no longer write
         // them (they may be reused).
+        let mut logged = self.logged.lock();
         for blk in revokes {
             if let Some(b) = self.checkpoint.remove(blk) {
                 b.vers.lock().committed.take();
             }
+            logged.remove(blk);
         }
         for b in bufs {
             b.vers.lock().promote(tid);
             self.checkpoint.insert(b.blocknr(), b.clone());
+            logged.insert(b.blocknr());
         }
         Ok(())
     }
@@ -525,6 +543,8 @@ impl LogState {
             self.write_sb(dev, 0, seq, true)?;
         }
         self.head = self.first;
+        // Only now: a block freed during the checkpoint was revoked (harmless).
+        self.logged.lock().clear();
         Ok(())
     }
 
@@ -551,15 +571,10 @@ impl LogState {
         Some((self.next_tid, self.fc_off == 0, free))
     }
 
-    /// Write one fast commit (`blocks`, the last holding the TAIL) into the area.
-    /// `flush_first`: issue a flush before the tail block (data or earlier blocks
-    /// must be durable first); the tail always goes out with FUA.
-    pub fn fc_write(
-        &mut self,
-        dev: &dyn BlockDevice,
-        blocks: &[Vec<u8>],
-        mode: FcFlush,
-    ) -> Result<()> {
+    /// Plan the device writes of a fast commit of `blocks` at the area's next
+    /// free block (see [`FcIo`]); nothing is written and the area does not move
+    /// until [`Self::fc_written`].
+    pub fn fc_plan_io(&self, blocks: &[Vec<u8>], mode: FcFlush) -> Result<FcIo> {
         let n = blocks.len() as u32;
         if n == 0 || self.fc_first + self.fc_off + n > self.fc_end {
             return Err(JournalError::BadJournal("fast-commit area full".into()));
@@ -579,12 +594,15 @@ impl LogState {
             blocks.len() - 1
         };
         // The other blocks: contiguous runs in one write each.
-        let others: Vec<(u32, &[u8])> = (0..blocks.len())
-            .filter(|&i| i != last)
-            .map(|i| (start + i as u32, blocks[i].as_slice()))
+        let others: Vec<usize> = (0..blocks.len()).filter(|&i| i != last).collect();
+        let jblocks: Vec<u32> = others.iter().map(|&i| start + i as u32).collect();
+        let bs = self.bs as u64;
+        let runs = self
+            .map_runs(&jblocks)?
+            .into_iter()
+            .map(|(p0, i, len)| (p0 * bs, others[i], len))
             .collect();
-        self.write_mapped(dev, &others, IoCategory::FastCommit)?;
-        let pt = self.map.require(start + last as u32)?;
+        let last_at = self.map.require(start + last as u32)? * bs;
         // Ordered: data and the other blocks durable before the last one (§9.4),
         // a flush only when there is something to order, the last block as FUA.
         // Together (fc_data_csum): DATA_CSUM records let recovery tell a complete
@@ -595,20 +613,21 @@ impl LogState {
             FcFlush::Fua => (false, true, false),
             FcFlush::Together => (false, false, true),
         };
-        if flush_before {
-            dev.flush()?;
-        }
-        dev.write_at(
-            pt * self.bs as u64,
-            &blocks[last],
-            IoCategory::FastCommit,
+        Ok(FcIo {
+            runs,
+            last,
+            last_at,
+            flush_before,
             fua,
-        )?;
-        if flush_after {
-            dev.flush()?;
-        }
-        self.fc_off += n;
-        Ok(())
+            flush_after,
+            n,
+        })
+    }
+
+    /// The fast commit planned as `io` is written: the area's next free block
+    /// moves past it.
+    pub fn fc_written(&mut self, io: &FcIo) {
+        self.fc_off += io.n;
     }
 
     /// Blocks of the whole fast-commit area.
@@ -638,6 +657,65 @@ impl LogState {
         put_be32(&mut self.raw_sb, jbd2::S_FEATURE_INCOMPAT, incompat);
         let seq = next_tid.max(self.next_tid).wrapping_add(1);
         self.write_sb(dev, 0, seq, true)
+    }
+}
+
+/// Write blocks `bufs` as one request at byte `at`.
+fn write_run<'a>(
+    dev: &dyn BlockDevice,
+    at: u64,
+    mut bufs: impl ExactSizeIterator<Item = &'a [u8]>,
+    cat: IoCategory,
+) -> Result<()> {
+    if bufs.len() == 1 {
+        let b = bufs.next().expect("one block");
+        dev.write_at(at, b, cat, false)?;
+    } else {
+        let run: Vec<u8> = bufs.flat_map(|b| b.iter().copied()).collect();
+        dev.write_at(at, &run, cat, false)?;
+    }
+    Ok(())
+}
+
+/// The device writes of one fast commit, planned under the log lock
+/// ([`LogState::fc_plan_io`]) and issued without it ([`FcIo::issue`]): while a
+/// fast commit is claimed (`Core::claim_fc`) nothing else writes the area or
+/// moves its free pointer, so other users of the log — `Core::forget` under the
+/// file system's lock among them — need not wait for the fast commit's flush.
+#[derive(Debug)]
+pub struct FcIo {
+    /// `(byte offset, first block index, blocks)`: the blocks other than the
+    /// last, in device-contiguous runs.
+    runs: Vec<(u64, usize, usize)>,
+    /// Index of the block written last, and where.
+    last: usize,
+    last_at: u64,
+    flush_before: bool,
+    fua: bool,
+    flush_after: bool,
+    n: u32,
+}
+
+impl FcIo {
+    /// Issue the writes (and flushes) for `blocks`, the blocks it was planned for.
+    pub fn issue(&self, dev: &dyn BlockDevice, blocks: &[Vec<u8>]) -> Result<()> {
+        for &(at, i, len) in &self.runs {
+            let bufs = blocks[i..i + len].iter().map(|b| b.as_slice());
+            write_run(dev, at, bufs, IoCategory::FastCommit)?;
+        }
+        if self.flush_before {
+            dev.flush()?;
+        }
+        dev.write_at(
+            self.last_at,
+            &blocks[self.last],
+            IoCategory::FastCommit,
+            self.fua,
+        )?;
+        if self.flush_after {
+            dev.flush()?;
+        }
+        Ok(())
     }
 }
 

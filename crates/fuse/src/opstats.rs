@@ -1,0 +1,147 @@
+//! Per-request counters of the FUSE front end: how many requests of each kind
+//! were served and how long the file system took to answer them (from the
+//! event loop's or fsync pool's start of the job to the reply). `commitfs
+//! stats` prints them, so a benchmark can tell time spent in the daemon from
+//! time spent queued in the kernel (e.g. on a directory's lock).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+/// The request kinds counted; `Op::NAMES[op as usize]` names each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
+pub enum Op {
+    Lookup,
+    Forget,
+    Getattr,
+    Setattr,
+    Readlink,
+    Mknod,
+    Mkdir,
+    Unlink,
+    Rmdir,
+    Symlink,
+    Rename,
+    Link,
+    Open,
+    Read,
+    Write,
+    Flush,
+    Release,
+    Fsync,
+    Opendir,
+    Readdir,
+    Releasedir,
+    Fsyncdir,
+    Statfs,
+    Setxattr,
+    Getxattr,
+    Listxattr,
+    Removexattr,
+    Create,
+    Fallocate,
+    Ioctl,
+    Other,
+}
+
+impl Op {
+    pub const COUNT: usize = Op::Other as usize + 1;
+    pub const NAMES: [&'static str; Op::COUNT] = [
+        "lookup",
+        "forget",
+        "getattr",
+        "setattr",
+        "readlink",
+        "mknod",
+        "mkdir",
+        "unlink",
+        "rmdir",
+        "symlink",
+        "rename",
+        "link",
+        "open",
+        "read",
+        "write",
+        "flush",
+        "release",
+        "fsync",
+        "opendir",
+        "readdir",
+        "releasedir",
+        "fsyncdir",
+        "statfs",
+        "setxattr",
+        "getxattr",
+        "listxattr",
+        "removexattr",
+        "create",
+        "fallocate",
+        "ioctl",
+        "other",
+    ];
+}
+
+/// Requests served and nanoseconds spent, per [`Op`].
+#[derive(Debug)]
+pub struct FuseStats {
+    count: [AtomicU64; Op::COUNT],
+    nanos: [AtomicU64; Op::COUNT],
+}
+
+impl Default for FuseStats {
+    fn default() -> Self {
+        FuseStats {
+            count: std::array::from_fn(|_| AtomicU64::new(0)),
+            nanos: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+}
+
+/// One kind's totals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpTotals {
+    pub name: &'static str,
+    pub count: u64,
+    pub nanos: u64,
+}
+
+impl FuseStats {
+    /// Count one request of `op` that started at `t0`.
+    pub(crate) fn record(&self, op: Op, t0: Instant) {
+        let i = op as usize;
+        self.count[i].fetch_add(1, Ordering::Relaxed);
+        self.nanos[i].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// The kinds served at least once.
+    pub fn snapshot(&self) -> Vec<OpTotals> {
+        (0..Op::COUNT)
+            .map(|i| OpTotals {
+                name: Op::NAMES[i],
+                count: self.count[i].load(Ordering::Relaxed),
+                nanos: self.nanos[i].load(Ordering::Relaxed),
+            })
+            .filter(|t| t.count > 0)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_per_kind() {
+        let s = FuseStats::default();
+        let t0 = Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        s.record(Op::Create, t0);
+        s.record(Op::Create, Instant::now());
+        s.record(Op::Other, Instant::now());
+        let v = s.snapshot();
+        assert_eq!(v.len(), 2);
+        assert_eq!((v[0].name, v[0].count), ("create", 2));
+        assert!(v[0].nanos >= 2_000_000, "{v:?}");
+        assert_eq!((v[1].name, v[1].count), ("other", 1));
+    }
+}
