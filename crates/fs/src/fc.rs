@@ -165,6 +165,10 @@ pub struct FcStats {
     pub blocks: u64,
     pub single_block: u64,
     pub total_ns: u64,
+    /// Time in the journal writing the fast commits (planning, waits for the
+    /// lock and batching excluded): what the next leader's batching wait is
+    /// sized by, as jbd2 sizes its wait by the average commit time.
+    pub io_ns: u64,
     pub ineligible: BTreeMap<&'static str, u64>,
     /// Fast commits skipped because a full commit had covered them meanwhile.
     pub skipped: u64,

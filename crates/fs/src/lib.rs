@@ -1178,7 +1178,9 @@ impl Fs {
                 batched = true;
                 // Leading with other fsyncs under way: let those arriving join
                 // this fast commit (jbd2's batching, see `batch_fsyncs`).
-                let avg = g.fc.stats.total_ns.checked_div(g.fc.stats.commits);
+                // Sized by the fast commits' own time: the fsyncs' time includes
+                // this wait, which would feed back into ever longer waits.
+                let avg = g.fc.stats.io_ns.checked_div(g.fc.stats.commits);
                 if self.fsync_active.load(std::sync::atomic::Ordering::Acquire) > 1 {
                     drop(g);
                     self.batch_fsyncs(std::time::Duration::from_nanos(avg.unwrap_or(0)));
@@ -1237,11 +1239,14 @@ impl Fs {
                 }
             };
             drop(g);
+            let t_io = std::time::Instant::now();
             let wrote = j.fast_commit_mode(tid, &blocks, flush)?;
+            let io_ns = t_io.elapsed().as_nanos() as u64;
             let mut g = self.lock()?;
             let st = &mut g.fc.stats;
             if wrote {
                 st.commits += 1;
+                st.io_ns += io_ns;
                 st.blocks += blocks.len() as u64;
                 st.single_block += (blocks.len() == 1) as u64;
                 st.total_ns += t0.elapsed().as_nanos() as u64;
