@@ -125,6 +125,16 @@ fn group_commit_through_fuse(mode: &str, fast_commit: bool, opts: &str) {
         fsyncs / flushes.max(1.0),
         num(&s1, &["flushes"]) - num(&s0, &["flushes"]),
     );
+    // The daemon's request counters saw every fsync and create, and timed them.
+    for op in ["fsync", "create"] {
+        let n = num(&s1, &["fuse_requests", op, "count"])
+            - s0["fuse_requests"][op]["count"].as_u64().unwrap_or(0);
+        assert_eq!(n as f64, fsyncs, "{mode}: FUSE {op} requests counted");
+        assert!(
+            num(&s1, &["fuse_requests", op, "total_us"]) > 0,
+            "{mode}: FUSE {op} requests not timed"
+        );
+    }
     m.unmount().unwrap();
 
     // Every file, with its bytes (read through the library after the unmount).

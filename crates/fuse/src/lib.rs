@@ -9,6 +9,7 @@
 
 pub mod convert;
 mod ops;
+pub mod opstats;
 mod pool;
 
 use std::io;
@@ -23,6 +24,7 @@ use parking_lot::{Condvar, Mutex};
 
 pub use convert::{errno_of, ext4_ino, fuse_ino};
 pub use ops::CommitFuse;
+pub use opstats::{FuseStats, Op, OpTotals};
 
 /// How to present the file system to the kernel.
 #[derive(Debug, Clone)]
@@ -207,6 +209,7 @@ impl Gate {
 /// A mounted (kernel-side) FUSE session that is not yet serving requests.
 pub struct FuseSession {
     session: fuser::Session<CommitFuse>,
+    stats: Arc<FuseStats>,
     status: UnmountStatus,
     gate: Arc<Gate>,
     threads: usize,
@@ -219,9 +222,11 @@ pub fn mount(fs: Arc<Fs>, mountpoint: &Path, cfg: &FuseConfig) -> io::Result<Fus
     let status: UnmountStatus = Arc::new(Mutex::new(None));
     let gate = Arc::new(Gate::opened());
     let fsys = CommitFuse::new(fs, cfg, status.clone(), gate.clone())?;
+    let stats = fsys.stats();
     let session = fuser::Session::new(fsys, mountpoint, &cfg.fuser_config())?;
     Ok(FuseSession {
         session,
+        stats,
         status,
         gate,
         threads: cfg.threads.max(1),
@@ -247,6 +252,11 @@ fn event_loops_running() -> usize {
 }
 
 impl FuseSession {
+    /// Per-request counters (`commitfs stats`).
+    pub fn stats(&self) -> Arc<FuseStats> {
+        self.stats.clone()
+    }
+
     /// A handle that unmounts from another thread (e.g. a signal handler thread).
     pub fn unmounter(&mut self) -> fuser::SessionUnmounter {
         self.session.unmount_callable()
@@ -273,6 +283,7 @@ impl FuseSession {
             status,
             gate,
             threads,
+            ..
         } = self;
         gate.open.store(false, Ordering::Release);
         let mut unmounter = session.unmount_callable();

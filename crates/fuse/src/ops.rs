@@ -9,7 +9,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use commitfs_fs::{Attr, FallocFlags, Fs, RenameFlags, SetAttr, SetTime, XattrFlags};
 use fuser::{
@@ -20,12 +20,23 @@ use fuser::{
 };
 
 use crate::convert::{ext4_ino, file_attr, fuse_ino, fuse_kind, request_timestamp, to_errno};
+use crate::opstats::{FuseStats, Op};
 use crate::pool::Pool;
 use crate::{FuseConfig, Gate, UnmountStatus};
+
+/// Counts a request when dropped (also when its handler panicked).
+struct Count<'a>(&'a FuseStats, Op, Instant);
+
+impl Drop for Count<'_> {
+    fn drop(&mut self) {
+        self.0.record(self.1, self.2);
+    }
+}
 
 /// State the event loops and the fsync pool share.
 pub(crate) struct Shared {
     fs: Arc<Fs>,
+    stats: Arc<FuseStats>,
     ttl: Duration,
     next_fh: AtomicU64,
 }
@@ -129,6 +140,7 @@ impl CommitFuse {
     ) -> io::Result<Self> {
         let shared = Arc::new(Shared {
             fs,
+            stats: Arc::default(),
             ttl: cfg.ttl(),
             next_fh: AtomicU64::new(1),
         });
@@ -144,10 +156,17 @@ impl CommitFuse {
         })
     }
 
+    /// The per-request counters of this front end.
+    pub fn stats(&self) -> Arc<FuseStats> {
+        self.shared.stats.clone()
+    }
+
     /// Serve a request on this event-loop thread. A panic is logged and the
     /// dropped reply answers EIO, as on the pool.
-    fn run(&self, job: impl FnOnce(&Shared)) {
+    fn run(&self, op: Op, job: impl FnOnce(&Shared)) {
         self.gate.pass();
+        let t0 = Instant::now();
+        let _count = Count(&self.shared.stats, op, t0);
         if catch_unwind(AssertUnwindSafe(|| job(&self.shared))).is_err() {
             tracing::error!("FUSE request handler panicked (answered EIO)");
         }
@@ -156,9 +175,13 @@ impl CommitFuse {
     /// Serve a request that waits for durability on the fsync pool, so that the
     /// event loops keep serving while commits are in flight (with `threads`
     /// concurrent fsyncs inline, every event loop would sleep in a commit).
-    fn run_durable(&self, job: impl FnOnce(&Shared) + Send + 'static) {
+    fn run_durable(&self, op: Op, job: impl FnOnce(&Shared) + Send + 'static) {
         self.gate.pass();
-        self.pool.submit(Box::new(job));
+        let t0 = Instant::now();
+        self.pool.submit(Box::new(move |s: &Shared| {
+            let _count = Count(&s.stats, op, t0);
+            job(s)
+        }));
     }
 }
 
@@ -210,7 +233,9 @@ impl Filesystem for CommitFuse {
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let parent = ino_or_reply!(parent, reply);
         let name = name.as_bytes();
-        self.run(move |s| reply_entry(s, "lookup", reply, s.fs.lookup(parent, name)));
+        self.run(Op::Lookup, move |s| {
+            reply_entry(s, "lookup", reply, s.fs.lookup(parent, name))
+        });
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
@@ -218,7 +243,7 @@ impl Filesystem for CommitFuse {
         let Ok(ino) = ext4_ino(ino) else {
             return;
         };
-        self.run(move |s| {
+        self.run(Op::Forget, move |s| {
             for _ in 0..nlookup.min(u32::MAX as u64) {
                 if let Err(e) = s.fs.release(ino) {
                     tracing::error!("forget of inode {ino}: {e}");
@@ -230,7 +255,7 @@ impl Filesystem for CommitFuse {
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         let ino = ino_or_reply!(ino, reply);
-        self.run(move |s| match s.fs.getattr(ino) {
+        self.run(Op::Getattr, move |s| match s.fs.getattr(ino) {
             Ok(a) => reply.attr(&s.ttl, &file_attr(&a)),
             Err(e) => reply.error(to_errno("getattr", &e)),
         });
@@ -266,7 +291,7 @@ impl Filesystem for CommitFuse {
             crtime: crtime.map(request_timestamp),
         };
         let (uid, gid, pid) = (req.uid(), req.gid(), req.pid());
-        self.run(move |s| {
+        self.run(Op::Setattr, move |s| {
             // A truncate (incl. open with O_TRUNC) clears privileges as a write does.
             let caller = move || crate::convert::caller_of(uid, gid, pid);
             let r = if set == SetAttr::default() {
@@ -283,7 +308,7 @@ impl Filesystem for CommitFuse {
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
         let ino = ino_or_reply!(ino, reply);
-        self.run(move |s| match s.fs.readlink(ino) {
+        self.run(Op::Readlink, move |s| match s.fs.readlink(ino) {
             Ok(t) => reply.data(&t),
             Err(e) => reply.error(to_errno("readlink", &e)),
         });
@@ -304,7 +329,7 @@ impl Filesystem for CommitFuse {
         let (uid, gid) = (req.uid(), req.gid());
         // The library applies the umask unless the directory has a default ACL.
         let (mode, umask) = (mode as u16, (umask & 0o777) as u16);
-        self.run(move |s| {
+        self.run(Op::Mknod, move |s| {
             let r = s.fs.mknod_umask(parent, name, mode, umask, rdev, uid, gid);
             reply_entry(s, "mknod", reply, r)
         });
@@ -323,7 +348,7 @@ impl Filesystem for CommitFuse {
         let name = name.as_bytes();
         let (uid, gid) = (req.uid(), req.gid());
         let (perm, umask) = ((mode & 0o7777) as u16, (umask & 0o777) as u16);
-        self.run(move |s| {
+        self.run(Op::Mkdir, move |s| {
             let r = s.fs.mkdir_umask(parent, name, perm, umask, uid, gid);
             reply_entry(s, "mkdir", reply, r)
         });
@@ -332,13 +357,17 @@ impl Filesystem for CommitFuse {
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let parent = ino_or_reply!(parent, reply);
         let name = name.as_bytes();
-        self.run(move |s| reply_empty("unlink", reply, s.fs.unlink(parent, name)));
+        self.run(Op::Unlink, move |s| {
+            reply_empty("unlink", reply, s.fs.unlink(parent, name))
+        });
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let parent = ino_or_reply!(parent, reply);
         let name = name.as_bytes();
-        self.run(move |s| reply_empty("rmdir", reply, s.fs.rmdir(parent, name)));
+        self.run(Op::Rmdir, move |s| {
+            reply_empty("rmdir", reply, s.fs.rmdir(parent, name))
+        });
     }
 
     fn symlink(
@@ -353,7 +382,7 @@ impl Filesystem for CommitFuse {
         let name = link_name.as_bytes();
         let target = target.as_os_str().as_bytes();
         let (uid, gid) = (req.uid(), req.gid());
-        self.run(move |s| {
+        self.run(Op::Symlink, move |s| {
             let r = s.fs.symlink(parent, name, target, uid, gid);
             reply_entry(s, "symlink", reply, r)
         });
@@ -383,7 +412,7 @@ impl Filesystem for CommitFuse {
         };
         let name = name.as_bytes();
         let newname = newname.as_bytes();
-        self.run(move |s| {
+        self.run(Op::Rename, move |s| {
             let r = s.fs.rename(parent, name, newparent, newname, rf);
             reply_empty("rename", reply, r)
         });
@@ -400,7 +429,7 @@ impl Filesystem for CommitFuse {
         let ino = ino_or_reply!(ino, reply);
         let newparent = ino_or_reply!(newparent, reply);
         let newname = newname.as_bytes();
-        self.run(move |s| {
+        self.run(Op::Link, move |s| {
             let r = s.fs.link(ino, newparent, newname);
             reply_entry(s, "link", reply, r)
         });
@@ -408,7 +437,7 @@ impl Filesystem for CommitFuse {
 
     fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let ino = ino_or_reply!(ino, reply);
-        self.run(move |s| match s.fs.open_inode(ino) {
+        self.run(Op::Open, move |s| match s.fs.open_inode(ino) {
             Ok(()) => reply.opened(s.fh(), FILE_OPEN_FLAGS),
             Err(e) => reply.error(to_errno("open", &e)),
         });
@@ -426,7 +455,7 @@ impl Filesystem for CommitFuse {
         reply: ReplyData,
     ) {
         let ino = ino_or_reply!(ino, reply);
-        self.run(move |s| {
+        self.run(Op::Read, move |s| {
             let mut buf = vec![0u8; size as usize];
             match s.fs.read(ino, offset, &mut buf) {
                 Ok(n) => reply.data(&buf[..n.min(buf.len())]),
@@ -452,7 +481,7 @@ impl Filesystem for CommitFuse {
         // (a SETATTR before the write); the rest of its rule (setgid of a file
         // whose group the caller is not in) is ours: see `Caller`.
         let (uid, gid, pid) = (req.uid(), req.gid(), req.pid());
-        self.run(move |s| {
+        self.run(Op::Write, move |s| {
             let caller = move || crate::convert::caller_of(uid, gid, pid);
             match s.fs.write_by(ino, offset, data, Some(&caller)) {
                 Ok(n) => reply.written(n as u32),
@@ -470,7 +499,7 @@ impl Filesystem for CommitFuse {
         reply: ReplyEmpty,
     ) {
         // Writes go straight to the library; nothing is buffered per handle.
-        reply.ok();
+        self.run(Op::Flush, move |_| reply.ok());
     }
 
     fn release(
@@ -484,7 +513,9 @@ impl Filesystem for CommitFuse {
         reply: ReplyEmpty,
     ) {
         let ino = ino_or_reply!(ino, reply);
-        self.run(move |s| reply_empty("release", reply, s.fs.release(ino)));
+        self.run(Op::Release, move |s| {
+            reply_empty("release", reply, s.fs.release(ino))
+        });
     }
 
     fn fsync(
@@ -496,12 +527,14 @@ impl Filesystem for CommitFuse {
         reply: ReplyEmpty,
     ) {
         let ino = ino_or_reply!(ino, reply);
-        self.run_durable(move |s| reply_empty("fsync", reply, s.fs.fsync(ino, datasync)));
+        self.run_durable(Op::Fsync, move |s| {
+            reply_empty("fsync", reply, s.fs.fsync(ino, datasync))
+        });
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let ino = ino_or_reply!(ino, reply);
-        self.run(move |s| match s.fs.getattr(ino) {
+        self.run(Op::Opendir, move |s| match s.fs.getattr(ino) {
             Ok(a) if a.kind == commitfs_fs::FileType::Directory => {
                 reply.opened(s.fh(), FopenFlags::empty())
             }
@@ -519,7 +552,7 @@ impl Filesystem for CommitFuse {
         mut reply: ReplyDirectory,
     ) {
         let ino = ino_or_reply!(ino, reply);
-        self.run(move |s| {
+        self.run(Op::Readdir, move |s| {
             let r = s.fs.readdir(ino, offset, |e| {
                 let name = OsStr::from_bytes(&e.name);
                 // `add` answers true when the buffer is full (entry not added).
@@ -540,7 +573,7 @@ impl Filesystem for CommitFuse {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
-        reply.ok();
+        self.run(Op::Releasedir, move |_| reply.ok());
     }
 
     fn fsyncdir(
@@ -552,11 +585,13 @@ impl Filesystem for CommitFuse {
         reply: ReplyEmpty,
     ) {
         let ino = ino_or_reply!(ino, reply);
-        self.run_durable(move |s| reply_empty("fsyncdir", reply, s.fs.fsyncdir(ino)));
+        self.run_durable(Op::Fsyncdir, move |s| {
+            reply_empty("fsyncdir", reply, s.fs.fsyncdir(ino))
+        });
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        self.run(move |s| match s.fs.statfs() {
+        self.run(Op::Statfs, move |s| match s.fs.statfs() {
             Ok(st) => reply.statfs(
                 st.blocks,
                 st.blocks_free,
@@ -592,7 +627,7 @@ impl Filesystem for CommitFuse {
         };
         let name = name.as_bytes();
         let (uid, gid, pid) = (req.uid(), req.gid(), req.pid());
-        self.run(move |s| {
+        self.run(Op::Setxattr, move |s| {
             let r = if name == b"system.posix_acl_access" {
                 // fuser cannot receive FUSE_SETXATTR_ACL_KILL_SGID (it needs
                 // FUSE_SETXATTR_EXT), so decide as the kernel would
@@ -614,7 +649,7 @@ impl Filesystem for CommitFuse {
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
         let ino = ino_or_reply!(ino, reply);
         let name = name.as_bytes();
-        self.run(move |s| match s.fs.getxattr(ino, name) {
+        self.run(Op::Getxattr, move |s| match s.fs.getxattr(ino, name) {
             Ok(v) => reply_xattr_bytes(reply, size, &v),
             Err(e) => reply.error(to_errno("getxattr", &e)),
         });
@@ -622,7 +657,7 @@ impl Filesystem for CommitFuse {
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
         let ino = ino_or_reply!(ino, reply);
-        self.run(move |s| match s.fs.listxattr(ino) {
+        self.run(Op::Listxattr, move |s| match s.fs.listxattr(ino) {
             Ok(names) => {
                 let mut buf = Vec::with_capacity(names.iter().map(|n| n.len() + 1).sum());
                 for n in names {
@@ -638,7 +673,9 @@ impl Filesystem for CommitFuse {
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let ino = ino_or_reply!(ino, reply);
         let name = name.as_bytes();
-        self.run(move |s| reply_empty("removexattr", reply, s.fs.removexattr(ino, name)));
+        self.run(Op::Removexattr, move |s| {
+            reply_empty("removexattr", reply, s.fs.removexattr(ino, name))
+        });
     }
 
     fn create(
@@ -655,7 +692,7 @@ impl Filesystem for CommitFuse {
         let name = name.as_bytes();
         let (uid, gid) = (req.uid(), req.gid());
         let (perm, umask) = ((mode & 0o7777) as u16, (umask & 0o777) as u16);
-        self.run(move |s| {
+        self.run(Op::Create, move |s| {
             // One reference for the kernel's lookup count, one for the open handle.
             let r =
                 s.fs.create_umask(parent, name, perm, umask, uid, gid)
@@ -704,7 +741,7 @@ impl Filesystem for CommitFuse {
             }
         };
         let (uid, gid, pid) = (req.uid(), req.gid(), req.pid());
-        self.run(move |s| {
+        self.run(Op::Fallocate, move |s| {
             let caller = move || crate::convert::caller_of(uid, gid, pid);
             let r = s.fs.fallocate_by(ino, offset, length, flags, Some(&caller));
             reply_empty("fallocate", reply, r)

@@ -371,7 +371,7 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         if cfg.read_only { " (read-only)" } else { "" }
     );
     // Live counters for `commitfs stats DIR` (not fatal if the socket fails).
-    let _stats = super::stats::serve(fs.clone(), &req.dir)
+    let _stats = super::stats::serve(fs.clone(), Some(session.stats()), &req.dir)
         .map_err(|e| tracing::warn!("stats socket unavailable: {e:#}"))
         .ok();
     crate::sandbox::notify_mounted();

@@ -36,7 +36,7 @@ pub fn socket_path(dir: &Path) -> PathBuf {
 }
 
 /// Every counter of a mounted file system as JSON.
-pub fn stats_json(fs: &Fs) -> Value {
+pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
     let s = fs.stats();
     let fc = fs.fc_stats();
     let mut dev = serde_json::Map::new();
@@ -90,7 +90,20 @@ pub fn stats_json(fs: &Fs) -> Value {
             "data_csum_confirms": fc.confirms,
             "ineligible": fc.ineligible,
         },
+        "fuse_requests": fuse_json(fuse),
     })
+}
+
+/// FUSE requests by kind: count and mean service time in the daemon.
+fn fuse_json(fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
+    let mut m = serde_json::Map::new();
+    for t in fuse.map(|f| f.snapshot()).unwrap_or_default() {
+        m.insert(
+            t.name.to_string(),
+            json!({ "count": t.count, "total_us": t.nanos / 1000, "mean_us": t.nanos as f64 / t.count as f64 / 1000.0 }),
+        );
+    }
+    Value::Object(m)
 }
 
 /// Serves `stats_json` on the mount's socket until dropped.
@@ -108,7 +121,11 @@ impl Drop for StatsServer {
     }
 }
 
-pub fn serve(fs: Arc<Fs>, dir: &Path) -> Result<StatsServer> {
+pub fn serve(
+    fs: Arc<Fs>,
+    fuse: Option<Arc<commitfs_fuse::FuseStats>>,
+    dir: &Path,
+) -> Result<StatsServer> {
     let path = socket_path(dir);
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path)
@@ -123,7 +140,7 @@ pub fn serve(fs: Arc<Fs>, dir: &Path) -> Result<StatsServer> {
                     break;
                 }
                 if let Ok(mut c) = conn {
-                    let body = stats_json(&fs).to_string();
+                    let body = stats_json(&fs, fuse.as_deref()).to_string();
                     let _ = c.write_all(body.as_bytes());
                 }
             }
@@ -184,5 +201,20 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
         f["avg_commit_us"].as_f64().unwrap_or(0.0),
         f["ineligible"]
     );
+    if let Some(m) = v["fuse_requests"].as_object().filter(|m| !m.is_empty()) {
+        let mut rows: Vec<_> = m.iter().collect();
+        rows.sort_by_key(|(_, r)| std::cmp::Reverse(r["total_us"].as_u64().unwrap_or(0)));
+        let row = |(k, r): &(&String, &Value)| {
+            format!(
+                "{k} {} x {:.0} us",
+                r["count"],
+                r["mean_us"].as_f64().unwrap_or(0.0)
+            )
+        };
+        println!(
+            "FUSE requests (count x mean time in the daemon, most time first): {}",
+            rows.iter().map(row).collect::<Vec<_>>().join(", ")
+        );
+    }
     Ok(())
 }
