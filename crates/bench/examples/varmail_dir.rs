@@ -20,36 +20,73 @@ struct Timed<'a> {
     t: [(AtomicU64, AtomicU64); 10],
 }
 const NAMES: [&str; 10] = [
-    "mkdir", "create", "open", "append", "read_all", "fsync", "close", "unlink", "fsync_dir", "sync",
+    "mkdir",
+    "create",
+    "open",
+    "append",
+    "read_all",
+    "fsync",
+    "close",
+    "unlink",
+    "fsync_dir",
+    "sync",
 ];
 impl Timed<'_> {
     fn time<T>(&self, k: usize, f: impl FnOnce() -> T) -> T {
         let t0 = Instant::now();
         let r = f();
-        self.t[k].0.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.t[k]
+            .0
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.t[k].1.fetch_add(1, Ordering::Relaxed);
         r
     }
     fn report(&self) {
         for (i, n) in NAMES.iter().enumerate() {
-            let (ns, c) = (self.t[i].0.load(Ordering::Relaxed), self.t[i].1.load(Ordering::Relaxed));
+            let (ns, c) = (
+                self.t[i].0.load(Ordering::Relaxed),
+                self.t[i].1.load(Ordering::Relaxed),
+            );
             if c > 0 {
-                println!("  {n:10} {c:8} calls, mean {:8.0} us", ns as f64 / c as f64 / 1000.0);
+                println!(
+                    "  {n:10} {c:8} calls, mean {:8.0} us",
+                    ns as f64 / c as f64 / 1000.0
+                );
             }
         }
     }
 }
 impl Api for Timed<'_> {
-    fn mkdir(&self, rel: &str) -> io::Result<()> { self.time(0, || self.a.mkdir(rel)) }
-    fn create(&self, rel: &str) -> io::Result<Fh> { self.time(1, || self.a.create(rel)) }
-    fn open(&self, rel: &str, w: bool) -> io::Result<Fh> { self.time(2, || self.a.open(rel, w)) }
-    fn append(&self, f: &mut Fh, d: &[u8]) -> io::Result<()> { self.time(3, || self.a.append(f, d)) }
-    fn read_all(&self, f: &mut Fh, b: &mut [u8]) -> io::Result<u64> { self.time(4, || self.a.read_all(f, b)) }
-    fn fsync(&self, f: &mut Fh) -> io::Result<()> { self.time(5, || self.a.fsync(f)) }
-    fn close(&self, f: Fh) -> io::Result<()> { self.time(6, || self.a.close(f)) }
-    fn unlink(&self, rel: &str) -> io::Result<()> { self.time(7, || self.a.unlink(rel)) }
-    fn fsync_dir(&self, rel: &str) -> io::Result<()> { self.time(8, || self.a.fsync_dir(rel)) }
-    fn sync(&self) -> io::Result<()> { self.time(9, || self.a.sync()) }
+    fn mkdir(&self, rel: &str) -> io::Result<()> {
+        self.time(0, || self.a.mkdir(rel))
+    }
+    fn create(&self, rel: &str) -> io::Result<Fh> {
+        self.time(1, || self.a.create(rel))
+    }
+    fn open(&self, rel: &str, w: bool) -> io::Result<Fh> {
+        self.time(2, || self.a.open(rel, w))
+    }
+    fn append(&self, f: &mut Fh, d: &[u8]) -> io::Result<()> {
+        self.time(3, || self.a.append(f, d))
+    }
+    fn read_all(&self, f: &mut Fh, b: &mut [u8]) -> io::Result<u64> {
+        self.time(4, || self.a.read_all(f, b))
+    }
+    fn fsync(&self, f: &mut Fh) -> io::Result<()> {
+        self.time(5, || self.a.fsync(f))
+    }
+    fn close(&self, f: Fh) -> io::Result<()> {
+        self.time(6, || self.a.close(f))
+    }
+    fn unlink(&self, rel: &str) -> io::Result<()> {
+        self.time(7, || self.a.unlink(rel))
+    }
+    fn fsync_dir(&self, rel: &str) -> io::Result<()> {
+        self.time(8, || self.a.fsync_dir(rel))
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.time(9, || self.a.sync())
+    }
 }
 use commitfs_bench::sys;
 use commitfs_bench::workloads::{execute, plan, prepare, Scale};
@@ -91,7 +128,11 @@ fn main() -> Result<()> {
             let o = if fc { "fast_commit" } else { "nofast_commit" };
             let pf = pidf.to_string_lossy().to_string();
             let extra = std::env::var("MOUNT_OPTS").unwrap_or_default();
-            let o = if extra.is_empty() { o.to_string() } else { format!("{o},{extra}") };
+            let o = if extra.is_empty() {
+                o.to_string()
+            } else {
+                format!("{o},{extra}")
+            };
             sys::run(&bin, &["mount", "--pid-file", &pf, "-o", &o, &dev, &m])?;
         }
         "lib" | "lib-fc" => {}
@@ -105,9 +146,14 @@ fn main() -> Result<()> {
     p.threads = threads;
     p.secs = secs;
     let lib = if system.starts_with("lib") {
-        let d: commitfs_device::DeviceRef =
-            std::sync::Arc::new(commitfs_device::FileDevice::open(std::path::Path::new(&dev), false)?);
-        let opts = commitfs_fs::MountOptions { fast_commit: fc, ..Default::default() };
+        let d: commitfs_device::DeviceRef = std::sync::Arc::new(commitfs_device::FileDevice::open(
+            std::path::Path::new(&dev),
+            false,
+        )?);
+        let opts = commitfs_fs::MountOptions {
+            fast_commit: fc,
+            ..Default::default()
+        };
         Some(commitfs_fs::Fs::open(d, opts)?)
     } else {
         None

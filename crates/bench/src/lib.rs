@@ -15,14 +15,14 @@ mod device;
 /// The emulated device (nbdkit + latency filter); public for its own tests.
 pub mod emu;
 mod measure;
-mod ops;
+pub mod ops;
 mod plot;
 mod report;
 mod results;
 /// Processes, mounts and temporary paths; public for the emulated-device tests.
 pub mod sys;
 mod systems;
-mod workloads;
+pub mod workloads;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
