@@ -96,10 +96,10 @@ fn main() -> Result<()> {
     let system = a.get(1).cloned().unwrap_or_else(|| "commitfs-fc".into());
     let threads: usize = a.get(2).map(|s| s.parse()).transpose()?.unwrap_or(16);
     let secs: f64 = a.get(3).map(|s| s.parse()).transpose()?.unwrap_or(10.0);
-    let w = if a.get(4).map(|s| s == "split").unwrap_or(false) {
-        "varmail-split"
-    } else {
-        "varmail-shared"
+    let w = match a.get(4).map(|s| s.as_str()) {
+        Some("split") => "varmail-split",
+        Some("fsmark") => "fsmark",
+        _ => "varmail-shared",
     };
     let prof = profile(a.get(5).map(|s| s.as_str()).unwrap_or("sata-ssd"))?;
     let work = std::path::PathBuf::from("/work/prof");
@@ -165,6 +165,28 @@ fn main() -> Result<()> {
         },
         t: Default::default(),
     };
+    if w == "fsmark" {
+        p.n = (secs as usize * 50).max(16);
+        let d = commitfs_bench::workloads::prepare_external(&mnt, &p, "prof")?;
+        sys::run("sync", &[])?;
+        println!("ready {}", pid.trim());
+        let r = commitfs_bench::workloads::execute_external(&p, &d);
+        if system.starts_with("commitfs") {
+            if let Ok(o) = sys::run(&bin, &["stats", &m]) {
+                println!("{o}");
+            }
+            let _ = sys::run(&bin, &["umount", &m]);
+        } else {
+            let _ = sys::run("umount", &[&m]);
+        }
+        drop(emu);
+        let r = r?;
+        println!(
+            "{system} fsmark t={threads}: {:.0} files/s ({} files)",
+            r.throughput, r.ops
+        );
+        return Ok(());
+    }
     let r = (|| {
         let prep = prepare(&api, &p, "prof")?;
         sys::run("sync", &[])?;
@@ -182,6 +204,17 @@ fn main() -> Result<()> {
         }
     }
     if let Some(fs) = &lib {
+        let f = fs.fc_stats();
+        let st = fs.stats();
+        println!(
+            "fc: {} commits, {} skipped, avg io {:.0} us, avg total {:.0} us; flushes {}, fsyncs {}",
+            f.commits,
+            f.skipped,
+            f.io_ns as f64 / f.commits.max(1) as f64 / 1000.0,
+            f.total_ns as f64 / f.commits.max(1) as f64 / 1000.0,
+            st.device.flushes,
+            st.fsyncs
+        );
         fs.unmount()?;
     }
     if system.starts_with("commitfs") {
