@@ -19,7 +19,7 @@ use commitfs_device::{FileDevice, MemDevice};
 use commitfs_fs::testutil::{fsck, problem_lines};
 use commitfs_fs::{Fs, MountOptions, ROOT_INO};
 
-use crate::model::{self, Block, Kind};
+use crate::model::{self, Block, FileId, Kind};
 use crate::observe::{self, Observed};
 use crate::workload::Recording;
 
@@ -98,17 +98,17 @@ pub fn fsck_image(img: &[u8], scratch: &ScratchFile, when: &str) -> Result<(), S
     fsck_file(scratch, when)
 }
 
-/// Check one crash image against the recording: the tree must be a snapshot in
-/// `[lo, hi]`; file data may come from snapshots up to `content_hi`.
+/// Check the image of crash point `k` against the recording: the tree must be a
+/// snapshot in the window `[lo, hi]` ([`Recording::window`]); file data may come
+/// from snapshots up to `hi`, and files fdatasync'd before `k` must hold their
+/// data as of the fdatasync ([`Recording::data_syncs`]).
 pub fn check_image(
     rec: &Recording,
     img: Vec<u8>,
-    lo: usize,
-    hi: usize,
-    content_hi: usize,
+    k: usize,
     scratch: &ScratchFile,
 ) -> Result<Pass, String> {
-    check_image_reusing(rec, img, lo, hi, content_hi, scratch).0
+    check_image_reusing(rec, img, k, scratch).0
 }
 
 /// [`check_image`], also handing back the image buffer (when it could be
@@ -116,16 +116,27 @@ pub fn check_image(
 pub fn check_image_reusing(
     rec: &Recording,
     img: Vec<u8>,
-    lo: usize,
-    hi: usize,
-    content_hi: usize,
+    k: usize,
+    scratch: &ScratchFile,
+) -> (Result<Pass, String>, Option<Vec<u8>>) {
+    let (lo, hi) = rec.window(k);
+    check_image_in(rec, img, (lo, hi, hi), &rec.data_syncs(k), scratch)
+}
+
+/// [`check_image_reusing`] with an explicit window `(lo, hi, content_hi)` and
+/// fdatasync list (the checker's self-tests).
+pub fn check_image_in(
+    rec: &Recording,
+    img: Vec<u8>,
+    (lo, hi, content_hi): (usize, usize, usize),
+    data: &[(FileId, usize)],
     scratch: &ScratchFile,
 ) -> (Result<Pass, String>, Option<Vec<u8>>) {
     let dev = Arc::new(MemDevice::from_vec(img));
     let r = (|| {
         let fs = Fs::open(dev.clone(), mount_opts()).map_err(|e| format!("mount/recovery: {e}"))?;
         let obs = observe::observe(&fs, rec.max_file_size).map_err(|e| format!("(b) {e}"))?;
-        let j = match_tree(rec, &obs, lo, hi, content_hi)?;
+        let j = match_tree(rec, &obs, lo, hi, content_hi, data)?;
         fs.unmount()
             .map_err(|e| format!("unmount after recovery: {e}"))?;
         Ok(j)
@@ -149,13 +160,15 @@ pub fn check_image_reusing(
 }
 
 /// (b) and (c): find a snapshot in `[lo, hi]` whose metadata equals the recovered
-/// tree and whose content window explains every byte.
+/// tree and whose content window explains every byte; `data`: the acknowledged
+/// fdatasyncs, `(file, snapshot)` (see [`check_content`]).
 pub fn match_tree(
     rec: &Recording,
     obs: &Observed,
     lo: usize,
     hi: usize,
     content_hi: usize,
+    data: &[(FileId, usize)],
 ) -> Result<usize, String> {
     let got = obs.canonical();
     let h = model::canonical_hash(&got);
@@ -164,7 +177,7 @@ pub fn match_tree(
         if rec.snap_hashes[j] != h || rec.snaps[j].canonical() != got {
             continue;
         }
-        match check_content(rec, obs, j, content_hi.max(j)) {
+        match check_content(rec, obs, j, content_hi.max(j), data) {
             Ok(()) => return Ok(j),
             Err(e) => {
                 content_err.get_or_insert(format!("(c) tree = snapshot {j} but {e}"));
@@ -218,8 +231,18 @@ pub fn meta_matches_ignoring_data_blocks(tree: &model::Tree, obs: &Observed) -> 
 }
 
 /// (c) for snapshot `j`: every byte of every file equals that byte in one of the
-/// file's versions in snapshots `j..=hi`.
-fn check_content(rec: &Recording, obs: &Observed, j: usize, hi: usize) -> Result<(), String> {
+/// file's versions in snapshots `j..=hi`. A file fdatasync'd at snapshot `s > j`
+/// (in `data`) must also hold its data as of `s`: its size that of a version in
+/// `s..=hi` and every byte from those versions (the tree may still be older: an
+/// fdatasync does not make other changes durable). A file absent from some
+/// snapshot in `s..=hi` (removed later) is not held to it.
+fn check_content(
+    rec: &Recording,
+    obs: &Observed,
+    j: usize,
+    hi: usize,
+    data: &[(FileId, usize)],
+) -> Result<(), String> {
     let bs = rec.bs;
     let snap = &rec.snaps[j];
     let zeros = vec![0u8; bs];
@@ -231,6 +254,27 @@ fn check_content(rec: &Recording, obs: &Observed, j: usize, hi: usize) -> Result
         let got = obs
             .content(path)
             .ok_or_else(|| format!("{path} has no content"))?;
+        // The first snapshot this file's bytes may come from.
+        let from = data
+            .iter()
+            .filter(|&&(f, s)| f == *id && s > j && s <= hi)
+            .map(|&(_, s)| s)
+            .filter(|&s| rec.snaps[s..=hi].iter().all(|t| t.inodes.contains_key(id)))
+            .max()
+            .unwrap_or(j);
+        if from > j {
+            let sizes: BTreeSet<u64> = rec.snaps[from..=hi]
+                .iter()
+                .map(|t| t.inodes[id].meta.size)
+                .collect();
+            if !sizes.contains(&(got.len() as u64)) {
+                return Err(format!(
+                    "{path} (file id {id}) was fdatasync'd at snapshot {from} but has size {}, none of its sizes {sizes:?} in snapshots {from}..={hi}",
+                    got.len()
+                ));
+            }
+        }
+        let ino = &rec.snaps[from].inodes[id];
         for (b, chunk) in got.chunks(bs).enumerate() {
             let n = chunk.len();
             // The version at j first: by far the most common answer.
@@ -240,7 +284,7 @@ fn check_content(rec: &Recording, obs: &Observed, j: usize, hi: usize) -> Result
             }
             // Distinct versions of this block over the window.
             let mut versions: Vec<Option<&Arc<Block>>> = Vec::new();
-            for s in &rec.snaps[j..=hi] {
+            for s in &rec.snaps[from..=hi] {
                 if let Some(i) = s.inodes.get(id) {
                     let v = i.block(b);
                     if !versions.iter().any(|w| match (w, v) {
@@ -267,7 +311,7 @@ fn check_content(rec: &Recording, obs: &Observed, j: usize, hi: usize) -> Result
                 let all_zero = versions.iter().all(|v| view(v, &zeros, n)[i] == 0);
                 let origin = find_origin(rec, chunk);
                 return Err(format!(
-                    "{path} (file id {id}) block {b} byte {off}: {:#04x} matches none of {} version(s) in snapshots {j}..={hi}{}{}",
+                    "{path} (file id {id}) block {b} byte {off}: {:#04x} matches none of {} version(s) in snapshots {from}..={hi}{}{}",
                     chunk[i],
                     versions.len(),
                     if all_zero {

@@ -222,6 +222,8 @@ pub struct Summary {
     /// Fast commits and full commits the recorded run wrote before unmount.
     pub fast_commits: u64,
     pub full_commits: u64,
+    /// fdatasyncs of the run that committed nothing (C.5).
+    pub data_only_fdatasyncs: u64,
     pub states: usize,
     pub torn_states: usize,
     /// States whose recovery replayed at least one fast commit.
@@ -241,7 +243,7 @@ impl std::fmt::Display for Summary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "crashtest workload={} states={} passed={} failed={} bs={} seed={} torn={} fc_replay_states={} fc_kernel_error_states={} ops={} syncs={} log={} flushes={} home_writes={} fast_commits={} full_commits={} snapshots_seen={} record={:.2}s check={:.2}s",
+            "crashtest workload={} states={} passed={} failed={} bs={} seed={} torn={} fc_replay_states={} fc_kernel_error_states={} ops={} syncs={} log={} flushes={} home_writes={} fast_commits={} full_commits={} data_only_fdatasyncs={} snapshots_seen={} record={:.2}s check={:.2}s",
             self.workload,
             self.states,
             self.passed,
@@ -258,6 +260,7 @@ impl std::fmt::Display for Summary {
             self.home_writes,
             self.fast_commits,
             self.full_commits,
+            self.data_only_fdatasyncs,
             self.distinct_snapshots,
             self.record_time.as_secs_f64(),
             self.check_time.as_secs_f64()
@@ -361,6 +364,7 @@ pub fn run(cfg: &Config) -> Result<Summary, String> {
             .count(),
         fast_commits: rec.fast_commits,
         full_commits: rec.full_commits,
+        data_only_fdatasyncs: rec.data_only_fdatasyncs,
         states: states.len(),
         torn_states: states.iter().filter(|s| s.torn).count(),
         fc_replay_states,
@@ -454,7 +458,7 @@ fn check_one(
     let (lo, hi) = rec.window(spec.k);
     let keep = save.map(|_| img.clone());
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let (r, back) = check::check_image_reusing(rec, img, lo, hi, hi, scratch);
+        let (r, back) = check::check_image_reusing(rec, img, spec.k, scratch);
         if let Some(b) = back {
             *buf = b;
         }

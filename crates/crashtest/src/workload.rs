@@ -247,6 +247,9 @@ pub struct SyncRecord {
     /// Device-log length when it returned: crash points `k >= ret_idx` come after.
     pub ret_idx: usize,
     pub what: String,
+    /// An fdatasync of this file: it promises the file's data and size as of
+    /// `model_idx`, not the rest of the tree (C.5; ext4's fdatasync).
+    pub data_of: Option<FileId>,
 }
 
 /// Everything one recorded run produced.
@@ -269,6 +272,9 @@ pub struct Recording {
     /// Fast commits and full JBD2 commits written before the final unmount.
     pub fast_commits: u64,
     pub full_commits: u64,
+    /// fdatasyncs that committed nothing (C.5): their promise is the checker's
+    /// per-file rule, not a whole-tree point.
+    pub data_only_fdatasyncs: u64,
 }
 
 impl Recording {
@@ -279,12 +285,22 @@ impl Recording {
         let lo = self
             .syncs
             .iter()
-            .filter(|s| s.ret_idx <= k)
+            .filter(|s| s.ret_idx <= k && s.data_of.is_none())
             .map(|s| s.model_idx)
             .max()
             .unwrap_or(0);
         let hi = self.op_start.partition_point(|&s| s < k);
         (lo, hi.max(lo))
+    }
+
+    /// The fdatasyncs acknowledged before crash point `k`: `(file, snapshot)`,
+    /// the file's data and size as of that snapshot must have survived.
+    pub fn data_syncs(&self, k: usize) -> Vec<(FileId, usize)> {
+        self.syncs
+            .iter()
+            .filter(|s| s.ret_idx <= k)
+            .filter_map(|s| s.data_of.map(|f| (f, s.model_idx)))
+            .collect()
     }
 }
 
@@ -415,6 +431,7 @@ pub fn record_with(
             .map_err(|e| format!("live tree differs from the model before any crash: {e}"))?;
     }
     let js = fs.stats().journal;
+    let data_only_fdatasyncs = fs.stats().fdatasyncs_data_only;
     let unmount_start = dev.op_count();
     fs.unmount().map_err(|e| format!("unmount: {e}"))?;
     let mut sh = shared.into_inner().unwrap_or_else(|e| e.into_inner());
@@ -423,6 +440,7 @@ pub fn record_with(
         start_idx: unmount_start,
         ret_idx: dev.op_count(),
         what: "unmount".into(),
+        data_of: None,
     });
     drop(fs);
     let snap_hashes = sh
@@ -444,6 +462,7 @@ pub fn record_with(
         max_file_size,
         fast_commits: js.fc_commits,
         full_commits: js.commits,
+        data_only_fdatasyncs,
     })
 }
 
@@ -513,7 +532,7 @@ impl Ctx<'_> {
     }
 
     fn sync_op(&self, op: Op, rng: &mut StdRng, home: &str) -> Result<(), String> {
-        let (target, start, what) = {
+        let (target, id, start, what) = {
             let sh = lock(self.shared);
             let t = &sh.model.tree;
             let cands: Vec<&String> = t
@@ -531,12 +550,18 @@ impl Ctx<'_> {
             let Some(p) = pick(rng, &cands) else {
                 return Ok(());
             };
-            let ino = sh.inos[&t.paths[p.as_str()]];
-            (ino, sh.snaps.len() - 1, format!("{op:?} {p}"))
+            let id = t.paths[p.as_str()];
+            let ino = sh.inos[&id];
+            (ino, id, sh.snaps.len() - 1, format!("{op:?} {p}"))
         };
+        let mut what = what;
+        let datasync = op == Op::Fsync && rng.gen_bool(0.3);
+        if datasync {
+            what = what.replacen("Fsync", "Fdatasync", 1);
+        }
         let start_idx = self.dev.op_count();
         let r = match op {
-            Op::Fsync => self.fs.fsync(target, rng.gen_bool(0.3)),
+            Op::Fsync => self.fs.fsync(target, datasync),
             Op::Fsyncdir => self.fs.fsyncdir(target),
             _ => self.fs.sync(),
         };
@@ -547,6 +572,7 @@ impl Ctx<'_> {
             start_idx,
             ret_idx: ret,
             what,
+            data_of: datasync.then_some(id),
         });
         Ok(())
     }

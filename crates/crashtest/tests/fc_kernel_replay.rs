@@ -358,8 +358,7 @@ fn kernel_replays_commitfs_fast_commits() {
                     std::env::var_os("FC_KERNEL_E2FSCK").map(|_| ImageFile::new("fckr-c", &p.img));
                 // A: commitfs recovery, checked against the recording like any
                 // crash state.
-                let (lo, hi) = rec.window(p.spec.k);
-                let (r, recovered) = check_image_reusing(&rec, p.img, lo, hi, hi, &scratch);
+                let (r, recovered) = check_image_reusing(&rec, p.img, p.spec.k, &scratch);
                 r.map_err(|e| format!("commitfs recovery: {e}"))?;
                 let a_img = ImageFile::new(
                     "fckr-a",

@@ -99,8 +99,7 @@ fn interrupted_recovery(workload: &str, seed: u64, bs: u32) {
     let k = syncs[syncs.len() / 3].ret_idx;
     let crash = rec.log.full_image(k);
     let scratch = ScratchFile::new("interrupted");
-    let (lo, hi) = rec.window(k);
-    check_image(&rec, crash.clone(), lo, hi, hi, &scratch)
+    check_image(&rec, crash.clone(), k, &scratch)
         .unwrap_or_else(|e| panic!("the crash image itself fails: {e}"));
 
     // The uninterrupted recovery, recorded.

@@ -3,9 +3,10 @@
 //! bytes where the file reads zeros) are reported, while the same states without
 //! the damage pass.
 
+use commitfs_crashtest::check::check_image_in;
 use commitfs_crashtest::jlog::journal_blocks;
 use commitfs_crashtest::model::Kind;
-use commitfs_crashtest::{base_image, check_image, find, record, Recording, ScratchFile};
+use commitfs_crashtest::{base_image, find, record, Recording, ScratchFile};
 use commitfs_format::jbd2::BLOCKTYPE_COMMIT;
 
 fn recording(workload: &str, seed: u64) -> Recording {
@@ -38,11 +39,13 @@ fn dropping_a_committed_commit_block_is_reported() {
         }
         // Control: the honest state passes.
         let honest = rec.log.full_image(k);
-        check_image(&rec, honest, lo, hi, hi, &scratch)
+        check_image_in(&rec, honest, (lo, hi, hi), &[], &scratch)
+            .0
             .unwrap_or_else(|e| panic!("honest state at k={k} failed: {e}"));
         // The same state with the acknowledged commit block lost.
         let broken = rec.log.image_filtered(k, |i, _| i != commit.log_idx);
-        let err = check_image(&rec, broken, lo, hi, hi, &scratch)
+        let err = check_image_in(&rec, broken, (lo, hi, hi), &[], &scratch)
+            .0
             .expect_err("a lost commit block of an acknowledged fsync must be reported");
         assert!(err.starts_with("(b)"), "{err}");
         println!("lost commit block at log index {}: {err}", commit.log_idx);
@@ -72,7 +75,8 @@ fn foreign_stale_and_nonzero_data_are_reported() {
     let scratch = ScratchFile::new("selftest");
     let bs = rec.bs;
     let (img, last) = final_state(&rec);
-    check_image(&rec, img.clone(), last, last, last, &scratch)
+    check_image_in(&rec, img.clone(), (last, last, last), &[], &scratch)
+        .0
         .unwrap_or_else(|e| panic!("honest final state failed: {e}"));
     let snap = &rec.snaps[last];
     // Full data blocks of regular files: (file id, block index, data).
@@ -98,7 +102,8 @@ fn foreign_stale_and_nonzero_data_are_reported() {
     let pos = locate(&img, &a_blk.data).expect("file block on disk");
     let mut bad = img.clone();
     bad[pos..pos + bs].copy_from_slice(&b_blk.data);
-    let err = check_image(&rec, bad, last, last, last, &scratch)
+    let err = check_image_in(&rec, bad, (last, last, last), &[], &scratch)
+        .0
         .expect_err("foreign data must be reported");
     assert!(err.starts_with("(c)") && err.contains("foreign"), "{err}");
     assert!(err.contains("the data is file id"), "{err}");
@@ -115,7 +120,8 @@ fn foreign_stale_and_nonzero_data_are_reported() {
                 let pos = locate(&img, &blk.data).expect("file block on disk");
                 let mut bad = img.clone();
                 bad[pos..pos + bs].copy_from_slice(&old.data);
-                let err = check_image(&rec, bad, last, last, last, &scratch)
+                let err = check_image_in(&rec, bad, (last, last, last), &[], &scratch)
+                    .0
                     .expect_err("stale data must be reported");
                 assert!(err.starts_with("(c)"), "{err}");
                 println!("stale: {err}");
@@ -142,7 +148,8 @@ fn foreign_stale_and_nonzero_data_are_reported() {
         .expect("a partly zero block");
     let mut bad = img.clone();
     bad[pos + byte] = 0x5A;
-    let err = check_image(&rec, bad, last, last, last, &scratch)
+    let err = check_image_in(&rec, bad, (last, last, last), &[], &scratch)
+        .0
         .expect_err("non-zero data in a zero range must be reported");
     assert!(err.contains("every allowed version reads zeros"), "{err}");
     println!("non-zero: {err}");
@@ -156,11 +163,54 @@ fn a_state_outside_the_window_is_reported() {
     let scratch = ScratchFile::new("selftest");
     let (img, last) = final_state(&rec);
     let old = last / 2;
-    let err = check_image(&rec, img, 0, old, old, &scratch)
+    let err = check_image_in(&rec, img, (0, old, old), &[], &scratch)
+        .0
         .expect_err("a tree newer than the window must be reported");
     assert!(
         err.starts_with("(b)") && err.contains("it equals snapshot"),
         "{err}"
     );
     println!("outside the window: {}", &err[..err.len().min(200)]);
+}
+
+/// fdatasync's promise (C.5) is checked per file: a state that lost the data
+/// an acknowledged fdatasync made durable — here the image from before the
+/// write, whose tree the fdatasync's window still allows — is reported, while
+/// the same image passes as the crash state it honestly is.
+#[test]
+fn data_lost_after_an_fdatasync_is_reported() {
+    let scratch = ScratchFile::new("selftest");
+    let mut tried = 0;
+    for seed in 1..40 {
+        let rec = recording("data", seed);
+        for s in rec.syncs.iter() {
+            let Some(id) = s.data_of else { continue };
+            // The last operation before the fdatasync that changed the file's bytes.
+            let changed = (0..s.model_idx).rev().find(|&i| {
+                let (a, b) = (rec.snaps[i].inodes.get(&id), rec.snaps[i + 1].inodes.get(&id));
+                matches!((a, b), (Some(a), Some(b)) if a.blocks != b.blocks && a.meta.size == b.meta.size)
+            });
+            let Some(i) = changed else { continue };
+            let k0 = rec.op_start[i];
+            let img = rec.log.full_image(k0);
+            // Honest: a crash at k0.
+            commitfs_crashtest::check_image(&rec, img.clone(), k0, &scratch)
+                .unwrap_or_else(|e| panic!("honest state at k={k0} failed: {e}"));
+            // The same image after the fdatasync returned, with only its promise
+            // added to the window the image satisfies.
+            let lo = rec.window(k0).0;
+            let hi = rec.window(s.ret_idx).1;
+            let err = check_image_in(&rec, img, (lo, hi, hi), &[(id, s.model_idx)], &scratch)
+                .0
+                .expect_err("data older than an acknowledged fdatasync must be reported");
+            assert!(err.starts_with("(c)"), "{err}");
+            println!("{}: {err}", s.what);
+            tried += 1;
+            break;
+        }
+        if tried == 3 {
+            break;
+        }
+    }
+    assert_eq!(tried, 3, "not enough fdatasyncs after in-place overwrites");
 }

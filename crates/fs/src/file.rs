@@ -156,7 +156,14 @@ impl Inner {
             // A short write (ENOSPC part-way) only grows the file by what it maps.
             i.size = i.size.max(off + planned as u64);
         }
-        let wr = self.write_inode(&h, ino, &i);
+        // An in-place overwrite changes only timestamps (and maybe privilege
+        // bits): fdatasync need not commit them (C.5).
+        let data_meta = i.size != old_size || chunks.iter().any(|c| c.changed > 0);
+        let wr = if data_meta {
+            self.write_inode(&h, ino, &i)
+        } else {
+            self.datasync_exempt(|s| s.write_inode(&h, ino, &i))
+        };
         match (r, wr) {
             (Ok(()), Ok(())) => {}
             (Err(e), _) | (Ok(()), Err(e)) => {

@@ -32,6 +32,10 @@ use crate::error::{FsError, Result};
 use crate::types::MountOptions;
 
 /// Incompat features we can mount read-write (ext4-format.md §2.3).
+/// Entries of [`Inner::datasync`] past which those of durable transactions
+/// are dropped.
+const DATASYNC_PRUNE_AT: usize = 4096;
+
 const SUPPORTED_INCOMPAT: u32 = sbf::INCOMPAT_FILETYPE
     | sbf::INCOMPAT_RECOVER
     | sbf::INCOMPAT_EXTENTS
@@ -89,6 +93,17 @@ pub(crate) struct Inner {
     /// Data writes between their metadata step and their device write
     /// (`dataio.rs`); fast commits wait for them.
     pub inflight: Arc<crate::dataio::Inflight>,
+    /// fdatasync's rule (ext4's `i_datasync_tid`; docs/ARCHITECTURE.md C.5): the
+    /// transaction of each inode's last change that fdatasync must make durable
+    /// (size, block mapping, creation: every inode update except the ones made
+    /// with `datasync_exempt`). An inode absent here, or whose transaction is
+    /// durable, needs only its data flushed.
+    /// `(tid, serial)`: the serial tells a later change in the same transaction.
+    pub datasync: HashMap<u32, (u32, u64)>,
+    pub datasync_serial: u64,
+    /// Set around inode updates that fdatasync need not persist: timestamps of
+    /// an in-place overwrite, access times.
+    pub datasync_exempt: bool,
     /// Per-group hint: first inode bit that may be free.
     pub inode_hint: Vec<u32>,
     /// Last group a directory was placed in (spreads top-level directories).
@@ -223,6 +238,9 @@ impl Inner {
             fc_enabled: false,
             fc_data_csum: false,
             inflight: Default::default(),
+            datasync: HashMap::new(),
+            datasync_serial: 0,
+            datasync_exempt: false,
             inode_hint: vec![0; groups as usize],
             last_dir_group: 0,
             next_generation: now().nsec ^ 0x9E37_79B9,
@@ -726,7 +744,24 @@ impl Inner {
         })?;
         // The table now holds whatever atime the cache had.
         self.itable.store_written(ino, inode.clone());
+        if !self.datasync_exempt {
+            if self.datasync.len() >= DATASYNC_PRUNE_AT {
+                let j = self.journal.clone();
+                self.datasync.retain(|_, (t, _)| !j.is_committed(*t));
+            }
+            self.datasync_serial += 1;
+            self.datasync.insert(ino, (h.tid(), self.datasync_serial));
+        }
         Ok(())
+    }
+
+    /// Run `f` with inode updates exempt from fdatasync's rule (see
+    /// [`Inner::datasync`]).
+    pub fn datasync_exempt<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> T {
+        let was = std::mem::replace(&mut self.datasync_exempt, true);
+        let r = f(self);
+        self.datasync_exempt = was;
+        r
     }
 
     /// Fresh generation number for a new inode.

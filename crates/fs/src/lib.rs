@@ -81,6 +81,9 @@ pub struct Stats {
     pub journal_mode: &'static str,
     /// fsync and fdatasync calls.
     pub fsyncs: u64,
+    /// fdatasyncs that only had to make file data durable (no commit: the
+    /// inode's size and mapping were durable already, C.5).
+    pub fdatasyncs_data_only: u64,
 }
 
 /// What the recovery at mount replayed after a crash: the JBD2 log, then the
@@ -106,6 +109,8 @@ pub struct Fs {
     fc_lock: LeaderLock,
     /// fsync/fdatasync calls (flushes per fsync = device flushes / this).
     fsyncs: std::sync::atomic::AtomicU64,
+    /// [`Stats::fdatasyncs_data_only`].
+    fdatasyncs_data_only: std::sync::atomic::AtomicU64,
     /// Fast-commit fsyncs under way (leader batching), and the most seen at
     /// once lately.
     fsync_active: std::sync::atomic::AtomicUsize,
@@ -277,6 +282,7 @@ impl Fs {
             errors,
             fc_lock: LeaderLock::default(),
             fsyncs: Default::default(),
+            fdatasyncs_data_only: Default::default(),
             fsync_active: Default::default(),
             fsync_peak: Default::default(),
             pipeline,
@@ -554,6 +560,9 @@ impl Fs {
                 "write-home"
             },
             fsyncs: self.fsyncs.load(std::sync::atomic::Ordering::Relaxed),
+            fdatasyncs_data_only: self
+                .fdatasyncs_data_only
+                .load(std::sync::atomic::Ordering::Relaxed),
         }
     }
 
@@ -1098,18 +1107,52 @@ impl Fs {
     /// other fsyncs that commit or flush served. One fsync at a time leads a fast
     /// commit (`fc_lock`); those queued behind it usually find themselves covered
     /// when they get the lock and return without I/O.
-    fn fsync_inner(&self, ino: Ino, _datasync: bool) -> Result<()> {
-        let (j, entry_tid, entry_seq, dgen, fc_on) = {
+    fn fsync_inner(&self, ino: Ino, datasync: bool) -> Result<()> {
+        let (j, entry_tid, entry_seq, dgen, fc_on, stamp) = {
             let mut g = self.lock()?;
             g.read_inode(ino)?;
-            // An fsync writes the inode's lazytime atime (as the kernel's does).
-            g.flush_lazy_atimes(Some(ino))?;
+            if !datasync {
+                // An fsync writes the inode's lazytime atime (as the kernel's does).
+                g.flush_lazy_atimes(Some(ino))?;
+            }
             let j = g.journal.clone();
             let t = j.running_tid();
             let dgen = self.data_gens.lock().get(&ino).copied();
-            (j.clone(), t, g.fc_seq(), dgen, g.fc_on())
+            (
+                j.clone(),
+                t,
+                g.fc_seq(),
+                dgen,
+                g.fc_on(),
+                g.datasync.get(&ino).copied(),
+            )
         };
+        if datasync && stamp.is_none_or(|(t, _)| j.is_committed(t)) {
+            // C.5 (ext4's i_datasync_tid): what fdatasync must persist besides
+            // the data — size, mapping — is durable already; timestamps of an
+            // in-place overwrite can wait for the next commit. Only the data's
+            // flush remains (none when nothing was written since the last).
+            use std::sync::atomic::Ordering::Relaxed;
+            self.fsyncs.fetch_add(1, Relaxed);
+            self.fdatasyncs_data_only.fetch_add(1, Relaxed);
+            if let Some(g) = dgen {
+                j.wait_data(g)?;
+                let mut m = self.data_gens.lock();
+                if m.get(&ino) == Some(&g) {
+                    m.remove(&ino);
+                }
+            }
+            return Ok(());
+        }
         let r = self.fsync_covered(ino, &j, entry_tid, entry_seq, dgen, fc_on);
+        if r.is_ok() {
+            // Everything changed before the entry is durable now: unless the
+            // inode changed since, its next fdatasync needs no commit.
+            let mut g = self.lock()?;
+            if stamp.is_some() && g.datasync.get(&ino) == stamp.as_ref() {
+                g.datasync.remove(&ino);
+            }
+        }
         if r.is_ok() {
             if let Some(g) = dgen {
                 let mut m = self.data_gens.lock();

@@ -71,6 +71,7 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
             "revokes": j.revokes,
             "flushes": j.flushes,
             "fsyncs": s.fsyncs,
+            "fdatasyncs_data_only": s.fdatasyncs_data_only,
             "flushes_per_fsync": if s.fsyncs == 0 { 0.0 } else { s.device.flushes as f64 / s.fsyncs as f64 },
             "in_flight": j.inflight,
             "max_in_flight": j.max_inflight,
@@ -180,9 +181,10 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
         j["commits"], j["log_blocks"], j["checkpoints"], j["revokes"]
     );
     println!(
-        "pipeline: {} fsyncs, {:.3} flushes per fsync, {} in flight (max {}), {:.2} commits per flush \
+        "pipeline: {} fsyncs ({} fdatasyncs with data only), {:.3} flushes per fsync, {} in flight (max {}), {:.2} commits per flush \
          (max {}), {:.1} handles per commit, {} coalescing unlocks, avg durability wait {:.0} us",
         j["fsyncs"],
+        j["fdatasyncs_data_only"],
         j["flushes_per_fsync"].as_f64().unwrap_or(0.0),
         j["in_flight"],
         j["max_in_flight"],
