@@ -313,3 +313,132 @@ fn atime_policies_like_kernel() {
     assert_eq!(k, f, "nodiratime: kernel ext4 vs commitfs");
     assert_eq!(f, [true, false, false, false]);
 }
+
+/// lseek SEEK_DATA / SEEK_HOLE answers at many offsets of a sparse file (data
+/// blocks, holes from sparse writes, a punched hole, a partial last data block,
+/// a hole up to the end from truncate-up), then copy_file_range of the whole
+/// file into a new file and of a part into the middle of a file full of other
+/// data (a source hole must read as zeros there), compared with the copies'
+/// contents. On commitfs the copies must be served by copy_file_range requests
+/// (one request instead of reads and writes through the kernel).
+type SeekCopy = (Vec<(u64, i64, i64)>, Vec<(i64, u64, u64)>, Option<u64>);
+
+fn seek_and_copy(root: &Path) -> SeekCopy {
+    use std::os::unix::fs::FileExt;
+    use std::os::unix::io::AsRawFd;
+    let p = root.join("sparse");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&p)
+        .unwrap();
+    f.write_all_at(&[b'a'; 4096], 0).unwrap();
+    f.write_all_at(&[b'b'; 8192], 40960).unwrap();
+    f.write_all_at(&[b'c'; 100], 200_000).unwrap();
+    f.set_len(300_000).unwrap();
+    let fd = f.as_raw_fd();
+    let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    assert_eq!(unsafe { libc::fallocate(fd, punch, 45056, 4096) }, 0);
+    f.sync_all().unwrap();
+    let seek = |off: u64, whence: i32| -> i64 {
+        let r = unsafe { libc::lseek(fd, off as i64, whence) };
+        if r < 0 {
+            -(std::io::Error::last_os_error().raw_os_error().unwrap_or(0) as i64)
+        } else {
+            r
+        }
+    };
+    let offsets = [
+        0, 1, 4095, 4096, 5000, 40959, 40960, 45055, 45056, 49151, 49152, 100_000, 196_608,
+        199_999, 200_000, 200_099, 200_100, 200_703, 200_704, 299_999, 300_000, 400_000,
+    ];
+    let seeks = offsets
+        .iter()
+        .map(|&o| (o, seek(o, libc::SEEK_DATA), seek(o, libc::SEEK_HOLE)))
+        .collect();
+    let hash = |path: &Path| -> (u64, u64) {
+        let d = std::fs::read(path).unwrap();
+        let h = d.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        (d.len() as u64, h)
+    };
+    let copy = |src: &std::fs::File,
+                soff: i64,
+                dst: &std::fs::File,
+                doff: i64,
+                len: usize|
+     -> i64 {
+        let (mut so, mut dof, mut left, mut total) = (soff, doff, len, 0i64);
+        while left > 0 {
+            let n = unsafe {
+                libc::copy_file_range(src.as_raw_fd(), &mut so, dst.as_raw_fd(), &mut dof, left, 0)
+            };
+            if n < 0 {
+                return -(std::io::Error::last_os_error().raw_os_error().unwrap_or(0) as i64);
+            }
+            if n == 0 {
+                break;
+            }
+            left -= n as usize;
+            total += n as i64;
+        }
+        total
+    };
+    let mut copies = Vec::new();
+    let whole = std::fs::File::create(root.join("copy")).unwrap();
+    let n = copy(&f, 0, &whole, 0, 1 << 20);
+    let (len, h) = hash(&root.join("copy"));
+    copies.push((n, len, h));
+    let mixed = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(root.join("mixed"))
+        .unwrap();
+    mixed.write_all_at(&[b'z'; 65536], 0).unwrap();
+    let n = copy(&f, 3000, &mixed, 1000, 50_000);
+    let (len, h) = hash(&root.join("mixed"));
+    copies.push((n, len, h));
+    // Overlapping ranges of one file: EINVAL on both.
+    let n = copy(&f, 0, &f, 100, 1000);
+    copies.push((n, 0, 0));
+    // commitfs only: how many copy_file_range requests the daemon served.
+    let served = std::process::Command::new(BIN)
+        .arg("stats")
+        .arg(root)
+        .arg("--json")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok())
+        .and_then(|v| v["fuse_requests"]["copy_file_range"]["count"].as_u64());
+    (seeks, copies, served)
+}
+
+#[test]
+fn seek_data_hole_and_copy_file_range_like_kernel() {
+    let (k, f) = on_both("", &[], seek_and_copy);
+    for (a, b) in k.0.iter().zip(&f.0) {
+        assert_eq!(
+            a, b,
+            "lseek at offset {} (kernel, commitfs): SEEK_DATA, SEEK_HOLE",
+            a.0
+        );
+    }
+    assert_eq!(
+        k.1, f.1,
+        "copy_file_range: (copied, size, content hash) kernel vs commitfs"
+    );
+    assert_eq!(k.1[0].0, 300_000, "the whole file was copied");
+    assert_eq!(k.1[2].0, -(libc::EINVAL as i64));
+    // Both copies (and the refused one) reached the daemon as copy requests.
+    assert!(
+        f.2.is_some_and(|n| n >= 2),
+        "copy_file_range requests served: {:?}",
+        f.2
+    );
+}

@@ -34,6 +34,10 @@ pub enum FsError {
     XattrTooBig,
     #[error("file too large")]
     FileTooBig,
+    /// lseek SEEK_DATA/SEEK_HOLE at or past the end of the file, or SEEK_DATA
+    /// with no data after the offset (ENXIO).
+    #[error("no data or hole at or after this offset")]
+    NoSuchOffset,
     #[error("operation not permitted: {0}")]
     Permission(&'static str),
     /// EACCES, e.g. a default ACL on a non-directory.

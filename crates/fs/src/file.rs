@@ -318,6 +318,37 @@ impl Inner {
             .collect())
     }
 
+    /// lseek(2) `SEEK_DATA` (`data`) or `SEEK_HOLE` from `offset`: the first
+    /// offset at or after it that holds data, or that is in a hole (the end of
+    /// the file counts as one). Unwritten extents read as zeros and count as
+    /// holes, as ext4 reports them when no page cache holds their data (there is
+    /// none here). `NoSuchOffset` (ENXIO) at or past the end, and for
+    /// `SEEK_DATA` when only holes follow.
+    pub fn seek_data_hole(&mut self, ino: u32, offset: u64, data: bool) -> Result<u64> {
+        let i = self.live_inode(ino)?;
+        let size = i.size;
+        if offset >= size {
+            return Err(FsError::NoSuchOffset);
+        }
+        if !i.is_reg() || !i.has_flag(fi::FL_EXTENTS) {
+            // The generic answer (the kernel's for files without a block map):
+            // all data up to the end, then the hole at the end.
+            return Ok(if data { offset } else { size });
+        }
+        let bs = self.bs as u64;
+        for (lblk, len, m) in self.ext_segments(ino, &i, offset / bs, size.div_ceil(bs))? {
+            if m.is_some_and(|m| !m.unwritten) == data {
+                return Ok(offset.max(lblk * bs).min(size));
+            }
+            let _ = len;
+        }
+        if data {
+            Err(FsError::NoSuchOffset)
+        } else {
+            Ok(size)
+        }
+    }
+
     /// Goal for allocating logical block `lblk`: right after the physical block of
     /// `lblk - 1` when mapped (keeps files contiguous), else the inode's group.
     fn data_goal(&mut self, ino: u32, i: &Inode, lblk: u32) -> Result<u64> {

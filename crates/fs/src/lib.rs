@@ -73,6 +73,9 @@ impl Drop for Guarded<'_> {
     }
 }
 
+/// Bytes a copy_file_range moves per read/write pair.
+const COPY_CHUNK: u64 = 1 << 20;
+
 /// Counters reported by `commitfs stats`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stats {
@@ -918,6 +921,106 @@ impl Fs {
             self.commit_after_access();
         }
         r.map(|()| n)
+    }
+
+    /// lseek(2) `SEEK_DATA` (`data`) or `SEEK_HOLE` (see
+    /// [`Inner::seek_data_hole`]): under the inode's read lock, so no write of
+    /// this file is half done.
+    pub fn seek_data_hole(&self, ino: Ino, offset: u64, data: bool) -> Result<u64> {
+        let _il = self.ilocks.read(ino);
+        self.lock()?.seek_data_hole(ino, offset, data)
+    }
+
+    /// copy_file_range(2) as a plain copy (nothing is shared): up to `len`
+    /// bytes from `src` at `src_off` to `dst` at `dst_off`, stopping at the end of
+    /// `src`; returns the bytes copied. A hole of the source becomes a hole of
+    /// the destination where the destination had nothing yet (past its end), and
+    /// zeros elsewhere. Overlapping ranges of one file are refused (EINVAL), as
+    /// the kernel does.
+    pub fn copy_file_range(
+        &self,
+        src: Ino,
+        src_off: u64,
+        dst: Ino,
+        dst_off: u64,
+        len: u64,
+        caller: CallerOf<'_>,
+    ) -> Result<u64> {
+        if src == dst
+            && src_off < dst_off.saturating_add(len)
+            && dst_off < src_off.saturating_add(len)
+        {
+            return Err(FsError::Invalid(
+                "copy_file_range: overlapping ranges of one file",
+            ));
+        }
+        dst_off
+            .checked_add(len.min(self.getattr(src)?.size))
+            .ok_or(FsError::FileTooBig)?;
+        let end = self.getattr(src)?.size.min(src_off.saturating_add(len));
+        if src_off >= end {
+            return Ok(0);
+        }
+        let mut dst_size = self.getattr(dst)?.size;
+        let mut buf = vec![0u8; COPY_CHUNK.min(end - src_off) as usize];
+        let mut pos = src_off;
+        while pos < end {
+            let at = dst_off + (pos - src_off);
+            let data_at = match self.seek_data_hole(src, pos, true) {
+                Ok(d) => d.min(end),
+                Err(FsError::NoSuchOffset) => end,
+                Err(e) => return Err(e),
+            };
+            let n = if data_at > pos {
+                // A hole up to `data_at`: zeros where the destination has bytes.
+                let n = (data_at - pos).min(buf.len() as u64) as usize;
+                if at < dst_size {
+                    let z = n.min((dst_size - at) as usize);
+                    buf[..z].fill(0);
+                    self.write_all_by(dst, at, &buf[..z], caller)?;
+                }
+                n
+            } else {
+                let hole_at = match self.seek_data_hole(src, pos, false) {
+                    Ok(h) => h.min(end),
+                    Err(FsError::NoSuchOffset) => end,
+                    Err(e) => return Err(e),
+                };
+                let n = (hole_at - pos).min(buf.len() as u64) as usize;
+                let got = self.read(src, pos, &mut buf[..n])?;
+                if got == 0 {
+                    break;
+                }
+                self.write_all_by(dst, at, &buf[..got], caller)?;
+                got
+            };
+            pos += n as u64;
+            dst_size = dst_size.max(at + n as u64);
+        }
+        // A source range ending in a hole: the destination still grows over it.
+        let want = dst_off + (pos - src_off);
+        if self.getattr(dst)?.size < want {
+            let set = SetAttr {
+                size: Some(want),
+                ..Default::default()
+            };
+            self.setattr_by(dst, &set, caller)?;
+        }
+        Ok(pos - src_off)
+    }
+
+    /// Write all of `data` at `off` (a short write is retried; none at all is
+    /// ENOSPC).
+    fn write_all_by(&self, ino: Ino, off: u64, data: &[u8], caller: CallerOf<'_>) -> Result<()> {
+        let mut done = 0;
+        while done < data.len() {
+            let w = self.write_by(ino, off + done as u64, &data[done..], caller)?;
+            if w == 0 {
+                return Err(FsError::NoSpace);
+            }
+            done += w;
+        }
+        Ok(())
     }
 
     /// Write by a privileged caller (setuid/setgid bits stay).

@@ -26,6 +26,7 @@ pub fn errno_of(e: &FsError) -> i32 {
         FsError::NoData => libc::ENODATA,
         FsError::XattrTooBig => libc::E2BIG,
         FsError::FileTooBig => libc::EFBIG,
+        FsError::NoSuchOffset => libc::ENXIO,
         FsError::Permission(_) => libc::EPERM,
         FsError::AccessDenied(_) => libc::EACCES,
         FsError::NotSupported(_) | FsError::UnsupportedFeature(_) => libc::EOPNOTSUPP,

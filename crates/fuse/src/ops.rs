@@ -13,10 +13,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use commitfs_fs::{Attr, FallocFlags, Fs, RenameFlags, SetAttr, SetTime, XattrFlags};
 use fuser::{
-    BsdFileFlags, Errno, FileHandle, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
-    KernelConfig, LockOwner, OpenFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow,
-    WriteFlags,
+    BsdFileFlags, CopyFileRangeFlags, Errno, FileHandle, Filesystem, FopenFlags, Generation,
+    INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite,
+    ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
 use crate::convert::{ext4_ino, file_attr, fuse_ino, fuse_kind, request_timestamp, to_errno};
@@ -68,6 +68,9 @@ impl std::fmt::Debug for CommitFuse {
 /// Every change goes through this mount, so the kernel's page cache of a file
 /// stays valid across opens (size/mtime changes still invalidate it).
 const FILE_OPEN_FLAGS: FopenFlags = FopenFlags::FOPEN_KEEP_CACHE;
+
+/// Bytes one copy_file_range request copies at most.
+const COPY_MAX: u64 = 64 << 20;
 
 // fallocate(2) modes (linux/falloc.h).
 const FALLOC_FL_KEEP_SIZE: i32 = 0x01;
@@ -486,6 +489,67 @@ impl Filesystem for CommitFuse {
             match s.fs.write_by(ino, offset, data, Some(&caller)) {
                 Ok(n) => reply.written(n as u32),
                 Err(e) => reply.error(to_errno("write", &e)),
+            }
+        });
+    }
+
+    /// Only SEEK_DATA and SEEK_HOLE reach the file system (the kernel answers
+    /// the others itself).
+    fn lseek(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: i64,
+        whence: i32,
+        reply: ReplyLseek,
+    ) {
+        let ino = ino_or_reply!(ino, reply);
+        let data = match whence {
+            libc::SEEK_DATA => true,
+            libc::SEEK_HOLE => false,
+            _ => return reply.error(Errno::EINVAL),
+        };
+        let Ok(offset) = u64::try_from(offset) else {
+            return reply.error(Errno::ENXIO);
+        };
+        self.run(Op::Lseek, move |s| {
+            match s.fs.seek_data_hole(ino, offset, data) {
+                Ok(o) => reply.offset(o as i64),
+                Err(e) => reply.error(to_errno("lseek", &e)),
+            }
+        });
+    }
+
+    /// A plain copy in the daemon: one request instead of a read and a write
+    /// per 128 KiB through the kernel. At most [`COPY_MAX`] per request (the
+    /// reply's count is 32 bits; callers loop on a short count).
+    #[allow(clippy::too_many_arguments)]
+    fn copy_file_range(
+        &self,
+        req: &Request,
+        ino_in: INodeNo,
+        _fh_in: FileHandle,
+        offset_in: u64,
+        ino_out: INodeNo,
+        _fh_out: FileHandle,
+        offset_out: u64,
+        len: u64,
+        _flags: CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        let src = ino_or_reply!(ino_in, reply);
+        let dst = ino_or_reply!(ino_out, reply);
+        let (uid, gid, pid) = (req.uid(), req.gid(), req.pid());
+        self.run(Op::CopyFileRange, move |s| {
+            let caller = move || crate::convert::caller_of(uid, gid, pid);
+            let len = len.min(COPY_MAX);
+            match s
+                .fs
+                .copy_file_range(src, offset_in, dst, offset_out, len, Some(&caller))
+            {
+                Ok(n) => reply.written(n as u32),
+                Err(e) => reply.error(to_errno("copy_file_range", &e)),
             }
         });
     }

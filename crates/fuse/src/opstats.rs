@@ -41,6 +41,8 @@ pub enum Op {
     Create,
     Fallocate,
     Ioctl,
+    Lseek,
+    CopyFileRange,
     Other,
 }
 
@@ -77,6 +79,8 @@ impl Op {
         "create",
         "fallocate",
         "ioctl",
+        "lseek",
+        "copy_file_range",
         "other",
     ];
 }
