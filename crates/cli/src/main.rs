@@ -32,7 +32,7 @@ enum Cmd {
         /// Mount options: ro, rw, commit=N, fast_commit, nofast_commit,
         /// fc_data_csum, errors=continue|remount-ro|panic, acl, noacl, relatime,
         /// strictatime, noatime, nodiratime, lazytime, dev, nodev, suid, nosuid,
-        /// writeback_cache, allow_other, keep_privileges, sandbox_user=USER, and those
+        /// writeback_cache, noreaddirplus, allow_other, keep_privileges, sandbox_user=USER, and those
         /// of ext4 fstab lines (comma-separated; may be repeated; README lists them).
         #[arg(short = 'o', value_name = "OPTS")]
         options: Vec<String>,

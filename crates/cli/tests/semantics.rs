@@ -442,3 +442,152 @@ fn seek_data_hole_and_copy_file_range_like_kernel() {
         f.2
     );
 }
+
+/// `ls -l`-style listing (readdir, then lstat of every name) of a directory of
+/// 300 files, then removal of them all: the same listing as the kernel's, and
+/// every inode is free again once the kernel has dropped its cached entries
+/// (the references readdirplus hands out are all forgotten, none twice). On
+/// commitfs the listing is served by READDIRPLUS, so the lstats need no
+/// LOOKUP per name.
+type Listing = (Vec<(String, u32, u64, u64)>, bool, Option<(u64, u64)>);
+
+fn list_and_remove(root: &Path) -> Listing {
+    use std::os::unix::fs::PermissionsExt;
+    let d = root.join("d");
+    std::fs::create_dir(&d).unwrap();
+    let free0 = statvfs_ffree(root);
+    for i in 0..300u32 {
+        let p = d.join(format!("file-{i:03}"));
+        std::fs::write(&p, vec![b'x'; (i as usize * 37) % 9000]).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600 + (i % 64))).unwrap();
+    }
+    std::fs::create_dir(d.join("sub")).unwrap();
+    drop_dentries();
+    let lookups0 = fuse_count(root, "lookup");
+    let mut listing: Vec<(String, u32, u64, u64)> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let m = std::fs::symlink_metadata(e.path()).unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                m.mode(),
+                m.size(),
+                m.nlink(),
+            )
+        })
+        .collect();
+    listing.sort();
+    let lookups = fuse_count(root, "lookup").zip(lookups0).map(|(a, b)| a - b);
+    let plus = fuse_count(root, "readdirplus");
+    for i in 0..300u32 {
+        std::fs::remove_file(d.join(format!("file-{i:03}"))).unwrap();
+    }
+    std::fs::remove_dir(d.join("sub")).unwrap();
+    drop_dentries();
+    // The kernel forgets asynchronously: give it a moment.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut freed = statvfs_ffree(root) == free0;
+    while !freed && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+        drop_dentries();
+        freed = statvfs_ffree(root) == free0;
+    }
+    (listing, freed, lookups.zip(plus))
+}
+
+fn statvfs_ffree(p: &Path) -> u64 {
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(c(p).as_ptr(), &mut s) }, 0);
+    s.f_ffree as u64
+}
+
+/// Drop the kernel's dentry and inode caches (FUSE: FORGETs).
+fn drop_dentries() {
+    unsafe { libc::sync() };
+    std::fs::write("/proc/sys/vm/drop_caches", "2").unwrap();
+}
+
+/// A FUSE request count from `commitfs stats` (`None` on the kernel's mount).
+fn fuse_count(root: &Path, op: &str) -> Option<u64> {
+    std::process::Command::new(BIN)
+        .arg("stats")
+        .arg(root)
+        .arg("--json")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok())
+        .map(|v| v["fuse_requests"][op]["count"].as_u64().unwrap_or(0))
+}
+
+#[test]
+fn listing_like_kernel_with_readdirplus_and_every_inode_freed() {
+    let (k, f) = on_both("", &[], list_and_remove);
+    assert_eq!(k.0.len(), 301);
+    assert_eq!(
+        k.0, f.0,
+        "listing (name, mode, size, nlink): kernel vs commitfs"
+    );
+    assert!(k.1, "kernel: inodes not freed");
+    assert!(
+        f.1,
+        "commitfs: inodes not freed after the kernel forgot them"
+    );
+    let (lookups, plus) = f.2.expect("commitfs stats");
+    assert!(plus > 0, "no READDIRPLUS request");
+    assert!(lookups < 30, "{lookups} LOOKUPs for a listing of 301 names");
+}
+
+/// Names looked up while absent, then made by every kind of operation (create,
+/// mkdir, symlink, link, rename, mknod): each is visible at once, as on the
+/// kernel; on commitfs the repeated lookups of an absent name are answered from
+/// the kernel's negative entry (one LOOKUP, not three).
+type Negative = (Vec<(String, bool)>, Option<u64>);
+
+fn negative_entries(root: &Path) -> Negative {
+    let exists = |n: &str| std::fs::symlink_metadata(root.join(n)).is_ok();
+    std::fs::write(root.join("src"), b"x").unwrap();
+    std::fs::write(root.join("lnk-src"), b"y").unwrap();
+    let l0 = fuse_count(root, "lookup");
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        seen.push(("ghost".to_string(), exists("ghost")));
+    }
+    let repeated = fuse_count(root, "lookup").zip(l0).map(|(a, b)| a - b);
+    let names = [
+        "n-create",
+        "n-mkdir",
+        "n-symlink",
+        "n-link",
+        "n-rename",
+        "n-fifo",
+    ];
+    for n in names {
+        seen.push((format!("{n} before"), exists(n)));
+    }
+    std::fs::write(root.join("n-create"), b"z").unwrap();
+    std::fs::create_dir(root.join("n-mkdir")).unwrap();
+    std::os::unix::fs::symlink("src", root.join("n-symlink")).unwrap();
+    std::fs::hard_link(root.join("lnk-src"), root.join("n-link")).unwrap();
+    std::fs::rename(root.join("src"), root.join("n-rename")).unwrap();
+    let fifo = c(&root.join("n-fifo"));
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o644) }, 0);
+    for n in names {
+        seen.push((format!("{n} after"), exists(n)));
+    }
+    seen.push(("src after rename".into(), exists("src")));
+    (seen, repeated)
+}
+
+#[test]
+fn negative_entries_are_cached_and_turn_positive() {
+    let (k, f) = on_both("", &[], negative_entries);
+    assert_eq!(k.0, f.0, "existence (kernel, commitfs)");
+    assert!(k
+        .0
+        .iter()
+        .filter(|(n, _)| n.ends_with("after"))
+        .all(|x| x.1));
+    assert_eq!(f.1, Some(1), "LOOKUPs for three stats of one absent name");
+}

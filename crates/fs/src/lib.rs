@@ -73,6 +73,10 @@ impl Drop for Guarded<'_> {
     }
 }
 
+/// Directory entries one [`Fs::readdir_plus`] call reads at most (a FUSE
+/// reply buffer holds far fewer).
+pub const READDIRPLUS_BATCH: usize = 512;
+
 /// Bytes a copy_file_range moves per read/write pair.
 const COPY_CHUNK: u64 = 1 << 20;
 
@@ -720,6 +724,56 @@ impl Fs {
                 next_offset: next,
             })
         })?;
+        if g.touch_atime(ino) {
+            drop(g);
+            self.commit_after_access();
+        }
+        Ok(())
+    }
+
+    /// readdir with each entry's attributes (FUSE readdirplus): `f(entry,
+    /// attr)` answers whether it took the entry; for every entry taken other
+    /// than "." and "..", a reference is held as for a lookup
+    /// ([`Fs::open_inode`]; the kernel's FORGET drops it). Reads at most
+    /// [`READDIRPLUS_BATCH`] entries per call; continue from the last taken
+    /// entry's `next_offset`.
+    pub fn readdir_plus(
+        &self,
+        ino: Ino,
+        offset: u64,
+        mut f: impl FnMut(&DirEntry, &Attr) -> bool,
+    ) -> Result<()> {
+        let mut g = self.lock()?;
+        let d = g.read_inode(ino)?;
+        if !d.is_dir() {
+            return Err(FsError::NotDir);
+        }
+        let mut entries = Vec::new();
+        g.dir_readdir(ino, offset, &mut |ino, ft, name, next| {
+            let kind = FileType::from_dirent_type(ft).unwrap_or(FileType::Regular);
+            entries.push(DirEntry {
+                ino,
+                kind,
+                name: name.to_vec(),
+                next_offset: next,
+            });
+            entries.len() < READDIRPLUS_BATCH
+        })?;
+        for (k, e) in entries.iter().enumerate() {
+            let attr = match g.getattr(e.ino) {
+                Ok(a) => a,
+                // A bad inode behind a name: what was taken so far goes out;
+                // alone, the error does.
+                Err(err) if k == 0 => return Err(err),
+                Err(_) => break,
+            };
+            if !f(e, &attr) {
+                break;
+            }
+            if e.name != b"." && e.name != b".." {
+                g.itable.open(e.ino);
+            }
+        }
         if g.touch_atime(ino) {
             drop(g);
             self.commit_after_access();

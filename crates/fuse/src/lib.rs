@@ -53,6 +53,10 @@ pub struct FuseConfig {
     pub dev: bool,
     /// Honour setuid/setgid bits on exec (`suid`, ext4's default; `-o nosuid`).
     pub suid: bool,
+    /// Answer READDIRPLUS (entries with their attributes, so `ls -l` and `find`
+    /// need no LOOKUP per name), the kernel choosing when (`READDIRPLUS_AUTO`);
+    /// `-o noreaddirplus` turns it off.
+    pub readdirplus: bool,
 }
 
 impl Default for FuseConfig {
@@ -67,6 +71,7 @@ impl Default for FuseConfig {
             acl: true,
             dev: true,
             suid: true,
+            readdirplus: true,
         }
     }
 }

@@ -15,8 +15,8 @@ use commitfs_fs::{Attr, FallocFlags, Fs, RenameFlags, SetAttr, SetTime, XattrFla
 use fuser::{
     BsdFileFlags, CopyFileRangeFlags, Errno, FileHandle, Filesystem, FopenFlags, Generation,
     INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs, ReplyWrite,
-    ReplyXattr, Request, TimeOrNow, WriteFlags,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyLseek, ReplyOpen, ReplyStatfs,
+    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 
 use crate::convert::{ext4_ino, file_attr, fuse_ino, fuse_kind, request_timestamp, to_errno};
@@ -55,6 +55,7 @@ pub struct CommitFuse {
     gate: Arc<Gate>,
     writeback_cache: bool,
     acl: bool,
+    readdirplus: bool,
     threads: usize,
     status: UnmountStatus,
 }
@@ -154,6 +155,7 @@ impl CommitFuse {
             gate,
             writeback_cache: cfg.writeback_cache,
             acl: cfg.acl,
+            readdirplus: cfg.readdirplus,
             threads: cfg.threads.max(1),
             status,
         })
@@ -207,6 +209,12 @@ impl Filesystem for CommitFuse {
                 );
             }
         }
+        if self.readdirplus {
+            let want = InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO;
+            if let Err(missing) = config.add_capabilities(want) {
+                tracing::warn!("kernel lacks readdirplus ({missing:?})");
+            }
+        }
         // Lookups and readdirs in one directory may run in parallel (without it
         // the kernel holds the directory's i_rwsem exclusively across each).
         if let Err(missing) = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS) {
@@ -236,8 +244,15 @@ impl Filesystem for CommitFuse {
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let parent = ino_or_reply!(parent, reply);
         let name = name.as_bytes();
-        self.run(Op::Lookup, move |s| {
-            reply_entry(s, "lookup", reply, s.fs.lookup(parent, name))
+        self.run(Op::Lookup, move |s| match s.fs.lookup(parent, name) {
+            // A negative entry: the kernel caches the name's absence for the
+            // entry lifetime. Every change reaches the image through this mount
+            // (one user per image), and the kernel turns the cached negative
+            // entry positive itself when a create or rename makes the name.
+            Err(commitfs_fs::FsError::NotFound) => {
+                reply.entry(&s.ttl, &crate::convert::negative_attr(), Generation(0))
+            }
+            r => reply_entry(s, "lookup", reply, r),
         });
     }
 
@@ -625,6 +640,35 @@ impl Filesystem for CommitFuse {
             match r {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(to_errno("readdir", &e)),
+            }
+        });
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let ino = ino_or_reply!(ino, reply);
+        self.run(Op::Readdirplus, move |s| {
+            let r = s.fs.readdir_plus(ino, offset, |e, a| {
+                let name = OsStr::from_bytes(&e.name);
+                // `add` answers true when the buffer is full (entry not added).
+                !reply.add(
+                    fuse_ino(e.ino),
+                    e.next_offset,
+                    name,
+                    &s.ttl,
+                    &file_attr(a),
+                    gen(a),
+                )
+            });
+            match r {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(to_errno("readdirplus", &e)),
             }
         });
     }

@@ -27,6 +27,8 @@ pub struct MountCmdOptions {
     /// `commit=N` seconds.
     pub commit: u32,
     pub writeback_cache: bool,
+    /// `noreaddirplus`: plain READDIR only.
+    pub noreaddirplus: bool,
     pub allow_other: bool,
     /// `nofast_commit`: full JBD2 commits only, even on `fast_commit` images.
     pub no_fast_commit: bool,
@@ -68,6 +70,7 @@ impl Default for MountCmdOptions {
             read_only: false,
             commit: MountOptions::default().commit_interval,
             writeback_cache: false,
+            noreaddirplus: false,
             allow_other: false,
             no_fast_commit: false,
             fast_commit: false,
@@ -101,6 +104,8 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             "ro" => o.read_only = true,
             "rw" => o.read_only = false,
             "writeback_cache" => o.writeback_cache = true,
+            "noreaddirplus" => o.noreaddirplus = true,
+            "readdirplus" => o.noreaddirplus = false,
             "allow_other" => o.allow_other = true,
             "nofast_commit" => o.no_fast_commit = true,
             "fast_commit" => o.fast_commit = true,
@@ -182,7 +187,8 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                 } else {
                     bail!(
                         "unknown mount option {opt:?} (supported: ro, rw, commit=N, \
-                         writeback_cache, allow_other, fast_commit, nofast_commit, fc_data_csum, \
+                         writeback_cache, readdirplus, noreaddirplus, allow_other, fast_commit, \
+                         nofast_commit, fc_data_csum, \
                          errors=continue|remount-ro|panic, acl, noacl, strictatime, relatime, \
                          noatime, nodiratime, lazytime, dev, nodev, suid, nosuid, \
                          keep_privileges, sandbox_user=USER, threads=N, fsync_threads=N, \
@@ -334,6 +340,7 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
     let cfg = FuseConfig {
         read_only: o.read_only || fs.is_read_only(),
         writeback_cache: o.writeback_cache && !o.read_only,
+        readdirplus: !o.noreaddirplus,
         allow_other: o.allow_other,
         fsname: req.image.display().to_string().replace(',', "_"),
         acl: !o.noacl,
