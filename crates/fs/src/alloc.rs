@@ -236,12 +236,16 @@ impl Inner {
 
     /// Forget pending frees whose transactions are now durable.
     pub fn prune_pending_free(&mut self) {
-        if self.pending_free.is_empty() {
-            return;
+        while let Some(&(tid, start)) = self.pending_free_order.front() {
+            if !self.journal.is_committed(tid) {
+                break;
+            }
+            self.pending_free_order.pop_front();
+            // Unless a later free of the same start replaced it.
+            if self.pending_free.get(&start).is_some_and(|e| e.1 == tid) {
+                self.pending_free.remove(&start);
+            }
         }
-        let j = self.journal.clone();
-        self.pending_free
-            .retain(|_, (_, tid)| !j.is_committed(*tid));
     }
 
     /// Free `count` blocks starting at `start` (may cross groups). Freed blocks are
@@ -261,6 +265,7 @@ impl Inner {
         // checksum these blocks' data any more.
         self.journal.forget_data(start, count);
         self.pending_free.insert(start, (end, h.tid()));
+        self.pending_free_order.push_back((h.tid(), start));
         let mut b = start;
         while b < end {
             let g = self.block_group(b);

@@ -196,6 +196,7 @@ impl Inner {
     /// Apply scanned records and commit them to the current journal (steps 3–4).
     pub(crate) fn fc_replay(&mut self, scan: &FcScan) -> Result<FcReplayReport> {
         let saved_pending = std::mem::take(&mut self.pending_free);
+        let saved_order = std::mem::take(&mut self.pending_free_order);
         let saved_inodes = std::mem::take(&mut self.pending_free_inodes);
         let saved_incompat = self.sb.feature_incompat();
         // Should anything write the superblock during replay, the home copy must keep
@@ -205,6 +206,7 @@ impl Inner {
             .set_feature_incompat(saved_incompat | sbf::INCOMPAT_RECOVER);
         let r = self.fc_replay_inner(scan);
         self.pending_free = saved_pending;
+        self.pending_free_order = saved_order;
         self.pending_free_inodes = saved_inodes;
         self.sb.set_feature_incompat(saved_incompat);
         r

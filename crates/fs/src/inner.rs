@@ -77,6 +77,11 @@ pub(crate) struct Inner {
     /// Blocks freed by transactions that are not committed yet: start -> (end, tid).
     /// The allocator skips them (see `alloc.rs`).
     pub pending_free: std::collections::BTreeMap<u64, (u64, u32)>,
+    /// `(tid, start)` of every `pending_free` insertion, in order (tids never
+    /// decrease): pruning pops the durable front instead of scanning the map on
+    /// every allocation (thousands of entries build up between full commits
+    /// in fast-commit mode).
+    pub pending_free_order: std::collections::VecDeque<(u32, u64)>,
     /// Inode numbers freed by transactions that are not committed yet: ino -> tid.
     /// Not reused until then (like the kernel's `recently_deleted`): a fast
     /// commit's INODE record of a reused number would overwrite, at replay, the
@@ -232,6 +237,7 @@ impl Inner {
             itable: Default::default(),
             dirs: Default::default(),
             pending_free: Default::default(),
+            pending_free_order: Default::default(),
             pending_free_inodes: Default::default(),
             orphans_added: HashMap::new(),
             fc: Default::default(),
