@@ -25,7 +25,7 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use commitfs_bench::emu::{self, Profile};
-use common::{check_fsck, lib_resolve, open_lib, run, FuseMount, Watchdog};
+use common::{check_fsck, commitfs_stats_json, lib_resolve, open_lib, run, FuseMount, Watchdog};
 
 const BIN: &str = env!("CARGO_BIN_EXE_commitfs");
 
@@ -70,7 +70,7 @@ fn payload(t: usize, r: usize) -> Vec<u8> {
 
 /// `commitfs stats DIR --json`.
 fn stats(dir: &Path) -> serde_json::Value {
-    let out = run(Command::new(BIN).arg("stats").arg(dir).arg("--json")).unwrap();
+    let out = commitfs_stats_json(Path::new(BIN), dir).unwrap();
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("stats --json: {e}: {out}"))
 }
 

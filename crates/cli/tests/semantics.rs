@@ -360,10 +360,7 @@ fn seek_and_copy(root: &Path) -> SeekCopy {
         .collect();
     let hash = |path: &Path| -> (u64, u64) {
         let d = std::fs::read(path).unwrap();
-        let h = d.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
-        });
-        (d.len() as u64, h)
+        (d.len() as u64, content_hash_of(&d))
     };
     let copy = |src: &std::fs::File,
                 soff: i64,
@@ -407,16 +404,7 @@ fn seek_and_copy(root: &Path) -> SeekCopy {
     let n = copy(&f, 0, &f, 100, 1000);
     copies.push((n, 0, 0));
     // commitfs only: how many copy_file_range requests the daemon served.
-    let served = std::process::Command::new(BIN)
-        .arg("stats")
-        .arg(root)
-        .arg("--json")
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok())
-        .and_then(|v| v["fuse_requests"]["copy_file_range"]["count"].as_u64());
-    (seeks, copies, served)
+    (seeks, copies, fuse_count(root, "copy_file_range"))
 }
 
 #[test]
@@ -510,15 +498,9 @@ fn drop_dentries() {
 
 /// A FUSE request count from `commitfs stats` (`None` on the kernel's mount).
 fn fuse_count(root: &Path, op: &str) -> Option<u64> {
-    std::process::Command::new(BIN)
-        .arg("stats")
-        .arg(root)
-        .arg("--json")
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok())
-        .map(|v| v["fuse_requests"][op]["count"].as_u64().unwrap_or(0))
+    let out = commitfs_stats_json(Path::new(BIN), root).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&out).ok()?;
+    Some(v["fuse_requests"][op]["count"].as_u64().unwrap_or(0))
 }
 
 #[test]

@@ -91,7 +91,7 @@ impl Inner {
             self.fc_track_inode(ino, h.tid(), None);
         }
         // Access times are not fdatasync's business (C.5).
-        let r = self.datasync_exempt(|s| s.write_inode(&h, ino, &i));
+        let r = self.write_inode_times(&h, ino, &i);
         self.stop(h)?;
         r.map(|()| true)
     }
@@ -122,7 +122,7 @@ impl Inner {
                 if i.is_reg() {
                     self.fc_track_inode(ino, h.tid(), None);
                 }
-                self.datasync_exempt(|s| s.write_inode(&h, ino, &i))
+                self.write_inode_times(&h, ino, &i)
             });
             self.stop(h)?;
             r?;

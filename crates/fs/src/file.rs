@@ -162,7 +162,7 @@ impl Inner {
         let wr = if data_meta {
             self.write_inode(&h, ino, &i)
         } else {
-            self.datasync_exempt(|s| s.write_inode(&h, ino, &i))
+            self.write_inode_times(&h, ino, &i)
         };
         match (r, wr) {
             (Ok(()), Ok(())) => {}

@@ -100,15 +100,12 @@ pub(crate) struct Inner {
     pub inflight: Arc<crate::dataio::Inflight>,
     /// fdatasync's rule (ext4's `i_datasync_tid`; docs/ARCHITECTURE.md C.5): the
     /// transaction of each inode's last change that fdatasync must make durable
-    /// (size, block mapping, creation: every inode update except the ones made
-    /// with `datasync_exempt`). An inode absent here, or whose transaction is
-    /// durable, needs only its data flushed.
-    /// `(tid, serial)`: the serial tells a later change in the same transaction.
+    /// (size, block mapping, creation: every [`Inner::write_inode`], not
+    /// [`Inner::write_inode_times`]). An inode absent here, or whose transaction
+    /// is durable, needs only its data flushed. `(tid, serial)`: the serial tells
+    /// a later change in the same transaction.
     pub datasync: HashMap<u32, (u32, u64)>,
     pub datasync_serial: u64,
-    /// Set around inode updates that fdatasync need not persist: timestamps of
-    /// an in-place overwrite, access times.
-    pub datasync_exempt: bool,
     /// Per-group hint: first inode bit that may be free.
     pub inode_hint: Vec<u32>,
     /// Last group a directory was placed in (spreads top-level directories).
@@ -246,7 +243,6 @@ impl Inner {
             inflight: Default::default(),
             datasync: HashMap::new(),
             datasync_serial: 0,
-            datasync_exempt: false,
             inode_hint: vec![0; groups as usize],
             last_dir_group: 0,
             next_generation: now().nsec ^ 0x9E37_79B9,
@@ -740,8 +736,22 @@ impl Inner {
         Ok(inode)
     }
 
-    /// Write inode `ino` to its inode-table buffer and the cache.
+    /// Write inode `ino` to its inode-table buffer and the cache; fdatasync of
+    /// it must commit this change (see [`Inner::datasync`]).
     pub fn write_inode(&mut self, h: &Handle, ino: u32, inode: &Inode) -> Result<()> {
+        self.write_inode_times(h, ino, inode)?;
+        if self.datasync.len() >= DATASYNC_PRUNE_AT {
+            let j = self.journal.clone();
+            self.datasync.retain(|_, (t, _)| !j.is_committed(*t));
+        }
+        self.datasync_serial += 1;
+        self.datasync.insert(ino, (h.tid(), self.datasync_serial));
+        Ok(())
+    }
+
+    /// [`Inner::write_inode`] for a change fdatasync need not persist: only
+    /// timestamps (an in-place overwrite, an access) or privilege bits changed.
+    pub fn write_inode_times(&mut self, h: &Handle, ino: u32, inode: &Inode) -> Result<()> {
         let (blk, off) = self.inode_location(ino)?;
         let isz = self.inode_size;
         let csum = self.csum;
@@ -750,24 +760,7 @@ impl Inner {
         })?;
         // The table now holds whatever atime the cache had.
         self.itable.store_written(ino, inode.clone());
-        if !self.datasync_exempt {
-            if self.datasync.len() >= DATASYNC_PRUNE_AT {
-                let j = self.journal.clone();
-                self.datasync.retain(|_, (t, _)| !j.is_committed(*t));
-            }
-            self.datasync_serial += 1;
-            self.datasync.insert(ino, (h.tid(), self.datasync_serial));
-        }
         Ok(())
-    }
-
-    /// Run `f` with inode updates exempt from fdatasync's rule (see
-    /// [`Inner::datasync`]).
-    pub fn datasync_exempt<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> T {
-        let was = std::mem::replace(&mut self.datasync_exempt, true);
-        let r = f(self);
-        self.datasync_exempt = was;
-        r
     }
 
     /// Fresh generation number for a new inode.

@@ -1008,10 +1008,11 @@ impl Fs {
                 "copy_file_range: overlapping ranges of one file",
             ));
         }
+        let src_size = self.getattr(src)?.size;
         dst_off
-            .checked_add(len.min(self.getattr(src)?.size))
+            .checked_add(len.min(src_size))
             .ok_or(FsError::FileTooBig)?;
-        let end = self.getattr(src)?.size.min(src_off.saturating_add(len));
+        let end = src_size.min(src_off.saturating_add(len));
         if src_off >= end {
             return Ok(0);
         }

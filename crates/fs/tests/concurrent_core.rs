@@ -297,16 +297,38 @@ fn data_reads_run_in_parallel() {
     fs.unmount().unwrap();
 }
 
-/// A device that, once armed, holds the next metadata read until released (or
-/// 10 s pass).
-struct HoldMeta {
+/// Which request a [`Hold`] device holds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum HoldOn {
+    MetadataRead,
+    Flush,
+}
+
+/// A device that, once armed, holds the next request of one kind until
+/// released (or 2 × GATE_TIMEOUT pass).
+struct Hold {
     inner: DeviceRef,
+    on: HoldOn,
     /// (armed, holding, released)
     st: Mutex<(bool, bool, bool)>,
     cv: Condvar,
 }
 
-impl HoldMeta {
+impl Hold {
+    fn new(inner: DeviceRef, on: HoldOn) -> Hold {
+        Hold {
+            inner,
+            on,
+            st: Mutex::new((false, false, false)),
+            cv: Condvar::new(),
+        }
+    }
+    fn arm(&self) {
+        self.st.lock().unwrap().0 = true;
+    }
+    fn holding(&self) -> bool {
+        self.st.lock().unwrap().1
+    }
     fn wait_holding(&self) -> bool {
         let deadline = Instant::now() + GATE_TIMEOUT;
         let mut st = self.st.lock().unwrap();
@@ -323,26 +345,33 @@ impl HoldMeta {
         self.st.lock().unwrap().2 = true;
         self.cv.notify_all();
     }
+    /// Called before a request of kind `on`: holds it when armed.
+    fn maybe_hold(&self, on: HoldOn) {
+        if on != self.on {
+            return;
+        }
+        let mut st = self.st.lock().unwrap();
+        if st.0 {
+            st.0 = false;
+            st.1 = true;
+            self.cv.notify_all();
+            let deadline = Instant::now() + 2 * GATE_TIMEOUT;
+            while !st.2 && Instant::now() < deadline {
+                st = self
+                    .cv
+                    .wait_timeout(st, Duration::from_millis(50))
+                    .unwrap()
+                    .0;
+            }
+            st.1 = false;
+        }
+    }
 }
 
-impl BlockDevice for HoldMeta {
+impl BlockDevice for Hold {
     fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> DevResult<()> {
         if cat == IoCategory::Metadata {
-            let mut st = self.st.lock().unwrap();
-            if st.0 {
-                st.0 = false;
-                st.1 = true;
-                self.cv.notify_all();
-                let deadline = Instant::now() + 2 * GATE_TIMEOUT;
-                while !st.2 && Instant::now() < deadline {
-                    st = self
-                        .cv
-                        .wait_timeout(st, Duration::from_millis(50))
-                        .unwrap()
-                        .0;
-                }
-                st.1 = false;
-            }
+            self.maybe_hold(HoldOn::MetadataRead);
         }
         self.inner.read_at(offset, buf, cat)
     }
@@ -353,6 +382,7 @@ impl BlockDevice for HoldMeta {
         self.inner.write_sectors(offset, buf, cat)
     }
     fn flush(&self) -> DevResult<()> {
+        self.maybe_hold(HoldOn::Flush);
         self.inner.flush()
     }
     fn size(&self) -> u64 {
@@ -380,15 +410,14 @@ fn cached_getattr_needs_no_fs_lock() {
         fs.write(f, 0, &pattern(1, 5000)).unwrap();
         fs.unmount().unwrap();
     }
-    let dev = Arc::new(HoldMeta {
-        inner: Arc::new(FileDevice::open(&img.path, false).unwrap()),
-        st: Mutex::new((false, false, false)),
-        cv: Condvar::new(),
-    });
+    let dev = Arc::new(Hold::new(
+        Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        HoldOn::MetadataRead,
+    ));
     let fs = Fs::open(dev.clone(), opts()).unwrap();
     let f = fs.resolve("/f").unwrap();
     assert_eq!(fs.getattr(f).unwrap().size, 5000);
-    dev.st.lock().unwrap().0 = true;
+    dev.arm();
     std::thread::scope(|s| {
         // Holds the file-system lock across the read of d's directory block.
         let a = s.spawn(|| fs.resolve("/d/x"));
@@ -399,7 +428,7 @@ fn cached_getattr_needs_no_fs_lock() {
             let _ = tx.send(fs.getattr(f).map(|a| a.size));
         });
         let got = rx.recv_timeout(GATE_TIMEOUT);
-        let still_held = dev.st.lock().unwrap().1;
+        let still_held = dev.holding();
         dev.release();
         assert!(held, "the directory block read never came");
         assert_eq!(
@@ -413,74 +442,6 @@ fn cached_getattr_needs_no_fs_lock() {
     fs.unmount().unwrap();
 }
 
-/// A device that, once armed, holds the next flush until released (or 2 ×
-/// GATE_TIMEOUT pass).
-struct HoldFlush {
-    inner: DeviceRef,
-    /// (armed, holding, released)
-    st: Mutex<(bool, bool, bool)>,
-    cv: Condvar,
-}
-
-impl HoldFlush {
-    fn wait_holding(&self) -> bool {
-        let deadline = Instant::now() + GATE_TIMEOUT;
-        let mut st = self.st.lock().unwrap();
-        while !st.1 {
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
-            st = self.cv.wait_timeout(st, deadline - now).unwrap().0;
-        }
-        true
-    }
-    fn release(&self) {
-        self.st.lock().unwrap().2 = true;
-        self.cv.notify_all();
-    }
-}
-
-impl BlockDevice for HoldFlush {
-    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> DevResult<()> {
-        self.inner.read_at(offset, buf, cat)
-    }
-    fn write_at(&self, offset: u64, buf: &[u8], cat: IoCategory, fua: bool) -> DevResult<()> {
-        self.inner.write_at(offset, buf, cat, fua)
-    }
-    fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> DevResult<()> {
-        self.inner.write_sectors(offset, buf, cat)
-    }
-    fn flush(&self) -> DevResult<()> {
-        let mut st = self.st.lock().unwrap();
-        if st.0 {
-            st.0 = false;
-            st.1 = true;
-            self.cv.notify_all();
-            let deadline = Instant::now() + 2 * GATE_TIMEOUT;
-            while !st.2 && Instant::now() < deadline {
-                st = self
-                    .cv
-                    .wait_timeout(st, Duration::from_millis(50))
-                    .unwrap()
-                    .0;
-            }
-            st.1 = false;
-        }
-        drop(st);
-        self.inner.flush()
-    }
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-    fn is_read_only(&self) -> bool {
-        self.inner.is_read_only()
-    }
-    fn stats(&self) -> &IoStats {
-        self.inner.stats()
-    }
-}
-
 /// Freeing blocks does not wait for a fast commit's flush: an unlink (whose
 /// freed blocks the journal checks against the log, under the file-system
 /// lock) returns while another thread's fast commit is held in its flush. It
@@ -489,11 +450,10 @@ impl BlockDevice for HoldFlush {
 #[test]
 fn unlink_does_not_wait_for_a_fast_commit_flush() {
     let img = mkfs("cc-fcflush", 64, &["-b", "4096", "-O", "fast_commit"]);
-    let dev = Arc::new(HoldFlush {
-        inner: Arc::new(FileDevice::open(&img.path, false).unwrap()),
-        st: Mutex::new((false, false, false)),
-        cv: Condvar::new(),
-    });
+    let dev = Arc::new(Hold::new(
+        Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        HoldOn::Flush,
+    ));
     let o = MountOptions {
         fast_commit: true,
         ..opts()
@@ -506,7 +466,7 @@ fn unlink_does_not_wait_for_a_fast_commit_flush() {
     let b = fs.create(ROOT_INO, b"b", 0o644, 0, 0).unwrap().ino;
     fs.write(b, 0, &pattern(2, 5000)).unwrap();
     let before = fs.fc_stats().commits;
-    dev.st.lock().unwrap().0 = true;
+    dev.arm();
     std::thread::scope(|s| {
         // A fast commit (b's data is unflushed: its flush comes first).
         let t = s.spawn(|| fs.fsync(b, false));
@@ -517,7 +477,7 @@ fn unlink_does_not_wait_for_a_fast_commit_flush() {
             let _ = tx.send(fs.unlink(ROOT_INO, b"a"));
         });
         let got = rx.recv_timeout(GATE_TIMEOUT);
-        let still_held = dev.st.lock().unwrap().1;
+        let still_held = dev.holding();
         dev.release();
         assert!(held, "the fast commit's flush never came");
         assert!(

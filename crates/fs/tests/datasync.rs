@@ -38,6 +38,16 @@ fn counts(fs: &Fs) -> (u64, u64, u64, u64) {
     )
 }
 
+/// Between two [`counts`]: a fdatasync or fsync that had to commit did (a
+/// full or fast commit), and was not counted as data-only.
+fn assert_committed(before: (u64, u64, u64, u64), after: (u64, u64, u64, u64), what: &str) {
+    assert_eq!(after.3, before.3, "{what}: counted as data-only");
+    assert!(
+        after.0 + after.1 > before.0 + before.1,
+        "{what}: committed nothing: {before:?} -> {after:?}"
+    );
+}
+
 /// The file `/f` in the image a power cut leaves at device request `k`.
 fn recovered(dev: &RecordingDevice, k: usize) -> Vec<u8> {
     let img = dev.crash_log().image(&CrashSpec {
@@ -80,14 +90,7 @@ fn run(mode: Mode) {
     let c0 = counts(&fs);
     fs.fsync(f, true).unwrap();
     let c1 = counts(&fs);
-    assert_eq!(
-        c1.3, c0.3,
-        "{mode:?}: fdatasync of a new file skipped its commit"
-    );
-    assert!(
-        c1.0 + c1.1 > c0.0 + c0.1,
-        "{mode:?}: fdatasync of a new file committed nothing: {c0:?} -> {c1:?}"
-    );
+    assert_committed(c0, c1, &format!("{mode:?}: fdatasync of a new file"));
 
     // In-place overwrite: one flush, no commit of any kind.
     want[BS..2 * BS].copy_from_slice(&block(4));
@@ -130,14 +133,7 @@ fn run(mode: Mode) {
     fs.write(f, 3 * BS as u64, &block(5)).unwrap();
     fs.fsync(f, true).unwrap();
     let c4 = counts(&fs);
-    assert_eq!(
-        c4.3, c3.3,
-        "{mode:?}: append's fdatasync skipped its commit"
-    );
-    assert!(
-        c4.0 + c4.1 > c3.0 + c3.1,
-        "{mode:?}: append's fdatasync committed nothing"
-    );
+    assert_committed(c3, c4, &format!("{mode:?}: append's fdatasync"));
     assert_eq!(
         recovered(&dev, dev.op_count()),
         want,
@@ -149,11 +145,7 @@ fn run(mode: Mode) {
     fs.write(f, 0, &block(6)).unwrap();
     fs.fsync(f, false).unwrap();
     let c5 = counts(&fs);
-    assert_eq!(c5.3, c4.3);
-    assert!(
-        c5.0 + c5.1 > c4.0 + c4.1,
-        "{mode:?}: fsync after an overwrite committed nothing"
-    );
+    assert_committed(c4, c5, &format!("{mode:?}: fsync after an overwrite"));
     assert_eq!(recovered(&dev, dev.op_count()), want);
 
     fs.unmount().unwrap();

@@ -393,8 +393,8 @@ pub struct Core {
     cache_limit: usize,
     /// The on-disk JBD2 log; `None` = write-home mode (no journal on the image).
     log: Option<Mutex<log::LogState>>,
-    /// `LogState::logged_set`: asked by [`Core::forget`] without the log lock.
-    logged: Option<Arc<Mutex<std::collections::HashSet<u64>>>>,
+    /// `LogState::checkpoint_list`: asked by [`Core::forget`] without the log lock.
+    logged: Option<log::CheckpointList>,
     /// The fast-commit area's size and the log's checksum version, fixed at
     /// open: read under the file system's lock, so not behind the log lock.
     fc_capacity: u32,
@@ -485,7 +485,7 @@ impl Journal {
         let mut core = Core::new_with_gens(gdev, gens, block_size, false, popts);
         core.txq.get_mut().running.tid = state.next_tid();
         core.max_tx_blocks = AtomicU64::new(state.max_transaction_blocks());
-        core.logged = Some(state.logged_set());
+        core.logged = Some(state.checkpoint_list());
         core.fc_capacity = state.fc_capacity();
         core.csum_v3 = state.csum_v3();
         core.log = Some(Mutex::new(state));
@@ -846,7 +846,7 @@ impl Core {
             logged = !v.inflight.is_empty() || v.committed.is_some();
         }
         if let Some(l) = &self.logged {
-            logged |= l.lock().contains(&blocknr);
+            logged |= l.lock().contains_key(&blocknr);
             if logged {
                 self.txq.lock().running.revokes.insert(blocknr);
             }

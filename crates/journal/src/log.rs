@@ -137,14 +137,16 @@ pub(crate) struct LogState {
     fc_off: u32,
     /// Full commits since the log was opened (fast commits need one first, §8.9).
     full_commits: u64,
-    /// Buffers whose committed version is still only in the log.
-    checkpoint: BTreeMap<u64, Arc<Buffer>>,
-    /// The block numbers of `checkpoint` (a superset while a checkpoint runs),
-    /// behind their own lock: `Core::forget` asks it under the file system's
-    /// lock, and must not wait for the log lock, which is held across the
-    /// checkpoint's and the log body's device I/O.
-    logged: Arc<parking_lot::Mutex<std::collections::HashSet<u64>>>,
+    /// Buffers whose committed version is still only in the log, behind their
+    /// own lock ([`CheckpointList`]): `Core::forget` asks it under the file
+    /// system's lock and must not wait for the log lock, which is held across
+    /// the checkpoint's and the log body's device I/O.
+    checkpoint: CheckpointList,
 }
+
+/// The checkpoint list: block number to the buffer whose committed version
+/// only the log holds. Changed under the log lock; read by `Core::forget`.
+pub type CheckpointList = Arc<parking_lot::Mutex<BTreeMap<u64, Arc<Buffer>>>>;
 
 fn now() -> (u64, u32) {
     let d = SystemTime::now()
@@ -237,8 +239,7 @@ impl LogState {
             fc_end: if use_fc { jsb.maxlen } else { fc_first },
             fc_off: 0,
             full_commits: 0,
-            checkpoint: BTreeMap::new(),
-            logged: Arc::default(),
+            checkpoint: Arc::default(),
         };
         if use_fc {
             // Whatever an earlier mount left in the area is stale now (the log is
@@ -293,8 +294,8 @@ impl LogState {
     /// [`LogState::committed`]): a checkpoint before that must still write it
     /// home, because on disk the block stays in use until the free is durable,
     /// and the checkpoint empties the log that held its copy.
-    pub fn logged_set(&self) -> Arc<parking_lot::Mutex<std::collections::HashSet<u64>>> {
-        self.logged.clone()
+    pub fn checkpoint_list(&self) -> CheckpointList {
+        self.checkpoint.clone()
     }
 
     fn write_sb(
@@ -495,17 +496,15 @@ impl LogState {
         // This transaction's frees are durable now: the revoke records keep replay
         // from restoring the freed blocks, and a checkpoint must no longer write
         // them (they may be reused).
-        let mut logged = self.logged.lock();
+        let mut ck = self.checkpoint.lock();
         for blk in revokes {
-            if let Some(b) = self.checkpoint.remove(blk) {
+            if let Some(b) = ck.remove(blk) {
                 b.vers.lock().committed.take();
             }
-            logged.remove(blk);
         }
         for b in bufs {
             b.vers.lock().promote(tid);
-            self.checkpoint.insert(b.blocknr(), b.clone());
-            logged.insert(b.blocknr());
+            ck.insert(b.blocknr(), b.clone());
         }
         Ok(())
     }
@@ -520,7 +519,9 @@ impl LogState {
 
     /// Write every committed version home, flush, then mark the log empty.
     pub fn checkpoint(&mut self, dev: &dyn BlockDevice) -> Result<()> {
-        let bufs = std::mem::take(&mut self.checkpoint);
+        // A copy: the list stays visible to `forget` until the log is empty, so
+        // a block freed meanwhile is revoked (needlessly, but harmlessly).
+        let bufs = self.checkpoint.lock().clone();
         for (blk, b) in &bufs {
             let v = b.vers.lock().committed.take();
             if let Some(v) = v {
@@ -543,8 +544,7 @@ impl LogState {
             self.write_sb(dev, 0, seq, true)?;
         }
         self.head = self.first;
-        // Only now: a block freed during the checkpoint was revoked (harmless).
-        self.logged.lock().clear();
+        self.checkpoint.lock().clear();
         Ok(())
     }
 

@@ -632,6 +632,14 @@ impl ContentHasher {
     }
 }
 
+/// The output of `commitfs stats DIR --json` for a commitfs mount (`bin`: the
+/// commitfs binary); an error for anything else (a kernel mount has no stats
+/// socket). Text, not parsed: not every crate sharing this module has a JSON
+/// parser.
+pub fn commitfs_stats_json(bin: &Path, dir: &Path) -> Result<String, String> {
+    run(Command::new(bin).arg("stats").arg(dir).arg("--json"))
+}
+
 /// Hash of a byte string as a content hash (same function as for files).
 pub fn content_hash_of(data: &[u8]) -> u64 {
     let mut h = ContentHasher::default();
