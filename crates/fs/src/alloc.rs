@@ -114,6 +114,21 @@ impl Inner {
         if count == 0 {
             return Err(FsError::Invalid("zero-length allocation"));
         }
+        // Blocks reserved for cached delayed pages are theirs: any other
+        // allocation (metadata, uncached data) leaves them (ext4's
+        // ext4_claim_free_clusters against s_dirtyclusters_counter).
+        let mut count = count;
+        if let Some(pc) = &self.pc {
+            let reserved = pc.reserved();
+            if reserved > 0 && !self.claiming {
+                let (free, _) = self.free_counts();
+                let avail = free.saturating_sub(reserved);
+                if avail == 0 {
+                    return Err(FsError::NoSpace);
+                }
+                count = count.min(avail.min(u32::MAX as u64) as u32);
+            }
+        }
         let goal = goal.clamp(
             self.sb.first_data_block() as u64,
             self.sb.blocks_count() - 1,

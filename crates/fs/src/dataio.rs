@@ -71,10 +71,13 @@ impl Inflight {
 
     /// Wait until no write is in flight. Called under `Inner` (which keeps new
     /// writes from starting); in-flight writes never take `Inner`.
-    pub fn wait_idle(&self) {
+    /// Gives up once `stop()` (the journal aborted: a commit's data that
+    /// will never be written).
+    pub fn wait_idle_or(&self, stop: &dyn Fn() -> bool) {
         let mut m = self.m.lock();
-        while !m.is_empty() {
-            self.cv.wait(&mut m);
+        while !m.is_empty() && !stop() {
+            self.cv
+                .wait_for(&mut m, std::time::Duration::from_millis(50));
         }
     }
 }
@@ -184,6 +187,22 @@ impl DataIo {
             .write_at(pblk * self.bs as u64, buf, IoCategory::Data, false)?;
         self.journal
             .note_data(pblk, buf.len().div_ceil(self.bs) as u64);
+        self.journal.note_data_written();
+        Ok(())
+    }
+
+    /// [`Self::write`] without reporting to single-flush tracking (a full
+    /// commit's cut reported the blocks before its tid switch).
+    pub fn write_unnoted(&self, pblk: u64, buf: &[u8]) -> Result<()> {
+        if self.errors.is_dead() {
+            return Err(FsError::Shutdown);
+        }
+        if self.read_only || self.errors.is_read_only() {
+            return Err(FsError::ReadOnly);
+        }
+        self.check_range(pblk, buf.len())?;
+        self.dev
+            .write_at(pblk * self.bs as u64, buf, IoCategory::Data, false)?;
         self.journal.note_data_written();
         Ok(())
     }

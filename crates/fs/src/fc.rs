@@ -332,7 +332,8 @@ impl Inner {
         // fc_data_csum would checksum half-written blocks. In-flight writes never
         // take `Inner`, which is held here, so none starts and the wait ends
         // (dataio.rs; the kernel's jbd2_journal_lock_updates).
-        self.inflight.wait_idle();
+        let j = self.journal.clone();
+        self.inflight.wait_idle_or(&|| j.is_aborted());
         self.fc_prune();
         let Some((tid, _, _)) = self.journal.fc_slot() else {
             return Ok(FcPlan::Full(FcReason::NoFullCommitYet));
@@ -554,8 +555,7 @@ impl Inner {
                 unwritten: false,
             } = r
             {
-                let crc = commitfs_journal::data_range_crc(&*self.dev, self.bs, *pblk, *len)?
-                    .ok_or_else(|| crate::error::FsError::corrupt("ADD_RANGE beyond the device"))?;
+                let crc = self.fc_range_crc(*pblk, *len)?;
                 csums.push(Tlv::DataCsum {
                     ino: *ino,
                     lblk: *lblk,
@@ -577,6 +577,28 @@ impl Inner {
         p.ranges
             .extend(ranges.into_iter().map(|(i, l, n)| (i, l, n, s)));
         Ok(s)
+    }
+
+    /// CRC of device blocks `pblk..pblk+len` as they will be once the fast
+    /// commit's cut is written: blocks in [`Inner::fc_overlay`] from there,
+    /// the rest from the device.
+    fn fc_range_crc(&self, pblk: u64, len: u32) -> Result<u32> {
+        if !(pblk..pblk + len as u64).any(|b| self.fc_overlay.contains_key(&b)) {
+            return commitfs_journal::data_range_crc(&*self.dev, self.bs, pblk, len)?
+                .ok_or_else(|| crate::error::FsError::corrupt("ADD_RANGE beyond the device"));
+        }
+        let mut crc = commitfs_format::fast_commit::DATA_CRC_SEED;
+        let mut buf = vec![0u8; self.bs];
+        for b in pblk..pblk + len as u64 {
+            match self.fc_overlay.get(&b) {
+                Some(d) => crc = commitfs_format::fast_commit::data_crc(crc, &d[..self.bs]),
+                None => {
+                    self.data_io().read(b, &mut buf)?;
+                    crc = commitfs_format::fast_commit::data_crc(crc, &buf);
+                }
+            }
+        }
+        Ok(crc)
     }
 
     /// `fc_data_csum`: the transaction whose last fast commit protects a block of

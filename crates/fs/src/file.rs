@@ -187,7 +187,7 @@ impl Inner {
     /// Map (allocating where needed) the blocks of a write into `chunks`, its
     /// pieces. On ENOSPC after some progress, `Ok` with the pieces so far; on an
     /// error, `chunks` holds what was mapped before it.
-    fn write_map(
+    pub(crate) fn write_map(
         &mut self,
         h: &Handle,
         ino: u32,
@@ -405,7 +405,7 @@ impl Inner {
     }
 
     /// Unmap `[start, end)` and uncharge the freed data blocks.
-    fn remove_blocks(
+    pub(crate) fn remove_blocks(
         &mut self,
         h: &Handle,
         ino: u32,

@@ -20,8 +20,10 @@ mod inner;
 mod itable;
 mod ops;
 mod orphan;
+mod pagecache;
 pub mod probe;
 mod types;
+mod writeback;
 mod xattr;
 
 pub mod fuzzing;
@@ -38,6 +40,7 @@ pub use acl::{Acl, AclEntry, AclKind};
 pub use error::{FsError, Result};
 pub use fc::{FcReason, FcStats};
 pub use fc_replay::FcReplayReport;
+pub use pagecache::CacheStats;
 pub use types::*;
 
 use inner::Inner;
@@ -103,7 +106,8 @@ pub struct Recovery {
 
 /// A mounted commitfs file system.
 pub struct Fs {
-    inner: Mutex<Inner>,
+    /// Shared with the page cache's commit hooks (weakly).
+    inner: Arc<Mutex<Inner>>,
     dev: DeviceRef,
     block_size: u32,
     read_only: bool,
@@ -139,6 +143,12 @@ pub struct Fs {
     itable: Arc<itable::InodeTable>,
     /// Shared with `Inner`: data write failures for the next fsync.
     data_errors: Arc<dataio::DataErrors>,
+    /// The file-data page cache (pagecache.rs), shared with `Inner`.
+    pc: Option<Arc<pagecache::PageCache>>,
+    /// `-o fc_data_csum` in effect.
+    fc_data_csum: bool,
+    /// The page cache's commit hooks (the journal holds them weakly).
+    _hooks: Option<Arc<dyn commitfs_journal::CommitHooks>>,
 }
 
 /// One fast-commit leader at a time. Followers wait for the leader to finish
@@ -213,6 +223,7 @@ impl Committer {
         journal: Arc<commitfs_journal::Journal>,
         errors: Arc<errors::ErrorState>,
         interval: std::time::Duration,
+        pc: Option<Arc<pagecache::PageCache>>,
     ) -> Committer {
         let stop = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
         let s2 = stop.clone();
@@ -232,8 +243,15 @@ impl Committer {
                     if *stopped {
                         return;
                     }
-                    if journal.pending() > 0 && !journal.is_aborted() {
-                        if let Err(e) = journal.commit() {
+                    let dirty = pc.as_ref().is_some_and(|pc| pc.has_dirty());
+                    if (journal.pending() > 0 || dirty) && !journal.is_aborted() {
+                        // Cached data alone: a forced commit (its cut writes it).
+                        let r = if journal.pending() > 0 {
+                            journal.commit().map(|_| ())
+                        } else {
+                            journal.commit_forced()
+                        };
+                        if let Err(e) = r {
                             tracing::error!("periodic commit failed: {e}");
                             errors.journal_failed(&journal, "periodic_commit", &e);
                         }
@@ -259,7 +277,15 @@ impl Fs {
     pub fn open(dev: DeviceRef, opts: MountOptions) -> Result<Fs> {
         let interval = opts.commit_interval;
         let pipeline = opts.pipeline;
-        let inner = Inner::mount(dev.clone(), opts)?;
+        let (page_cache, cache_mb) = (opts.page_cache, opts.cache_mb);
+        let mut inner = Inner::mount(dev.clone(), opts)?;
+        let pc = (page_cache && !inner.read_only && inner.journal.has_log()).then(|| {
+            Arc::new(pagecache::PageCache::new(
+                inner.bs,
+                cache_mb as usize * (1 << 20),
+            ))
+        });
+        inner.pc = pc.clone();
         // e2fsck 1.47 replays fast commits over a stale copy of this block unless
         // it is home (fc.rs, FcReason::JournalInodeBlock).
         inner.journal.keep_home(inner.fc_journal_inode_block());
@@ -268,6 +294,7 @@ impl Fs {
                 inner.journal.clone(),
                 inner.errors.clone(),
                 std::time::Duration::from_secs(interval as u64),
+                pc.clone(),
             )
         });
         let errors = inner.errors.clone();
@@ -275,14 +302,31 @@ impl Fs {
         let dio = inner.data_io();
         let data_errors = inner.data_errors.0.clone();
         let itable = inner.itable.clone();
+        let fc_data_csum = inner.fc_data_csum;
+        let (block_size, read_only) = (inner.bs as u32, inner.read_only);
+        let inner = Arc::new(Mutex::new(inner));
+        let hooks = pc.as_ref().map(|pc| {
+            let h: Arc<dyn commitfs_journal::CommitHooks> = Arc::new(writeback::CacheHooks {
+                inner: Arc::downgrade(&inner),
+                pc: pc.clone(),
+                dio: dio.clone(),
+                ordered: Default::default(),
+                data_errors: data_errors.clone(),
+            });
+            journal.set_hooks(Some(&h));
+            h
+        });
         Ok(Fs {
+            _hooks: hooks,
+            pc,
+            fc_data_csum,
             itable,
             ilocks: Default::default(),
             dio,
             data_errors,
-            block_size: inner.bs as u32,
-            read_only: inner.read_only,
-            inner: Mutex::new(inner),
+            block_size,
+            read_only,
+            inner,
             dev,
             unmounted: Default::default(),
             committer: Mutex::new(committer),
@@ -507,6 +551,13 @@ impl Fs {
             // errors=panic: nothing more is written (the journal recovers).
             return Ok(());
         }
+        if self.pc.is_some() && !self.journal.is_aborted() {
+            // Cached data first, by a commit (its cut), before `Inner` is held
+            // across the final commit (which must find nothing to cut).
+            if let Err(e) = self.sync() {
+                tracing::warn!("unmount: writing cached data: {e}");
+            }
+        }
         let (j, r) = {
             let mut g = self.inner.lock();
             (g.journal.clone(), g.unmount())
@@ -581,7 +632,7 @@ impl Fs {
     /// An fsync's full commit: transaction `tid` (the running one when the fsync
     /// began) and every earlier one durable, and the file's data written up to
     /// flush generation `dgen` (group commit: `Journal::commit_upto`).
-    fn sync_for(&self, tid: u32, dgen: Option<u64>) -> Result<()> {
+    fn sync_for(&self, tid: u32, dgen: Option<u64>, wseq: Option<u64>) -> Result<()> {
         let journal = {
             let mut g = self.lock()?;
             if g.journal.is_aborted() {
@@ -593,10 +644,18 @@ impl Fs {
             g.prepare_commit()?;
             g.journal.clone()
         };
-        let r = journal
-            .commit_upto(tid, dgen)
-            .map(|_| ())
-            .map_err(FsError::from);
+        // An fsync's full commit makes every earlier change durable, cached
+        // writes included: with pages dirty the running transaction is
+        // committed even if it is empty, so that its cut writes them.
+        let r = if !self.cache_covered(wseq) {
+            journal.commit_forced().and_then(|()| match dgen {
+                Some(g) => journal.wait_data(g),
+                None => Ok(()),
+            })
+        } else {
+            journal.commit_upto(tid, dgen).map(|_| ())
+        };
+        let r = r.map_err(FsError::from);
         self.check(&journal, "commit", r)
     }
 
@@ -622,7 +681,13 @@ impl Fs {
             g.prepare_commit()?;
             g.journal.clone()
         };
-        let r = journal.commit().map_err(FsError::from);
+        // Cached data alone leaves the running transaction empty: a commit
+        // is forced so that its cut writes the data.
+        let r = if !self.cache_covered(self.pc.as_ref().map(|pc| pc.wseq())) {
+            journal.commit_forced().map_err(FsError::from)
+        } else {
+            journal.commit().map(|_| ()).map_err(FsError::from)
+        };
         self.check(&journal, "commit", r)?;
         Ok(())
     }
@@ -630,6 +695,9 @@ impl Fs {
     pub fn statfs(&self) -> Result<StatFs> {
         let g = self.lock()?;
         let (fb, fi) = g.free_counts();
+        // Blocks reserved by cached writes are as good as used (ext4 subtracts
+        // its dirty clusters the same way).
+        let fb = fb.saturating_sub(self.pc.as_ref().map_or(0, |pc| pc.reserved()));
         let r = g.sb.r_blocks_count();
         Ok(StatFs {
             block_size: g.bs as u32,
@@ -650,7 +718,12 @@ impl Fs {
             return Err(FsError::Shutdown);
         }
         if let Some(a) = self.itable.cached_attr(ino, self.block_size as usize) {
-            return a;
+            return a.map(|mut a| {
+                if let Some(pc) = &self.pc {
+                    pc.patch_attr(&mut a);
+                }
+                a
+            });
         }
         self.lock()?.getattr(ino)
     }
@@ -681,6 +754,10 @@ impl Fs {
         // A size change frees or zeroes blocks: no read or write of them may be
         // under way.
         let il = set.size.map(|_| self.ilocks.write(ino));
+        if set.size.is_some() {
+            // The on-disk size and mapping must be the whole truth first.
+            self.cache_settle(ino)?;
+        }
         let a = match set.size {
             // A truncate zeroes the tail of the new last block in place.
             Some(new) => {
@@ -963,6 +1040,11 @@ impl Fs {
     /// outside it, under the inode's lock (shared): nothing can free them
     /// meanwhile (every path that frees or remaps blocks holds it exclusively).
     pub fn read(&self, ino: Ino, offset: u64, buf: &mut [u8]) -> Result<usize> {
+        if let Some(pc) = &self.pc {
+            if let Some(n) = self.read_cached(pc, ino, offset, buf)? {
+                return Ok(n);
+            }
+        }
         let il = self.ilocks.read(ino);
         let (n, segs, atime) = {
             let mut g = self.lock()?;
@@ -981,6 +1063,8 @@ impl Fs {
     /// [`Inner::seek_data_hole`]): under the inode's read lock, so no write of
     /// this file is half done.
     pub fn seek_data_hole(&self, ino: Ino, offset: u64, data: bool) -> Result<u64> {
+        // Cached data counts: its blocks are mapped first.
+        self.writeback_file(ino)?;
         let _il = self.ilocks.read(ino);
         self.lock()?.seek_data_hole(ino, offset, data)
     }
@@ -1092,6 +1176,9 @@ impl Fs {
         data: &[u8],
         caller: CallerOf<'_>,
     ) -> Result<usize> {
+        if let Some(pc) = &self.pc {
+            return self.write_cached(pc, ino, offset, data, caller);
+        }
         let end = offset.saturating_add(data.len() as u64);
         let span = move |g: &mut Inner| -> Result<(u64, u64)> {
             let size = g.read_inode(ino)?.size;
@@ -1170,6 +1257,7 @@ impl Fs {
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
         let il = self.ilocks.write(ino);
+        self.cache_settle(ino)?;
         let r = self.retry_nospace_guarded(Some((ino, &span)), |g| {
             g.fallocate(ino, offset, len, flags, caller)
         });
@@ -1266,6 +1354,9 @@ impl Fs {
     /// commit (`fc_lock`); those queued behind it usually find themselves covered
     /// when they get the lock and return without I/O.
     fn fsync_inner(&self, ino: Ino, datasync: bool) -> Result<()> {
+        // Its cached data first (allocation, data write): from here on the
+        // rules of the write-through path apply unchanged.
+        self.writeback_file(ino)?;
         let (j, entry_tid, entry_seq, dgen, fc_on, stamp) = {
             let mut g = self.lock()?;
             g.read_inode(ino)?;
@@ -1302,7 +1393,10 @@ impl Fs {
             }
             return Ok(());
         }
-        let r = self.fsync_covered(ino, &j, entry_tid, entry_seq, dgen, fc_on);
+        // Cached writes of every file that returned before this fsync: a cut
+        // must have taken them into a durable commit.
+        let wseq = self.pc.as_ref().map(|pc| pc.wseq());
+        let r = self.fsync_covered(ino, &j, (entry_tid, entry_seq, wseq), dgen, fc_on);
         if r.is_ok() {
             // Everything changed before the entry is durable now: unless the
             // inode changed since, its next fdatasync needs no commit.
@@ -1327,8 +1421,7 @@ impl Fs {
         &self,
         _ino: Ino,
         j: &Arc<commitfs_journal::Journal>,
-        entry_tid: u32,
-        entry_seq: u64,
+        (entry_tid, entry_seq, wseq): (u32, u64, Option<u64>),
         dgen: Option<u64>,
         fc_on: bool,
     ) -> Result<()> {
@@ -1344,7 +1437,7 @@ impl Fs {
         if !fc_on {
             // JBD2 mode: the journal's group commit (concurrent callers share
             // commits and flushes).
-            return self.sync_for(entry_tid, dgen);
+            return self.sync_for(entry_tid, dgen, wseq);
         }
         let _active = ActiveFsync::enter(&self.fsync_active, &self.fsync_peak);
         let t0 = std::time::Instant::now();
@@ -1352,7 +1445,8 @@ impl Fs {
         let mut _fcl = None;
         loop {
             let mut g = self.lock()?;
-            let meta_covered = g.fc_covered(entry_seq) || j.is_committed(entry_tid);
+            let meta_covered = (g.fc_covered(entry_seq) && self.cache_covered(wseq))
+                || (j.is_committed(entry_tid) && self.cache_covered(wseq));
             if meta_covered && data_done(j) {
                 g.fc.stats.skipped += 1;
                 return Ok(());
@@ -1388,12 +1482,54 @@ impl Fs {
                     continue;
                 }
             }
+            // The cut (ARCHITECTURE.md, "the commit cut"): every cached write
+            // that returned before this plan goes into it, mapped under the
+            // barrier and `Inner` and written before the fast commit.
+            // Taken whether or not pages look dirty now: a write returning
+            // between such a look and the plan would be missing from it while
+            // a later operation of its thread is in.
+            let (bw, cut_seq) = match &self.pc {
+                Some(pc) => {
+                    drop(g);
+                    let b = pc.barrier.write();
+                    g = self.lock()?;
+                    (Some(b), Some(pc.note_cut(j.running_tid())))
+                }
+                None => (None, None),
+            };
+            let cut = if bw.is_some() {
+                self.fc_cut(&mut g)?
+            } else {
+                None
+            };
             let upto = g.fc_seq();
-            let (tid, blocks, flush, logged) = match g.fc_plan()? {
+            let plan = g.fc_plan();
+            g.fc_overlay.clear();
+            drop(bw);
+            if let (Some((runs, h)), Some(pc)) = (cut, &self.pc) {
+                drop(g);
+                let r = writeback::write_runs(&self.dio, pc, &runs, true);
+                if let Err(e) = &r {
+                    // Mapped in the running transaction: it must not commit
+                    // without them (data_err=abort, see writeback_locked).
+                    for run in &runs {
+                        self.data_errors.insert(run.ino);
+                    }
+                    self.journal.abort();
+                    self.errors.journal_failed(&self.journal, "writeback", e);
+                }
+                drop(h);
+                r?;
+                g = self.lock()?;
+            }
+            let (tid, blocks, flush, logged) = match plan? {
                 fc::FcPlan::Nothing => {
                     // Everything tracked is durable (or was never tracked: the
                     // full commit that pruned it is durable); data may not be.
                     g.fc.durable_upto = g.fc.durable_upto.max(upto);
+                    if let (Some(pc), Some(s)) = (&self.pc, cut_seq) {
+                        pc.cut_durable(s);
+                    }
                     drop(g);
                     return wait_data(j);
                 }
@@ -1401,7 +1537,7 @@ impl Fs {
                 fc::FcPlan::Full(r) => {
                     g.fc_count_ineligible(r);
                     drop(g);
-                    return self.sync_for(entry_tid, dgen);
+                    return self.sync_for(entry_tid, dgen, wseq);
                 }
                 fc::FcPlan::Fast {
                     tid,
@@ -1425,7 +1561,7 @@ impl Fs {
                         g.fc_count_ineligible(r);
                         g.fc_ineligible(r, tid);
                         drop(g);
-                        return self.sync_for(j.running_tid(), dgen);
+                        return self.sync_for(j.running_tid(), dgen, wseq);
                     };
                     let mode = if g.fc_data_csum {
                         commitfs_journal::FcFlush::Together
@@ -1453,6 +1589,9 @@ impl Fs {
                 st.total_ns += t0.elapsed().as_nanos() as u64;
                 g.fc_logged(&logged);
                 g.fc.durable_upto = g.fc.durable_upto.max(upto);
+                if let (Some(pc), Some(s)) = (&self.pc, cut_seq) {
+                    pc.cut_durable(s);
+                }
             } else {
                 // A full commit took the transaction (and waited for it): loop to
                 // check what it covered.
@@ -1496,6 +1635,11 @@ impl Fs {
         self.fsync_peak.store(seen, Ordering::Release);
     }
 
+    /// Page cache counters (`None`: no page cache on this mount).
+    pub fn cache_stats(&self) -> Option<CacheStats> {
+        self.pc.as_ref().map(|pc| pc.snapshot())
+    }
+
     /// Fast-commit counters (commits, blocks, single-block count, time, fallbacks
     /// to full commits by reason).
     pub fn fc_stats(&self) -> FcStats {
@@ -1512,5 +1656,6 @@ impl Drop for Fs {
         if let Err(e) = self.unmount() {
             tracing::error!("unmount on drop failed: {e}");
         }
+        self.journal.set_hooks(None);
     }
 }

@@ -39,7 +39,11 @@ pub(crate) fn empty_extent_root() -> [u8; 60] {
 
 impl Inner {
     pub fn attr_of(&self, ino: u32, i: &Inode) -> Result<Attr> {
-        attr_from(ino, i, self.bs)
+        let mut a = attr_from(ino, i, self.bs)?;
+        if let Some(pc) = &self.pc {
+            pc.patch_attr(&mut a);
+        }
+        Ok(a)
     }
 }
 
@@ -658,6 +662,8 @@ impl Inner {
     /// Change attributes; a size change by `caller` also clears setuid/setgid
     /// as the kernel's truncate does.
     pub fn setattr(&mut self, ino: u32, set: &SetAttr, caller: CallerOf<'_>) -> Result<Attr> {
+        // Times of cached writes first: an explicit mtime must win over them.
+        self.fold_cached_times(ino)?;
         let mut i = self.live_inode(ino)?;
         if self.read_only {
             return Err(FsError::ReadOnly);
@@ -827,6 +833,10 @@ impl Inner {
 
     fn evict_with(&mut self, h: &Handle, ino: u32, mut i: Inode) -> Result<()> {
         let was_dir = i.is_dir();
+        // Its cached data goes with it, unwritten.
+        if let Some(pc) = &self.pc {
+            pc.discard(ino);
+        }
         self.release_inode_storage(h, ino, &mut i)?;
         i.links_count = 0;
         i.size = 0;

@@ -179,6 +179,12 @@ pub struct MountOptions {
     /// The journal's commit pipeline (transactions in flight, versions per
     /// buffer, batching; docs/ARCHITECTURE.md "concurrent journaling").
     pub pipeline: commitfs_journal::PipelineOptions,
+    /// The file-data page cache with delayed allocation (`-o nocache` turns it
+    /// off: writes go to the device at `write()` time). Only on journaled
+    /// read-write mounts.
+    pub page_cache: bool,
+    /// `-o cache_size=MiB`: memory for cached file data.
+    pub cache_mb: u32,
 }
 
 /// `errors=` (ext4 semantics, see docs/ARCHITECTURE.md "Device errors"). In every
@@ -278,6 +284,8 @@ impl Default for MountOptions {
             nodiratime: false,
             lazytime: false,
             pipeline: Default::default(),
+            page_cache: true,
+            cache_mb: 256,
         }
     }
 }

@@ -169,6 +169,15 @@ fn opts() -> MountOptions {
     }
 }
 
+/// The write-through path: data reaches the device at `write()` and reads
+/// always go to it (`-o nocache`).
+fn nocache_opts() -> MountOptions {
+    MountOptions {
+        page_cache: false,
+        ..opts()
+    }
+}
+
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (seed.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8 | 1)
@@ -197,7 +206,7 @@ fn data_writes_run_in_parallel() {
         Arc::new(FileDevice::open(&img.path, false).unwrap()),
         true,
     ));
-    let fs = Fs::open(dev.clone(), opts()).unwrap();
+    let fs = Fs::open(dev.clone(), nocache_opts()).unwrap();
     let files: Vec<Ino> = (0..GATE_THREADS)
         .map(|t| {
             let a = fs
@@ -249,6 +258,64 @@ fn data_writes_run_in_parallel() {
     assert_clean(&img.path, "after the gated writes");
 }
 
+/// With the page cache, the write-backs of different files are inside the
+/// device at once: each fsync writes its own file back first, and a
+/// write-back's data I/O runs outside `Inner` (its blocks were mapped under
+/// it, in a handle that keeps the transaction from committing first).
+#[test]
+fn cached_write_backs_run_in_parallel() {
+    let img = mkfs("cc-gate-wb", 64, &["-b", "4096"]);
+    let dev = Arc::new(GateDevice::new(
+        Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        true,
+    ));
+    let fs = Fs::open(dev.clone(), opts()).unwrap();
+    assert!(
+        fs.cache_stats().is_some(),
+        "the page cache is on by default"
+    );
+    let files: Vec<Ino> = (0..GATE_THREADS)
+        .map(|t| {
+            let a = fs
+                .create(ROOT_INO, format!("w{t}").as_bytes(), 0o644, 0, 0)
+                .unwrap();
+            fs.write(a.ino, 0, &pattern(t as u64, 8192)).unwrap();
+            a.ino
+        })
+        .collect();
+    fs.sync().unwrap();
+    dev.arm(GATE_THREADS);
+    std::thread::scope(|s| {
+        for (t, &ino) in files.iter().enumerate() {
+            let fs = &fs;
+            s.spawn(move || {
+                // A partial block in the middle (cached after the sync) and an
+                // append: both only reach the device in the fsync.
+                fs.write(ino, 500, &pattern(100 + t as u64, 3000)).unwrap();
+                fs.write(ino, 8192, &pattern(200 + t as u64, 3000)).unwrap();
+                fs.fsync(ino, false).unwrap();
+            });
+        }
+    });
+    let (max, timed_out) = dev.result();
+    assert!(
+        !timed_out && max >= GATE_THREADS,
+        "at most {max} write-backs were in the device at once (want {GATE_THREADS})"
+    );
+    for (t, &ino) in files.iter().enumerate() {
+        let mut want = pattern(t as u64, 8192);
+        want[500..3500].copy_from_slice(&pattern(100 + t as u64, 3000));
+        want.extend_from_slice(&pattern(200 + t as u64, 3000));
+        let mut buf = vec![0u8; want.len() + 10];
+        let n = fs.read(ino, 0, &mut buf).unwrap();
+        assert_eq!(n, want.len(), "size of w{t}");
+        assert!(buf[..n] == want[..], "content of w{t}");
+    }
+    fs.unmount().unwrap();
+    drop(fs);
+    assert_clean(&img.path, "after the gated write-backs");
+}
+
 /// Data reads are inside the device at once: readers of one file share its
 /// lock, readers of different files do not contend at all.
 #[test]
@@ -258,7 +325,7 @@ fn data_reads_run_in_parallel() {
         Arc::new(FileDevice::open(&img.path, false).unwrap()),
         false,
     ));
-    let fs = Fs::open(dev.clone(), opts()).unwrap();
+    let fs = Fs::open(dev.clone(), nocache_opts()).unwrap();
     let shared = fs.create(ROOT_INO, b"shared", 0o644, 0, 0).unwrap().ino;
     fs.write(shared, 0, &pattern(7, 10_000)).unwrap();
     let own: Vec<Ino> = (0..GATE_THREADS / 2)

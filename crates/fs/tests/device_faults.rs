@@ -37,10 +37,14 @@ fn opts(errors: Option<ErrorsBehavior>) -> MountOptions {
 }
 
 fn rig(tag: &str, extra: &[&str], errors: Option<ErrorsBehavior>) -> Rig {
+    rig_with(tag, extra, opts(errors))
+}
+
+fn rig_with(tag: &str, extra: &[&str], o: MountOptions) -> Rig {
     let img = mkfs(tag, 32, extra);
     let mem = Arc::new(MemDevice::from_file(&img.path).unwrap());
     let dev = Arc::new(FaultyDevice::new(mem.clone()));
-    let fs = Fs::open(dev.clone() as DeviceRef, opts(errors)).unwrap();
+    let fs = Fs::open(dev.clone() as DeviceRef, o).unwrap();
     Rig { mem, dev, fs, img }
 }
 
@@ -238,7 +242,15 @@ fn flush_failure_is_never_acknowledged_later() {
 /// ext4).
 #[test]
 fn data_write_failure_reaches_writer_and_next_fsync_once() {
-    let r = rig("datafail", &[], Some(ErrorsBehavior::RemountRo));
+    // The write-through path (`-o nocache`): the writer itself hits the device.
+    let r = rig_with(
+        "datafail",
+        &[],
+        MountOptions {
+            page_cache: false,
+            ..opts(Some(ErrorsBehavior::RemountRo))
+        },
+    );
     let fs = &r.fs;
     let keep = pattern(5, 4096);
     let a = durable_file(fs, "a", &keep);
@@ -493,4 +505,51 @@ fn write_home_failure_without_journal() {
     let (fs2, _img) = r.remount();
     assert_eq!(read_all(&fs2, fs2.resolve("/a").unwrap()), data);
     assert_ne!(fs2.superblock().state() & sbf::STATE_ERROR_FS, 0);
+}
+
+/// With the page cache the writer never meets the device: a data write fails
+/// at write-back (here, the fsync's). Its blocks are mapped by a transaction
+/// that must not commit without them, so the journal aborts (ext4's
+/// `data_err=abort`): that fsync and every later one report EIO — none ever
+/// claims the lost data (the lesson of PostgreSQL's fsync in 2018) — and after
+/// recovery the file holds what the last successful fsync made durable.
+#[test]
+fn cached_write_back_failure_is_reported_by_every_later_fsync() {
+    for mode in [ErrorsBehavior::Continue, ErrorsBehavior::RemountRo] {
+        let r = rig("wbfail", &[], Some(mode));
+        let fs = &r.fs;
+        let keep = pattern(5, 4096);
+        let a = durable_file(fs, "a", &keep);
+        let b = durable_file(fs, "b", &keep);
+        r.dev
+            .inject(Fault::writes().category(IoCategory::Data).once());
+        assert_eq!(
+            fs.write(a, 4096, &pattern(6, 8192)).unwrap(),
+            8192,
+            "{mode:?}: the write lands in the cache"
+        );
+        assert_eq!(fs.getattr(a).unwrap().size, 4096 + 8192);
+        assert_eq!(r.dev.injected(), 0, "nothing reached the device yet");
+        let e = fs.fsync(a, false).unwrap_err();
+        assert!(is_io(&e), "{mode:?}: the fsync sees the error: {e:?}");
+        assert_eq!(r.dev.injected(), 1);
+        for k in 0..3 {
+            let e = fs.fsync(a, false).unwrap_err();
+            assert!(is_io(&e), "{mode:?}: later fsync {k}: {e:?}");
+        }
+        // Other files too: nothing can be made durable any more.
+        fs.write(b, 0, b"more").unwrap_or(0);
+        assert!(
+            fs.fsync(b, false).is_err(),
+            "{mode:?}: fsync of another file"
+        );
+        let (fs2, img) = r.remount();
+        let a2 = fs2.resolve("/a").unwrap();
+        assert_eq!(
+            read_all(&fs2, a2),
+            keep,
+            "{mode:?}: the durable data, nothing else"
+        );
+        check_image(fs2, &img, "after a failed write-back");
+    }
 }

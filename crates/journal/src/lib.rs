@@ -71,6 +71,20 @@ pub enum JournalError {
 
 pub type Result<T> = std::result::Result<T, JournalError>;
 
+/// How the file system takes part in a full commit (ordered file data of a
+/// page cache, docs/ARCHITECTURE.md "Design: the page cache and the commit
+/// cut"). The journal knows blocks, never files: these calls are all it sees.
+pub trait CommitHooks: Send + Sync {
+    /// Called by the commit thread, without journal locks, when it is about to
+    /// lock the running transaction `tid`: the hook must call `lock()` once,
+    /// which locks it (`false`: it cannot be locked now; the commit is tried
+    /// again later, and the hook must then not leave data of `tid` unwritten).
+    fn cut(&self, tid: u32, lock: &mut dyn FnMut() -> bool) -> Result<()>;
+    /// After the tid switch of `tid`, before its log blocks and data checksums:
+    /// write the file data its cut collected (none: nothing to do).
+    fn write_data(&self, tid: u32) -> Result<()>;
+}
+
 /// `a <= b` in tid order (tids wrap; the kernel's `tid_geq`).
 pub fn tid_le(a: u32, b: u32) -> bool {
     (b.wrapping_sub(a) as i32) >= 0
@@ -413,6 +427,9 @@ pub struct Core {
     /// The device error that aborted the journal in a pipeline thread, given to
     /// the callers that were waiting for that commit.
     failure: Mutex<Option<IoFailure>>,
+    /// The file system's part in full commits ([`CommitHooks`]); weak: the
+    /// hooks reach the journal themselves, and the file system owns them.
+    hooks: Mutex<Option<std::sync::Weak<dyn CommitHooks>>>,
 }
 
 /// A device I/O error kept for later callers: offset, length, kind, errno.
@@ -436,8 +453,13 @@ impl Drop for Journal {
     fn drop(&mut self) {
         self.core.txq.lock().stop = true;
         self.core.cv.notify_all();
+        let me = std::thread::current().id();
         for t in self.threads.lock().drain(..) {
-            let _ = t.join();
+            // The last reference may go on one of its own threads (through
+            // the file system's hooks): that thread stops by itself.
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
         }
     }
 }
@@ -567,7 +589,18 @@ impl Core {
             home_unflushed: AtomicBool::new(false),
             stats: Mutex::new(JournalStats::default()),
             failure: Mutex::new(None),
+            hooks: Mutex::new(None),
         }
+    }
+
+    /// Register the file system's [`CommitHooks`] (replacing any earlier).
+    /// The journal keeps a weak reference: the caller owns them.
+    pub fn set_hooks(&self, hooks: Option<&Arc<dyn CommitHooks>>) {
+        *self.hooks.lock() = hooks.map(Arc::downgrade);
+    }
+
+    pub(crate) fn hooks(&self) -> Option<Arc<dyn CommitHooks>> {
+        self.hooks.lock().as_ref().and_then(|w| w.upgrade())
     }
 
     /// Whether transactions go to an on-disk JBD2 log.
@@ -869,6 +902,31 @@ impl Core {
         }
         let tid = self.running_tid();
         self.commit_upto(tid, Some(self.data_gen()))
+    }
+
+    /// [`Self::commit`], even when the running transaction is empty: the file
+    /// system's [`CommitHooks`] may have something to put into it (cached data
+    /// a cut maps). Waits until it is durable.
+    pub fn commit_forced(&self) -> Result<()> {
+        if self.log.is_none() || self.read_only {
+            return self.commit_home().map(|_| ());
+        }
+        self.check_live()?;
+        let tid = {
+            let mut q = self.txq.lock();
+            let t = q.running.tid;
+            if !q.running.locked {
+                q.force = Some(t);
+                if q.commit_req == 0 || !tid_le(t, q.commit_req) {
+                    q.commit_req = t;
+                }
+                q.requesters += 1;
+                self.cv.notify_all();
+            }
+            t
+        };
+        self.wait_committed(tid)?;
+        self.wait_data(self.data_gen())
     }
 
     /// Group commit for one caller (an fsync): make transaction `tid` and every

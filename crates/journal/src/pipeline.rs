@@ -194,8 +194,33 @@ impl Core {
             }
         }
         q.requesters = 0;
-        // T_LOCKED: no handle starts; wait for the open ones to stop.
-        q.running.locked = true;
+        // T_LOCKED: no handle starts; wait for the open ones to stop. With a
+        // page cache, the file system's cut comes first and locks inside it.
+        let hooks = self.hooks();
+        if let Some(hk) = &hooks {
+            let tid = q.running.tid;
+            drop(q);
+            let mut locked = false;
+            hk.cut(tid, &mut || {
+                let mut q = self.txq.lock();
+                if q.running.tid == tid
+                    && !q.running.locked
+                    && !q.fc_ongoing
+                    && q.hold == 0
+                    && !self.is_aborted()
+                {
+                    q.running.locked = true;
+                    locked = true;
+                }
+                locked
+            })?;
+            q = self.txq.lock();
+            if !locked {
+                return Ok(true);
+            }
+        } else {
+            q.running.locked = true;
+        }
         while q.running.handles > 0 {
             if self.is_aborted() {
                 q.running.locked = false;
@@ -218,6 +243,14 @@ impl Core {
             self.cv.notify_all();
             self.stats.lock().lock_unlocks += 1;
             let oldest = q.inflight.front().map(|t| t.tid);
+            if let Some(hk) = &hooks {
+                // The cut's data must not wait for this transaction's commit.
+                let tid = q.running.tid;
+                drop(q);
+                hk.write_data(tid)?;
+                q = self.txq.lock();
+            }
+            drop(hooks);
             while !self.is_aborted() && q.inflight.front().map(|t| t.tid) == oldest {
                 self.cv.wait_for(&mut q, WAIT_SLICE);
             }
@@ -275,6 +308,14 @@ impl Core {
             let mut s = self.stats.lock();
             s.max_inflight = s.max_inflight.max(n);
         }
+        // Ordered mode: the file data this transaction maps, before its log
+        // blocks (and before the single-flush checksums read it back).
+        if let Some(hk) = &hooks {
+            hk.write_data(tid)?;
+        }
+        // Not kept while the commit completes: its waiters may drop the file
+        // system (the hooks' owner) as soon as it is durable.
+        drop(hooks);
         let ext = match &data {
             Some(d) if single_ok && log.lock().csum_v3() => self.data_crcs(d),
             _ => None,

@@ -62,6 +62,10 @@ pub struct MountCmdOptions {
     pub threads: Option<usize>,
     /// `fsync_threads=N`: threads serving fsyncs (default 2 × threads, at least 32).
     pub fsync_threads: Option<usize>,
+    /// `nocache`: no page cache in the daemon (file data written at `write()`).
+    pub nocache: bool,
+    /// `cache_size=MiB`: memory for the daemon's page cache.
+    pub cache_mb: u32,
 }
 
 impl Default for MountCmdOptions {
@@ -87,6 +91,8 @@ impl Default for MountCmdOptions {
             pipeline: Default::default(),
             threads: None,
             fsync_threads: None,
+            nocache: false,
+            cache_mb: MountOptions::default().cache_mb,
         }
     }
 }
@@ -146,6 +152,8 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             "nosuid" => o.nosuid = true,
             "suid" => o.nosuid = false,
             "keep_privileges" => o.keep_privileges = true,
+            "nocache" => o.nocache = true,
+            "cache" => o.nocache = false,
             // Always on / the default anyway.
             "defaults" | "default_permissions" | "async" | "exec" => {}
             _ => {
@@ -170,6 +178,11 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                         "min_batch_time" => p.min_batch_us = n,
                         _ => p.max_batch_us = n,
                     }
+                } else if let Some(v) = opt.strip_prefix("cache_size=") {
+                    o.cache_mb = match v.parse::<u32>() {
+                        Ok(n) if (1..=1 << 20).contains(&n) => n,
+                        _ => bail!("bad mount option {opt:?}: cache_size=MiB (1 to 1048576)"),
+                    };
                 } else if let Some(v) = opt.strip_prefix("threads=") {
                     o.threads = Some(thread_count(opt, v)?);
                 } else if let Some(v) = opt.strip_prefix("fsync_threads=") {
@@ -192,6 +205,7 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                          errors=continue|remount-ro|panic, acl, noacl, strictatime, relatime, \
                          noatime, nodiratime, lazytime, dev, nodev, suid, nosuid, \
                          keep_privileges, sandbox_user=USER, threads=N, fsync_threads=N, \
+                         cache, nocache, cache_size=MiB, \
                          max_inflight=N, max_versions=N, min_batch_time=US, max_batch_time=US, \
                          and from ext4 fstab lines user_xattr, data=ordered, barrier, discard)"
                     );
@@ -326,6 +340,8 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
             nodiratime: o.nodiratime,
             lazytime: o.lazytime,
             pipeline: o.pipeline,
+            page_cache: !o.nocache,
+            cache_mb: o.cache_mb,
         },
     )
     .map_err(|e| anyhow!("cannot mount {}: {e}", req.image.display()))?;

@@ -1,0 +1,584 @@
+//! The file-data page cache (issue #11; docs/ARCHITECTURE.md "Design: the page
+//! cache and the commit cut").
+//!
+//! `write()` copies into pages here and touches neither the device nor the
+//! journal; blocks are allocated when the pages are written back (delayed
+//! allocation): by a file's write-back (`Fs::writeback_file`) or by the *cut*
+//! every commit starts with (`Fs::cut`), which maps every dirty page of every
+//! file under the `barrier` so that no cached write falls between the cut and
+//! the commit that must contain it.
+//!
+//! Locking: `files` is a leaf lock held for map operations and page copies only
+//! (never across device I/O, `Inner` or a journal call). `barrier` is held
+//! shared by a writer while it dirties pages (memory only) and exclusively by a
+//! cut; order: inode lock → barrier → `Inner` → `files`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use commitfs_format::inode::Timestamp;
+use parking_lot::{Condvar, Mutex, RwLock};
+
+/// One cached file block. `dirty`: changed since its last write-back
+/// snapshot; `writing`: a snapshot of it is being written (it is not evicted
+/// then, so a reader never falls through to a device without the data, and a
+/// second write-back waits, so two snapshots never race to the device).
+#[derive(Clone)]
+struct Page {
+    data: Arc<Vec<u8>>,
+    dirty: bool,
+    writing: bool,
+    /// The block was a hole when the page was made (counted in `st_blocks`
+    /// until it is allocated, as ext4 counts reserved delayed blocks).
+    delayed: bool,
+}
+
+/// One file's cached state.
+#[derive(Default)]
+struct FileCache {
+    pages: BTreeMap<u32, Page>,
+    /// The size `write()` made visible (the inode keeps the on-disk size until
+    /// write-back; ext4's `i_size` vs `i_disksize`).
+    size: u64,
+    /// mtime/ctime of cached writes not in the inode yet.
+    times: Option<Timestamp>,
+    /// Pages with `dirty` set.
+    dirty: u32,
+    /// Delayed pages (dirty or under write-back, no block yet).
+    delayed: u32,
+}
+
+/// A snapshot taken for write-back: file block and data.
+#[derive(Clone)]
+pub(crate) struct Snap {
+    pub lblk: u32,
+    pub data: Arc<Vec<u8>>,
+}
+
+/// What a write-back of one file takes from the cache.
+pub(crate) struct Taken {
+    pub snaps: Vec<Snap>,
+    /// Visible size and pending times to put into the inode.
+    pub size: u64,
+    pub times: Option<Timestamp>,
+}
+
+/// A planned write into the cache: which pages it needs read first.
+pub(crate) struct WritePlan {
+    /// File blocks the write covers only partly and that are neither cached nor
+    /// past the end of the file: their current content must be read first.
+    pub fill: Vec<u32>,
+}
+
+pub(crate) struct PageCache {
+    bs: usize,
+    /// Memory cap for pages, bytes.
+    cap: usize,
+    files: Mutex<HashMap<u32, FileCache>>,
+    /// Shared: a writer dirtying pages; exclusive: a cut (see the module doc).
+    pub barrier: RwLock<()>,
+    /// Pages cached, and of them dirty or being written.
+    pages: AtomicUsize,
+    /// Signalled when a page's write ends.
+    written: Condvar,
+    dirty: AtomicUsize,
+    /// Blocks reserved for delayed pages (ext4's `s_dirtyclusters_counter`):
+    /// taken from `grant` before the pages exist, given back as they are
+    /// allocated or dropped.
+    reserved: AtomicU64,
+    /// Blocks approved for reservation without asking `Inner` (slack while
+    /// space is plentiful; see `Fs::reserve_delayed`).
+    pub grant: Mutex<u64>,
+    /// Cached writes so far (bumped under the barrier, shared): an fsync
+    /// notes it on entry.
+    wseq: AtomicU64,
+    /// Cuts not known durable yet: (transaction, `wseq` when cut). Every
+    /// write up to that `wseq` is mapped in that transaction or an earlier one.
+    cuts: Mutex<std::collections::VecDeque<(u32, u64)>>,
+    /// Every cached write up to this `wseq` is durable (through a durable cut).
+    durable_seq: AtomicU64,
+    /// Counters for `commitfs stats`.
+    pub stats: Mutex<CacheStats>,
+}
+
+/// Page cache counters.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Bytes `write()` put into the cache.
+    pub bytes_written: u64,
+    /// Reads answered entirely from the cache.
+    pub read_hits: u64,
+    /// Write-backs of one file, and cuts that mapped something.
+    pub writebacks: u64,
+    pub cuts: u64,
+    /// Blocks written back, and the device writes that carried them (one per
+    /// contiguous run).
+    pub blocks_written: u64,
+    pub device_writes: u64,
+    /// Dirty pages dropped unwritten (a file freed or truncated to zero).
+    pub dropped_dirty: u64,
+    /// Clean pages evicted under the cap.
+    pub evicted: u64,
+    /// Now: bytes cached, and of them dirty or being written.
+    pub cached_bytes: u64,
+    pub dirty_bytes: u64,
+}
+
+impl PageCache {
+    pub fn new(bs: usize, cap_bytes: usize) -> PageCache {
+        PageCache {
+            bs,
+            cap: cap_bytes.max(bs * 64),
+            files: Mutex::new(HashMap::new()),
+            barrier: RwLock::new(()),
+            pages: AtomicUsize::new(0),
+            written: Condvar::new(),
+            dirty: AtomicUsize::new(0),
+            reserved: AtomicU64::new(0),
+            grant: Mutex::new(0),
+            wseq: AtomicU64::new(0),
+            cuts: Mutex::new(Default::default()),
+            durable_seq: AtomicU64::new(0),
+            stats: Mutex::new(CacheStats::default()),
+        }
+    }
+
+    /// Bytes of dirty (or under write-back) pages past which a writer writes
+    /// its own file back.
+    pub fn dirty_limit(&self) -> usize {
+        self.cap / 2
+    }
+
+    pub fn dirty_bytes(&self) -> usize {
+        self.dirty.load(Ordering::Acquire) * self.bs
+    }
+
+    /// The counters, with the current sizes.
+    pub fn snapshot(&self) -> CacheStats {
+        let mut s = *self.stats.lock();
+        s.cached_bytes = (self.pages.load(Ordering::Acquire) * self.bs) as u64;
+        s.dirty_bytes = self.dirty_bytes() as u64;
+        s
+    }
+
+    /// Blocks reserved for delayed pages.
+    pub fn reserved(&self) -> u64 {
+        self.reserved.load(Ordering::Acquire)
+    }
+
+    /// Reserve `n` blocks from the grant; false when it has fewer.
+    pub fn take_grant(&self, n: u64) -> bool {
+        let mut g = self.grant.lock();
+        if *g < n {
+            return false;
+        }
+        *g -= n;
+        self.reserved.fetch_add(n, Ordering::AcqRel);
+        true
+    }
+
+    /// Reserve `n` blocks approved by the caller (under `Inner`).
+    pub fn reserve(&self, n: u64) {
+        self.reserved.fetch_add(n, Ordering::AcqRel);
+    }
+
+    /// Give back `n` reserved blocks.
+    pub fn unreserve(&self, n: u64) {
+        let _ = self
+            .reserved
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
+                Some(r.saturating_sub(n))
+            });
+    }
+
+    /// Blocks a write of `len` bytes at `off` would add as delayed pages.
+    pub fn new_delayed(&self, ino: u32, off: u64, len: usize, disk_size: u64) -> u64 {
+        let bs = self.bs as u64;
+        let first = (off / bs).max(disk_size.div_ceil(bs));
+        let end = (off + len as u64).div_ceil(bs);
+        if first >= end {
+            return 0;
+        }
+        let files = self.files.lock();
+        let cached = files.get(&ino).map_or(0, |f| {
+            f.pages.range(first as u32..end as u32).count() as u64
+        });
+        end - first - cached
+    }
+
+    /// The cached-write counter (an fsync's entry value).
+    pub fn wseq(&self) -> u64 {
+        self.wseq.load(Ordering::Acquire)
+    }
+
+    /// A cut of transaction `tid` (the caller holds the barrier exclusively):
+    /// returns the `wseq` it covers.
+    pub fn note_cut(&self, tid: u32) -> u64 {
+        let s = self.wseq();
+        let mut c = self.cuts.lock();
+        if c.back().is_none_or(|&(t, q)| t != tid || q < s) {
+            c.push_back((tid, s));
+        }
+        s
+    }
+
+    /// A cut that covered writes up to `seq` is durable (a fast commit).
+    pub fn cut_durable(&self, seq: u64) {
+        self.durable_seq.fetch_max(seq, Ordering::AcqRel);
+    }
+
+    /// Whether every cached write up to `seq` is durable; `committed(tid)`
+    /// tells durable transactions.
+    pub fn covered(&self, seq: u64, committed: &dyn Fn(u32) -> bool) -> bool {
+        if self.durable_seq.load(Ordering::Acquire) >= seq {
+            return true;
+        }
+        let mut c = self.cuts.lock();
+        while let Some(&(t, s)) = c.front() {
+            if !committed(t) {
+                break;
+            }
+            self.durable_seq.fetch_max(s, Ordering::AcqRel);
+            c.pop_front();
+        }
+        self.durable_seq.load(Ordering::Acquire) >= seq
+    }
+
+    /// Whether more is cached than the cap allows.
+    pub fn over_cap(&self) -> bool {
+        self.pages.load(Ordering::Acquire) * self.bs > self.cap
+    }
+
+    /// Whether any page is dirty (not under write-back).
+    pub fn has_dirty(&self) -> bool {
+        self.files.lock().values().any(|f| f.dirty > 0)
+    }
+
+    /// Inodes with dirty pages.
+    pub fn dirty_inos(&self) -> Vec<u32> {
+        self.files
+            .lock()
+            .iter()
+            .filter(|(_, f)| f.dirty > 0 || f.times.is_some())
+            .map(|(&i, _)| i)
+            .collect()
+    }
+
+    /// Whether `ino` has dirty pages or pending times.
+    pub fn is_dirty(&self, ino: u32) -> bool {
+        self.files
+            .lock()
+            .get(&ino)
+            .is_some_and(|f| f.dirty > 0 || f.times.is_some())
+    }
+
+    /// The visible size of `ino` if the cache knows the file.
+    pub fn size(&self, ino: u32) -> Option<u64> {
+        self.files.lock().get(&ino).map(|f| f.size)
+    }
+
+    /// Patch attributes from the inode with what cached writes changed: size,
+    /// times, delayed blocks.
+    pub fn patch_attr(&self, a: &mut crate::Attr) {
+        let files = self.files.lock();
+        let Some(f) = files.get(&a.ino) else {
+            return;
+        };
+        a.size = f.size;
+        if let Some(t) = f.times {
+            a.mtime = t;
+            a.ctime = a.ctime.max(t);
+        }
+        a.blocks += f.delayed as u64 * (self.bs as u64 / 512);
+    }
+
+    /// Plan a write of `len` bytes at `off` into a file whose on-disk size is
+    /// `disk_size`: which partial blocks need their content first.
+    pub fn plan_write(&self, ino: u32, off: u64, len: usize, disk_size: u64) -> WritePlan {
+        let bs = self.bs as u64;
+        let end = off + len as u64;
+        let files = self.files.lock();
+        let f = files.get(&ino);
+        let mut fill = Vec::new();
+        let first = (off / bs) as u32;
+        let last = ((end - 1) / bs) as u32;
+        for (lblk, partial) in [
+            (
+                first,
+                !off.is_multiple_of(bs) || (first == last && !end.is_multiple_of(bs)),
+            ),
+            (last, !end.is_multiple_of(bs)),
+        ] {
+            // Past the on-disk size a block reads as zeros (cached writes past
+            // it are in pages already).
+            if partial
+                && (lblk as u64 * bs) < disk_size
+                && !fill.contains(&lblk)
+                && f.is_none_or(|f| !f.pages.contains_key(&lblk))
+            {
+                fill.push(lblk);
+            }
+        }
+        WritePlan { fill }
+    }
+
+    /// Copy `data` at `off` into pages of `ino` (call with the barrier held
+    /// shared and the inode's lock exclusively). `filled`: content of blocks
+    /// [`Self::plan_write`] asked for; `disk_size`: the inode's on-disk size (a
+    /// new page at or past it is delayed: no block yet); `reserved`: blocks the
+    /// caller reserved for them ([`Self::new_delayed`]; any not used are given
+    /// back). Returns the pages that became dirty.
+    pub fn write(
+        &self,
+        ino: u32,
+        off: u64,
+        data: &[u8],
+        filled: Vec<(u32, Vec<u8>)>,
+        disk_size: u64,
+        reserved: u64,
+    ) -> usize {
+        let now = crate::inner::now();
+        let bs = self.bs;
+        let mut files = self.files.lock();
+        let f = files.entry(ino).or_insert_with(|| FileCache {
+            size: disk_size,
+            ..Default::default()
+        });
+        let mut filled: HashMap<u32, Vec<u8>> = filled.into_iter().collect();
+        let mut pos = 0usize;
+        let (mut new_dirty, mut new_pages, mut delayed) = (0, 0, 0u64);
+        while pos < data.len() {
+            let cur = off + pos as u64;
+            let lblk = (cur / bs as u64) as u32;
+            let in_blk = (cur % bs as u64) as usize;
+            let n = (bs - in_blk).min(data.len() - pos);
+            let mut created = false;
+            let page = f.pages.entry(lblk).or_insert_with(|| {
+                created = true;
+                let mut d = filled.remove(&lblk).unwrap_or_default();
+                d.resize(bs, 0);
+                Page {
+                    data: Arc::new(d),
+                    dirty: false,
+                    writing: false,
+                    delayed: false,
+                }
+            });
+            if created {
+                new_pages += 1;
+                if lblk as u64 * bs as u64 >= disk_size {
+                    page.delayed = true;
+                    f.delayed += 1;
+                    delayed += 1;
+                }
+            }
+            Arc::make_mut(&mut page.data)[in_blk..in_blk + n].copy_from_slice(&data[pos..pos + n]);
+            if !page.dirty {
+                page.dirty = true;
+                f.dirty += 1;
+                // Being written: counted in `dirty` already.
+                if !page.writing {
+                    new_dirty += 1;
+                }
+            }
+            pos += n;
+        }
+        f.size = f.size.max(off + data.len() as u64);
+        f.times = Some(now);
+        drop(files);
+        self.wseq.fetch_add(1, Ordering::AcqRel);
+        if delayed < reserved {
+            self.unreserve(reserved - delayed);
+        }
+        self.pages.fetch_add(new_pages, Ordering::AcqRel);
+        self.dirty.fetch_add(new_dirty, Ordering::AcqRel);
+        self.stats.lock().bytes_written += data.len() as u64;
+        new_dirty
+    }
+
+    /// Copy cached bytes of `ino` at `off` into `buf`; returns, per block of the
+    /// range, whether it came from the cache.
+    pub fn read(&self, ino: u32, off: u64, buf: &mut [u8]) -> Vec<bool> {
+        let bs = self.bs as u64;
+        let files = self.files.lock();
+        let Some(f) = files.get(&ino) else {
+            return Vec::new();
+        };
+        let mut hit = Vec::new();
+        let mut pos = 0usize;
+        while pos < buf.len() {
+            let cur = off + pos as u64;
+            let lblk = (cur / bs) as u32;
+            let in_blk = (cur % bs) as usize;
+            let n = (bs as usize - in_blk).min(buf.len() - pos);
+            match f.pages.get(&lblk) {
+                Some(p) => {
+                    buf[pos..pos + n].copy_from_slice(&p.data[in_blk..in_blk + n]);
+                    hit.push(true);
+                }
+                None => hit.push(false),
+            }
+            pos += n;
+        }
+        hit
+    }
+
+    /// Take every dirty page of `ino` for write-back: their snapshots are
+    /// returned with the visible size and pending times (which leave the
+    /// cache: the caller puts them into the inode). Waits first while an
+    /// earlier snapshot of one of them is still being written.
+    pub fn take_dirty(&self, ino: u32) -> Option<Taken> {
+        let mut files = self.files.lock();
+        loop {
+            let f = files.get(&ino)?;
+            if f.dirty == 0 && f.times.is_none() {
+                return None;
+            }
+            if !f.pages.values().any(|p| p.dirty && p.writing) {
+                break;
+            }
+            self.written.wait(&mut files);
+        }
+        let f = files.get_mut(&ino)?;
+        let mut snaps = Vec::with_capacity(f.dirty as usize);
+        for (&lblk, p) in f.pages.iter_mut() {
+            if p.dirty {
+                p.dirty = false;
+                p.writing = true;
+                snaps.push(Snap {
+                    lblk,
+                    data: p.data.clone(),
+                });
+            }
+        }
+        f.dirty = 0;
+        Some(Taken {
+            snaps,
+            size: f.size,
+            times: f.times.take(),
+        })
+    }
+
+    /// Wait until no page of `ino` is being written.
+    pub fn wait_written(&self, ino: u32) {
+        let mut files = self.files.lock();
+        while files
+            .get(&ino)
+            .is_some_and(|f| f.pages.values().any(|p| p.writing))
+        {
+            self.written.wait(&mut files);
+        }
+    }
+
+    /// Take the pending times of `ino` (the caller puts them into the inode).
+    pub fn take_times(&self, ino: u32) -> Option<Timestamp> {
+        self.files.lock().get_mut(&ino).and_then(|f| f.times.take())
+    }
+
+    /// Pages `lblks` of `ino` are mapped now (no longer delayed).
+    pub fn mapped(&self, ino: u32, lblks: impl Iterator<Item = u32>) {
+        let mut files = self.files.lock();
+        let Some(f) = files.get_mut(&ino) else {
+            return;
+        };
+        let mut n = 0;
+        for l in lblks {
+            if let Some(p) = f.pages.get_mut(&l) {
+                if p.delayed {
+                    p.delayed = false;
+                    f.delayed -= 1;
+                    n += 1;
+                }
+            }
+        }
+        drop(files);
+        self.unreserve(n);
+    }
+
+    /// A write-back of `snaps` finished: pages not dirtied since become clean;
+    /// with `failed`, dirty again (the data is still only here).
+    pub fn finish(&self, ino: u32, snaps: &[Snap], failed: bool) {
+        let mut files = self.files.lock();
+        let mut cleaned = 0;
+        // Dropped meanwhile (freed or truncated): `discard` did the accounting.
+        if let Some(f) = files.get_mut(&ino) {
+            for s in snaps {
+                let Some(p) = f.pages.get_mut(&s.lblk) else {
+                    continue;
+                };
+                if !p.writing {
+                    continue;
+                }
+                p.writing = false;
+                if p.dirty {
+                    // Written again since the snapshot: still counted.
+                } else if failed {
+                    p.dirty = true;
+                    f.dirty += 1;
+                } else {
+                    cleaned += 1;
+                }
+            }
+        }
+        drop(files);
+        self.written.notify_all();
+        self.dirty.fetch_sub(cleaned, Ordering::AcqRel);
+        if !failed {
+            self.stats.lock().blocks_written += snaps.len() as u64;
+        }
+    }
+
+    /// Drop every page of `ino` (the file is freed, truncated or rewritten
+    /// under `Inner`): dirty data included.
+    pub fn discard(&self, ino: u32) {
+        let Some(f) = self.files.lock().remove(&ino) else {
+            return;
+        };
+        let dirty = f.pages.values().filter(|p| p.dirty || p.writing).count();
+        self.unreserve(f.delayed as u64);
+        self.pages.fetch_sub(f.pages.len(), Ordering::AcqRel);
+        self.dirty.fetch_sub(dirty, Ordering::AcqRel);
+        self.stats.lock().dropped_dirty += dirty as u64;
+    }
+
+    /// Evict clean pages while over the cap (no LRU yet: any clean page
+    /// goes). A file left with no page and no pending times is forgotten: with
+    /// no page, no cached write is pending, so its visible size is the
+    /// on-disk one.
+    pub fn evict(&self) {
+        let cap_pages = self.cap / self.bs;
+        if self.pages.load(Ordering::Acquire) <= cap_pages {
+            return;
+        }
+        let target = cap_pages - cap_pages / 8;
+        let mut files = self.files.lock();
+        let mut n = self.pages.load(Ordering::Acquire);
+        let mut evicted = 0u64;
+        let mut empty = Vec::new();
+        for (&ino, f) in files.iter_mut() {
+            if n <= target {
+                break;
+            }
+            let before = f.pages.len();
+            f.pages.retain(|_, p| {
+                if n > target && !p.dirty && !p.writing {
+                    n -= 1;
+                    false
+                } else {
+                    true
+                }
+            });
+            evicted += (before - f.pages.len()) as u64;
+            if f.pages.is_empty() && f.times.is_none() {
+                empty.push(ino);
+            }
+        }
+        for ino in empty {
+            files.remove(&ino);
+        }
+        drop(files);
+        self.pages.fetch_sub(evicted as usize, Ordering::AcqRel);
+        self.stats.lock().evicted += evicted;
+    }
+}

@@ -1,0 +1,717 @@
+//! Cached writes, reads and write-back (issue #11; docs/ARCHITECTURE.md
+//! "Design: the page cache and the commit cut").
+//!
+//! * [`Fs::write_cached`]: `write()` into pages; no device I/O, no journal.
+//! * [`Fs::read_cached`]: pages first, the device for the rest.
+//! * [`Fs::writeback_file`]: one file's dirty pages mapped (delayed allocation)
+//!   under `Inner` in a handle, written outside it — the old write path with
+//!   data from pages, so ordered mode and fast-commit planning keep their rules.
+//! * [`Inner::cut_all`] and [`CacheHooks`]: the cut every commit starts with.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use commitfs_journal::{CommitHooks, Handle, JournalError};
+use parking_lot::Mutex;
+
+use crate::dataio::{DataIo, InflightGuard};
+use crate::error::{FsError, Result};
+use crate::inner::{now, Inner};
+use crate::pagecache::{PageCache, Snap, Taken};
+use crate::types::CallerOf;
+use crate::Fs;
+
+/// One contiguous device run of a write-back.
+pub(crate) struct WbRun {
+    pub ino: u32,
+    pub pblk: u64,
+    pub snaps: Vec<Snap>,
+}
+
+/// Blocks granted at once while free space is plentiful (so that most writes
+/// reserve without `Inner`).
+const GRANT_CHUNK: u64 = 1024;
+
+/// Largest file size (as file.rs).
+fn max_file_size(bs: usize) -> u64 {
+    (1u64 << 32) * bs as u64 - 1
+}
+
+impl Inner {
+    /// Map the pages `t` took from `ino` (holes allocated in contiguous runs,
+    /// unwritten extents converted: `write_map`), and put the visible size and
+    /// pending times into the inode, in `h`. Returns the device runs and the
+    /// pages left unmapped (ENOSPC), which the caller gives back as dirty.
+    pub fn wb_map(&mut self, h: &Handle, ino: u32, t: &Taken) -> Result<(Vec<WbRun>, Vec<Snap>)> {
+        let mut i = self.read_inode(ino)?;
+        let bs = self.bs as u64;
+        let old_size = i.size;
+        let mut runs = Vec::new();
+        let mut changed = false;
+        let mut unmapped_from = None;
+        self.fc_track_inode(ino, h.tid(), None);
+        let mut k = 0;
+        while k < t.snaps.len() {
+            let mut e = k + 1;
+            while e < t.snaps.len() && t.snaps[e].lblk == t.snaps[e - 1].lblk + 1 {
+                e += 1;
+            }
+            let l0 = t.snaps[k].lblk;
+            let mut chunks = Vec::new();
+            self.claiming = true;
+            let r = self.write_map(
+                h,
+                ino,
+                &mut i,
+                l0 as u64 * bs,
+                (e - k) * bs as usize,
+                &mut chunks,
+            );
+            self.claiming = false;
+            if let Err(FsError::NoSpace) = r {
+                // Nothing of this run could be mapped (the reservation's
+                // margin for extent blocks ran out): it stays dirty.
+                unmapped_from = Some(k);
+                break;
+            }
+            if let Err(err) = r {
+                // Blocks mapped for this run must not stay mapped without data.
+                for c in chunks.iter().filter(|c| c.changed > 0) {
+                    let end = c.lblk as u64 + c.changed as u64;
+                    let _ = self.remove_blocks(h, ino, &mut i, c.lblk, end);
+                }
+                let _ = self.write_inode(h, ino, &i);
+                return Err(err);
+            }
+            let mut done = 0;
+            for c in &chunks {
+                changed |= c.changed > 0;
+                let first = k + c.pos / bs as usize;
+                let n = c.span / bs as usize;
+                runs.push(WbRun {
+                    ino,
+                    pblk: c.pblk,
+                    snaps: t.snaps[first..first + n].to_vec(),
+                });
+                done += n;
+            }
+            if k + done < e {
+                // ENOSPC part-way: the rest stays dirty.
+                unmapped_from = Some(k + done);
+                break;
+            }
+            k = e;
+        }
+        let unmapped = match unmapped_from {
+            Some(u) => {
+                let end = t.snaps[u].lblk as u64 * bs;
+                i.size = i.size.max(t.size.min(end));
+                t.snaps[u..].to_vec()
+            }
+            None => {
+                i.size = i.size.max(t.size);
+                Vec::new()
+            }
+        };
+        if let Some(tm) = t.times {
+            i.mtime = tm;
+            i.ctime = i.ctime.max(tm);
+        }
+        // An in-place overwrite changes only timestamps: fdatasync need not
+        // commit them (C.5).
+        if changed || i.size != old_size {
+            self.write_inode(h, ino, &i)?;
+        } else {
+            self.write_inode_times(h, ino, &i)?;
+        }
+        if let Some(pc) = &self.pc {
+            pc.mapped(
+                ino,
+                runs.iter().flat_map(|r| r.snaps.iter().map(|s| s.lblk)),
+            );
+        }
+        Ok((runs, unmapped))
+    }
+
+    /// Put the pending times of cached writes into the cached inode (written
+    /// with it by the caller's next `write_inode`).
+    pub fn fold_cached_times(&mut self, ino: u32) -> Result<()> {
+        let Some(t) = self.pc.as_ref().and_then(|pc| pc.take_times(ino)) else {
+            return Ok(());
+        };
+        let mut i = self.read_inode(ino)?;
+        i.mtime = t;
+        i.ctime = i.ctime.max(t);
+        self.itable.insert(ino, i);
+        Ok(())
+    }
+
+    /// The cut (see the module doc): map every dirty page of every file in `h`
+    /// and return the runs to write. The caller holds the cache's barrier
+    /// exclusively, so no cached write is half done. With `note`, the runs are
+    /// reported to single-flush tracking now (their commit writes them after
+    /// its tid switch).
+    pub fn cut_all(&mut self, h: &Handle, note: bool) -> Result<Vec<WbRun>> {
+        let Some(pc) = self.pc.clone() else {
+            return Ok(Vec::new());
+        };
+        let mut all = Vec::new();
+        for ino in pc.dirty_inos() {
+            let Some(t) = pc.take_dirty(ino) else {
+                continue;
+            };
+            match self.wb_map(h, ino, &t) {
+                Ok((runs, unmapped)) => {
+                    if !unmapped.is_empty() {
+                        pc.finish(ino, &unmapped, true);
+                    }
+                    all.extend(runs);
+                }
+                Err(e) => {
+                    pc.finish(ino, &t.snaps, true);
+                    return Err(e);
+                }
+            }
+        }
+        if note {
+            for r in &all {
+                self.journal.note_data(r.pblk, r.snaps.len() as u64);
+            }
+        }
+        if !all.is_empty() {
+            pc.stats.lock().cuts += 1;
+        }
+        Ok(all)
+    }
+}
+
+/// Write the runs (one device write each) and mark their pages clean; on a
+/// failure the pages go back to dirty and the error is returned. `note`:
+/// report to single-flush tracking here (under the caller's handle).
+pub(crate) fn write_runs(dio: &DataIo, pc: &PageCache, runs: &[WbRun], note: bool) -> Result<()> {
+    let bs = dio.bs;
+    // One device write per contiguous run, in pieces of at most 1 MiB (the
+    // copy into one buffer stays small).
+    let per = ((1 << 20) / bs).max(1);
+    let mut buf =
+        Vec::with_capacity(per.min(runs.iter().map(|r| r.snaps.len()).max().unwrap_or(0)) * bs);
+    for (k, r) in runs.iter().enumerate() {
+        let mut w = Ok(());
+        for (i, piece) in r.snaps.chunks(per).enumerate() {
+            buf.clear();
+            for s in piece {
+                buf.extend_from_slice(&s.data[..bs]);
+            }
+            let pblk = r.pblk + (i * per) as u64;
+            w = if note {
+                dio.write(pblk, &buf)
+            } else {
+                dio.write_unnoted(pblk, &buf)
+            };
+            if w.is_err() {
+                break;
+            }
+            pc.stats.lock().device_writes += 1;
+        }
+        if let Err(e) = w {
+            for r in &runs[k..] {
+                pc.finish(r.ino, &r.snaps, true);
+            }
+            return Err(e);
+        }
+        pc.finish(r.ino, &r.snaps, false);
+    }
+    Ok(())
+}
+
+/// The cut's runs for a full commit, waiting for the commit thread's
+/// `write_data` (and the in-flight mark that keeps fast commits from
+/// planning over blocks without their data).
+type Ordered = BTreeMap<u32, Vec<(Vec<WbRun>, InflightGuard)>>;
+
+/// The page cache's part in full commits ([`CommitHooks`]).
+pub(crate) struct CacheHooks {
+    pub inner: Weak<parking_lot::Mutex<Inner>>,
+    pub pc: Arc<PageCache>,
+    pub dio: DataIo,
+    pub ordered: Mutex<Ordered>,
+    pub data_errors: Arc<crate::dataio::DataErrors>,
+}
+
+fn to_journal(e: FsError) -> JournalError {
+    match e {
+        FsError::Journal(j) => j,
+        FsError::Device(d) => JournalError::Device(d),
+        other => JournalError::BadJournal(format!("file data write-back: {other}")),
+    }
+}
+
+impl CacheHooks {
+    fn write(&self, batch: Vec<(Vec<WbRun>, InflightGuard)>) -> commitfs_journal::Result<()> {
+        for (runs, guard) in batch {
+            let r = write_runs(&self.dio, &self.pc, &runs, false);
+            drop(guard);
+            if let Err(e) = r {
+                for r in &runs {
+                    self.data_errors.insert(r.ino);
+                }
+                return Err(to_journal(e));
+            }
+        }
+        if self.pc.over_cap() {
+            self.pc.evict();
+        }
+        Ok(())
+    }
+}
+
+impl CommitHooks for CacheHooks {
+    fn cut(&self, tid: u32, lock: &mut dyn FnMut() -> bool) -> commitfs_journal::Result<()> {
+        let _bw = self.pc.barrier.write();
+        // Every cached write so far is in this transaction or an earlier one
+        // once the lock below is taken (a write-back under way has its handle
+        // in one of them).
+        self.pc.note_cut(tid);
+        if !self.pc.has_dirty() {
+            lock();
+            return Ok(());
+        }
+        let Some(inner) = self.inner.upgrade() else {
+            lock();
+            return Ok(());
+        };
+        // Nothing that holds `Inner` waits for a commit while pages are dirty
+        // (unmount writes them first); the bound only guards against a
+        // library user writing during unmount.
+        let Some(mut g) = inner.try_lock_for(Duration::from_secs(2)) else {
+            tracing::warn!("commit cut: file-system lock busy, cached data joins the next commit");
+            lock();
+            return Ok(());
+        };
+        let h = g.start(64).map_err(to_journal)?;
+        let runs = g.cut_all(&h, true);
+        drop(h);
+        let guard = g.inflight.begin(0);
+        drop(g);
+        let runs = runs.map_err(to_journal)?;
+        if runs.is_empty() {
+            drop(guard);
+            lock();
+            return Ok(());
+        }
+        if lock() {
+            self.ordered
+                .lock()
+                .entry(tid)
+                .or_default()
+                .push((runs, guard));
+            Ok(())
+        } else {
+            // Not committing now: the data goes out at once (its transaction
+            // still pins nothing; a fast commit may plan over it next).
+            self.write(vec![(runs, guard)])
+        }
+    }
+
+    fn write_data(&self, tid: u32) -> commitfs_journal::Result<()> {
+        let batch = self.ordered.lock().remove(&tid).unwrap_or_default();
+        self.write(batch)
+    }
+}
+
+/// The facts a cached write needs about its inode.
+struct WriteFacts {
+    disk_size: u64,
+}
+
+impl Fs {
+    /// Reserve up to `want` blocks for delayed pages (ENOSPC is decided here,
+    /// at `write()` time, never at write-back: ext4's delalloc reservation).
+    /// Free space counts blocks that are free and not waiting for their
+    /// freeing commit, less what is reserved or granted and a margin for the
+    /// extent blocks write-back may need. Returns the blocks reserved (fewer
+    /// than `want` near a full file system; 0 is ENOSPC for the caller).
+    fn reserve_delayed(&self, pc: &PageCache, want: u64) -> Result<u64> {
+        if pc.take_grant(want) {
+            return Ok(want);
+        }
+        let mut committed = false;
+        loop {
+            let g = self.lock()?;
+            let (free, _) = g.free_counts();
+            let blocks = g.sb.blocks_count();
+            let margin = (blocks / 1024).clamp(8, 1024);
+            let mut grant = pc.grant.lock();
+            let used = pc.reserved() + *grant + margin;
+            let avail = free.saturating_sub(used);
+            if avail >= want + 4 * GRANT_CHUNK {
+                *grant += GRANT_CHUNK;
+                drop(grant);
+                pc.reserve(want);
+                return Ok(want);
+            }
+            // Near full: exact, without slack, and without the blocks that
+            // only a commit makes reusable.
+            let pending: u64 = g.pending_free.iter().map(|(s, (e, _))| e - s).sum();
+            let exact = avail.saturating_sub(pending);
+            if exact >= want || (exact > 0 && (committed || pending == 0)) {
+                let n = exact.min(want);
+                drop(grant);
+                pc.reserve(n);
+                return Ok(n);
+            }
+            if committed || pending == 0 {
+                return Ok(0);
+            }
+            drop(grant);
+            let j = g.journal.clone();
+            drop(g);
+            let r = j.commit().map(|_| ()).map_err(FsError::from);
+            self.check(&j, "commit", r)?;
+            committed = true;
+        }
+    }
+
+    /// Check a write against the inode and drop privileges as the kernel's
+    /// `file_remove_privs` (under `Inner` only when there is something to do or
+    /// the inode is not cached); returns the on-disk size.
+    fn write_facts(&self, ino: u32, caller: CallerOf<'_>) -> Result<WriteFacts> {
+        let cached = self.itable.with(ino, |i| {
+            (
+                i.mode,
+                i.links_count,
+                i.is_reg(),
+                i.is_dir(),
+                i.size,
+                i.mode & 0o6000 != 0,
+            )
+        });
+        if let Some((mode, links, reg, dir, size, privs)) = cached {
+            let live = mode != 0 && (links > 0 || self.itable.is_open(ino));
+            if live && reg && !(privs && caller.is_some()) {
+                return Ok(WriteFacts { disk_size: size });
+            }
+            if live && dir {
+                return Err(FsError::IsDir);
+            }
+        }
+        let mut g = self.lock()?;
+        let mut i = g.live_inode(ino)?;
+        if i.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        if !i.is_reg() {
+            return Err(FsError::Invalid("write to a non-regular file"));
+        }
+        if Inner::drop_privs(&mut i, caller) {
+            i.ctime = now();
+            let h = g.start(8)?;
+            g.fc_track_inode(ino, h.tid(), None);
+            let r = g.write_inode(&h, ino, &i);
+            g.stop(h)?;
+            r?;
+        }
+        Ok(WriteFacts { disk_size: i.size })
+    }
+
+    /// `write()` into the page cache (see the module doc).
+    pub(crate) fn write_cached(
+        &self,
+        pc: &Arc<PageCache>,
+        ino: u32,
+        offset: u64,
+        data: &[u8],
+        caller: CallerOf<'_>,
+    ) -> Result<usize> {
+        let bs = self.block_size as u64;
+        offset
+            .checked_add(data.len() as u64)
+            .filter(|&e| e <= max_file_size(bs as usize))
+            .ok_or(FsError::FileTooBig)?;
+        if self.read_only || self.errors.is_read_only() || self.journal.is_aborted() {
+            return Err(FsError::ReadOnly);
+        }
+        let il = self.ilocks.write(ino);
+        let facts = self.write_facts(ino, caller)?;
+        if data.is_empty() {
+            return Ok(0);
+        }
+        // Space for the blocks the write adds (delayed: allocated later).
+        let mut data = data;
+        let want = pc.new_delayed(ino, offset, data.len(), facts.disk_size);
+        let mut reserved = 0;
+        if want > 0 {
+            reserved = self.reserve_delayed(pc, want)?;
+            if reserved == 0 {
+                return Err(FsError::NoSpace);
+            }
+            if reserved < want {
+                // A short write: up to the last block that has space (the new
+                // blocks are the ones from the on-disk end on).
+                let first = (offset / bs).max(facts.disk_size.div_ceil(bs));
+                let stop = (first + reserved) * bs;
+                let keep = (stop - offset).min(data.len() as u64) as usize;
+                data = &data[..keep];
+            }
+        }
+        let r = self.write_reserved(pc, ino, offset, data, &facts, reserved);
+        if r.is_err() {
+            pc.unreserve(reserved);
+        }
+        r?;
+        // Throttle: past the dirty limit a writer writes its own file back.
+        if pc.dirty_bytes() > pc.dirty_limit() {
+            // The write is in the cache either way: a failure here is the next
+            // fsync's to report (ENOSPC: the pages stay dirty; EIO: aborted).
+            if let Err(e) = self.writeback_locked(pc, ino) {
+                tracing::debug!("write-back under the dirty limit: {e}");
+            }
+            if pc.dirty_bytes() > pc.dirty_limit() {
+                self.journal.start_commit();
+            }
+        }
+        if pc.over_cap() {
+            pc.evict();
+        }
+        drop(il);
+        Ok(data.len())
+    }
+
+    /// [`Self::write_cached`] once space is reserved: read partial blocks,
+    /// check the `fc_data_csum` guards, copy into the cache.
+    fn write_reserved(
+        &self,
+        pc: &Arc<PageCache>,
+        ino: u32,
+        offset: u64,
+        data: &[u8],
+        facts: &WriteFacts,
+        reserved: u64,
+    ) -> Result<()> {
+        let bs = self.block_size as u64;
+        let end = offset + data.len() as u64;
+        // Partial blocks with content on the device: read them first, outside
+        // `Inner` (mapped under it).
+        let plan = pc.plan_write(ino, offset, data.len(), facts.disk_size);
+        let mut filled = Vec::with_capacity(plan.fill.len());
+        if !plan.fill.is_empty() {
+            let segs = {
+                let mut g = self.lock()?;
+                let i = g.live_inode(ino)?;
+                let mut v = Vec::new();
+                for &l in &plan.fill {
+                    v.push((l, g.read_plan(ino, &i, l as u64 * bs, bs as usize)?));
+                }
+                v
+            };
+            for (l, s) in segs {
+                let mut b = vec![0u8; bs as usize];
+                self.dio.read_segs(&s, &mut b)?;
+                filled.push((l, b));
+            }
+        }
+        let (lo, hi) = (offset / bs, end.div_ceil(bs));
+        let mut filled = Some(filled);
+        loop {
+            let br = pc.barrier.read();
+            if self.fc_data_csum {
+                // The fc_data_csum guards (Self::lock_guarded), checked under the
+                // barrier: no cut can take the page between the check and the
+                // copy, so the write-back that overwrites these blocks belongs to
+                // a commit at least as late as the one checked against.
+                let mut g = self.lock()?;
+                if let Some(tid) = g.fc_protect_hit(ino, lo, hi) {
+                    drop(g);
+                    drop(br);
+                    self.fc_confirm(tid)?;
+                    continue;
+                }
+                if g.journal.tracks_data() {
+                    let h = g.start(0)?;
+                    let runs = g.mapped_runs(ino, lo, hi)?;
+                    if let Some(tid) = g.journal.data_conflict(&h, &runs) {
+                        drop(h);
+                        drop(g);
+                        drop(br);
+                        self.data_confirm(tid)?;
+                        continue;
+                    }
+                }
+            }
+            let filled = filled.take().unwrap_or_default();
+            pc.write(ino, offset, data, filled, facts.disk_size, reserved);
+            drop(br);
+            return Ok(());
+        }
+    }
+
+    /// Read through the cache: cached blocks first (they may be newer than the
+    /// device), then the device for the rest, mapped after the cache was
+    /// looked at (a page missing then was never delayed: its mapping is final).
+    pub(crate) fn read_cached(
+        &self,
+        pc: &Arc<PageCache>,
+        ino: u32,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<Option<usize>> {
+        let il = self.ilocks.read(ino);
+        let Some(size) = pc.size(ino) else {
+            return Ok(None);
+        };
+        if offset >= size {
+            // Checks as a read past the end (a directory is still EISDIR).
+            drop(il);
+            return Ok(None);
+        }
+        let n = ((size - offset) as usize).min(buf.len());
+        let hits = pc.read(ino, offset, &mut buf[..n]);
+        let all = !hits.is_empty() && hits.iter().all(|&h| h);
+        let (segs, atime) = {
+            let mut g = self.lock()?;
+            let i = g.live_inode(ino)?;
+            let segs = if all {
+                Vec::new()
+            } else {
+                g.read_plan(ino, &i, offset, n)?
+            };
+            (segs, n > 0 && g.touch_atime(ino))
+        };
+        if all {
+            pc.stats.lock().read_hits += 1;
+        } else {
+            let mut tmp = vec![0u8; n];
+            self.dio.read_segs(&segs, &mut tmp)?;
+            let bs = self.block_size as u64;
+            let mut pos = 0usize;
+            for hit in hits {
+                let cur = offset + pos as u64;
+                let k = (bs - cur % bs).min((n - pos) as u64) as usize;
+                if !hit {
+                    buf[pos..pos + k].copy_from_slice(&tmp[pos..pos + k]);
+                }
+                pos += k;
+            }
+        }
+        drop(il);
+        if atime {
+            self.commit_after_access();
+        }
+        Ok(Some(n))
+    }
+
+    /// Write `ino`'s dirty pages back now (fsync, truncate, fallocate, seek,
+    /// memory pressure); takes the inode's lock.
+    pub(crate) fn writeback_file(&self, ino: u32) -> Result<()> {
+        let Some(pc) = self.pc.clone() else {
+            return Ok(());
+        };
+        if !pc.is_dirty(ino) {
+            return Ok(());
+        }
+        let _il = self.ilocks.write(ino);
+        self.writeback_locked(&pc, ino)
+    }
+
+    /// [`Self::writeback_file`] with the inode's lock held by the caller.
+    pub(crate) fn writeback_locked(&self, pc: &Arc<PageCache>, ino: u32) -> Result<()> {
+        let (runs, unmapped, guard, h) = {
+            let mut g = self.lock()?;
+            let Some(t) = pc.take_dirty(ino) else {
+                return Ok(());
+            };
+            let h = match g.start(64) {
+                Ok(h) => h,
+                Err(e) => {
+                    pc.finish(ino, &t.snaps, true);
+                    return Err(e);
+                }
+            };
+            let (runs, unmapped) = match g.wb_map(&h, ino, &t) {
+                Ok(x) => x,
+                Err(e) => {
+                    pc.finish(ino, &t.snaps, true);
+                    drop(h);
+                    return Err(e);
+                }
+            };
+            if !unmapped.is_empty() {
+                pc.finish(ino, &unmapped, true);
+            }
+            (runs, unmapped.len(), g.inflight.begin(ino), h)
+        };
+        pc.stats.lock().writebacks += 1;
+        let r = write_runs(&self.dio, pc, &runs, true);
+        drop(guard);
+        if let Err(e) = &r {
+            // Mapped by this transaction, so it must not commit without the
+            // data: abort (ext4's data_err=abort); every later fsync says EIO,
+            // and errors= decides what else happens.
+            self.data_errors.insert(ino);
+            self.journal.abort();
+            self.errors.journal_failed(&self.journal, "writeback", e);
+        }
+        drop(h);
+        self.note_data(ino);
+        r?;
+        if unmapped > 0 {
+            return Err(FsError::NoSpace);
+        }
+        if pc.over_cap() {
+            pc.evict();
+        }
+        Ok(())
+    }
+
+    /// The fast-commit leader's cut: under the barrier and `Inner` (`g`),
+    /// every dirty page mapped in a handle that the caller holds until the
+    /// runs are written ([`write_runs`]).
+    pub(crate) fn fc_cut(&self, g: &mut Inner) -> Result<Option<(Vec<WbRun>, Handle)>> {
+        let Some(pc) = &self.pc else {
+            return Ok(None);
+        };
+        if !pc.has_dirty() {
+            return Ok(None);
+        }
+        let h = g.start(64)?;
+        let runs = g.cut_all(&h, false)?;
+        if runs.is_empty() {
+            return Ok(None);
+        }
+        // fc_data_csum: the plan checksums these blocks from the snapshots.
+        let bs = self.block_size as usize;
+        g.fc_overlay = runs
+            .iter()
+            .flat_map(|r| {
+                r.snaps
+                    .iter()
+                    .enumerate()
+                    .map(move |(k, s)| (r.pblk + k as u64, s.data.clone()))
+            })
+            .filter(|(_, d)| d.len() >= bs)
+            .collect();
+        Ok(Some((runs, h)))
+    }
+
+    /// Whether every cached write up to `seq` is durable (`None`: no cache).
+    pub(crate) fn cache_covered(&self, seq: Option<u64>) -> bool {
+        match (&self.pc, seq) {
+            (Some(pc), Some(s)) => pc.covered(s, &|t| self.journal.is_committed(t)),
+            _ => true,
+        }
+    }
+
+    /// Before an operation that changes `ino`'s size or mapping under `Inner`
+    /// (truncate, fallocate; the caller holds the inode's lock): write its
+    /// dirty pages back, wait for writes of its pages in flight, and drop
+    /// them all (a page could hold bytes the operation zeroes or frees).
+    pub(crate) fn cache_settle(&self, ino: u32) -> Result<()> {
+        if let Some(pc) = &self.pc {
+            self.writeback_locked(pc, ino)?;
+            pc.wait_written(ino);
+            pc.discard(ino);
+        }
+        Ok(())
+    }
+}

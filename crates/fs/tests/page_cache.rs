@@ -1,0 +1,333 @@
+//! The page cache and delayed allocation (issue #11; docs/ARCHITECTURE.md
+//! "Design: the page cache and the commit cut"): what reaches the device and
+//! when (counts), space reservation at `write()`, the memory cap, times and
+//! sizes of cached writes, and that nothing acknowledged is lost.
+
+use std::sync::Arc;
+
+use commitfs_device::{DeviceRef, FileDevice, IoCategory};
+use commitfs_fs::testutil::{fsck, mkfs, problem_lines, TempImage};
+use commitfs_fs::*;
+
+fn opts() -> MountOptions {
+    MountOptions {
+        // No background commits: the tests decide when data goes out.
+        commit_interval: 0,
+        ..Default::default()
+    }
+}
+
+fn open(img: &TempImage, o: MountOptions) -> (Fs, DeviceRef) {
+    let dev: DeviceRef = Arc::new(FileDevice::open(&img.path, false).unwrap());
+    (Fs::open(dev.clone(), o).unwrap(), dev)
+}
+
+fn data_writes(dev: &DeviceRef) -> (u64, u64) {
+    let s = dev.stats().snapshot();
+    let d = s.category(IoCategory::Data);
+    (d.writes, d.write_bytes)
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (seed.wrapping_mul(131).wrapping_add(i as u64 * 7) % 251) as u8 | 1)
+        .collect()
+}
+
+fn read_all(fs: &Fs, ino: Ino) -> Vec<u8> {
+    let size = fs.getattr(ino).unwrap().size as usize;
+    let mut buf = vec![0u8; size + 100];
+    let n = fs.read(ino, 0, &mut buf).unwrap();
+    buf.truncate(n);
+    buf
+}
+
+fn assert_clean(img: &TempImage, what: &str) {
+    let r = fsck(&img.path);
+    assert!(
+        r.is_clean(),
+        "{what}: e2fsck -fn: {:?}\n{}",
+        problem_lines(&r.output),
+        r.output
+    );
+}
+
+/// Small appends stay in memory (no device write at all, the size and
+/// `st_blocks` already show them, reads see them); the fsync allocates the
+/// whole file at once and writes it as one contiguous run.
+#[test]
+fn appends_reach_the_device_once_as_one_run() {
+    for fc in [false, true] {
+        let img = mkfs("pc-append", 32, &["-b", "4096", "-O", "fast_commit"]);
+        let (fs, dev) = open(
+            &img,
+            MountOptions {
+                fast_commit: fc,
+                ..opts()
+            },
+        );
+        let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
+        fs.sync().unwrap();
+        let before = data_writes(&dev);
+        let piece = pattern(1, 100);
+        let mut want = Vec::new();
+        for k in 0..300u64 {
+            assert_eq!(fs.write(f, k * 100, &piece).unwrap(), 100);
+            want.extend_from_slice(&piece);
+        }
+        assert_eq!(
+            data_writes(&dev),
+            before,
+            "fc={fc}: cached appends wrote data"
+        );
+        let a = fs.getattr(f).unwrap();
+        assert_eq!(a.size, 30_000, "fc={fc}: visible size");
+        assert_eq!(
+            a.blocks,
+            8 * 8,
+            "fc={fc}: delayed blocks count in st_blocks"
+        );
+        assert_eq!(read_all(&fs, f), want, "fc={fc}: read of cached data");
+        assert_eq!(
+            data_writes(&dev),
+            before,
+            "fc={fc}: reads came from the cache"
+        );
+        fs.fsync(f, false).unwrap();
+        let after = data_writes(&dev);
+        assert_eq!(
+            after.0 - before.0,
+            1,
+            "fc={fc}: one device write for the whole file (one contiguous run)"
+        );
+        assert_eq!(after.1 - before.1, 8 * 4096, "fc={fc}: eight blocks");
+        let st = fs.cache_stats().unwrap();
+        assert_eq!(st.dirty_bytes, 0, "fc={fc}: nothing dirty after the fsync");
+        assert_eq!(st.bytes_written, 30_000);
+        // A second fsync has nothing to write.
+        fs.fsync(f, false).unwrap();
+        assert_eq!(data_writes(&dev), after);
+        fs.unmount().unwrap();
+        drop(fs);
+        drop(dev);
+        assert_clean(&img, "after the appends");
+        let (fs, _) = open(&img, opts());
+        let f = fs.resolve("/f").unwrap();
+        assert_eq!(read_all(&fs, f), want, "fc={fc}: after remount");
+        fs.unmount().unwrap();
+    }
+}
+
+/// A file written and removed before any write-back costs no data I/O, and
+/// its reserved space comes back.
+#[test]
+fn data_of_a_file_removed_before_write_back_is_never_written() {
+    let img = mkfs("pc-unlink", 32, &["-b", "4096"]);
+    let (fs, dev) = open(&img, opts());
+    fs.sync().unwrap();
+    let free0 = fs.statfs().unwrap().blocks_free;
+    let before = data_writes(&dev);
+    for k in 0..20u64 {
+        let name = format!("tmp{k}");
+        let f = fs
+            .create(ROOT_INO, name.as_bytes(), 0o644, 0, 0)
+            .unwrap()
+            .ino;
+        fs.write(f, 0, &pattern(k, 64 * 1024)).unwrap();
+        assert!(fs.statfs().unwrap().blocks_free <= free0 - 16, "reserved");
+        fs.unlink(ROOT_INO, name.as_bytes()).unwrap();
+    }
+    fs.sync().unwrap();
+    assert_eq!(
+        data_writes(&dev),
+        before,
+        "data of removed files was written"
+    );
+    assert_eq!(fs.statfs().unwrap().blocks_free, free0, "space back");
+    assert!(fs.cache_stats().unwrap().dropped_dirty >= 20 * 16);
+    fs.unmount().unwrap();
+    drop(fs);
+    assert_clean(&img, "after removing cached files");
+}
+
+/// ENOSPC is decided at `write()` (space is reserved for delayed blocks):
+/// on a file system filled by cached writes alone, the writer gets ENOSPC or a
+/// short write, and every byte it was told was written is on the device after
+/// sync and a remount.
+#[test]
+fn enospc_at_write_time_and_nothing_acknowledged_is_lost() {
+    for bs in ["1024", "4096"] {
+        let img = mkfs("pc-enospc", 8, &["-b", bs]);
+        let (fs, _) = open(&img, opts());
+        let chunk = 48 * 1024;
+        let mut files = Vec::new();
+        'fill: for k in 0..1000u64 {
+            let name = format!("f{k}");
+            let f = match fs.create(ROOT_INO, name.as_bytes(), 0o644, 0, 0) {
+                Ok(a) => a.ino,
+                Err(FsError::NoSpace) => break,
+                Err(e) => panic!("{bs}: create: {e}"),
+            };
+            let data = pattern(k, chunk);
+            let mut done = 0;
+            while done < chunk {
+                match fs.write(f, done as u64, &data[done..]) {
+                    Ok(0) => panic!("{bs}: a zero-length write instead of ENOSPC"),
+                    Ok(n) => done += n,
+                    Err(FsError::NoSpace) => {
+                        files.push((name, data[..done].to_vec()));
+                        break 'fill;
+                    }
+                    Err(e) => panic!("{bs}: write: {e}"),
+                }
+            }
+            files.push((name, data));
+        }
+        assert!(files.len() > 10, "{bs}: filled after {} files", files.len());
+        // Nothing was written back yet: it all fits when it is.
+        fs.sync().unwrap();
+        assert_eq!(
+            fs.cache_stats().unwrap().dirty_bytes,
+            0,
+            "{bs}: all written"
+        );
+        fs.unmount().unwrap();
+        drop(fs);
+        assert_clean(&img, "after filling with cached writes");
+        let (fs, _) = open(&img, opts());
+        for (name, want) in &files {
+            let f = fs.resolve(&format!("/{name}")).unwrap();
+            assert!(
+                read_all(&fs, f) == *want,
+                "{bs}: {name} lost acknowledged data"
+            );
+        }
+        fs.unmount().unwrap();
+    }
+}
+
+/// The cap bounds the cache: a file many times larger than it is written
+/// without an fsync; the cached bytes stay under the cap (dirty pages are
+/// written back by their writer past half of it, clean ones evicted), and
+/// the data is all there.
+#[test]
+fn memory_cap_bounds_a_large_sequential_write() {
+    let img = mkfs("pc-cap", 64, &["-b", "4096"]);
+    let (fs, _) = open(
+        &img,
+        MountOptions {
+            cache_mb: 1,
+            ..opts()
+        },
+    );
+    let f = fs.create(ROOT_INO, b"big", 0o644, 0, 0).unwrap().ino;
+    let piece = 128 * 1024;
+    let total = 24 << 20;
+    let mut peak = 0;
+    for k in 0..(total / piece) as u64 {
+        fs.write(f, k * piece as u64, &pattern(k, piece)).unwrap();
+        peak = peak.max(fs.cache_stats().unwrap().cached_bytes);
+    }
+    assert!(
+        peak <= (1 << 20) + piece as u64,
+        "cache peaked at {peak} bytes with a 1 MiB cap"
+    );
+    fs.fsync(f, false).unwrap();
+    fs.unmount().unwrap();
+    drop(fs);
+    assert_clean(&img, "after the large write");
+    let (fs, _) = open(&img, opts());
+    let f = fs.resolve("/big").unwrap();
+    let mut buf = vec![0u8; piece];
+    for k in 0..(total / piece) as u64 {
+        assert_eq!(fs.read(f, k * piece as u64, &mut buf).unwrap(), piece);
+        assert!(buf == pattern(k, piece), "piece {k}");
+    }
+    fs.unmount().unwrap();
+}
+
+/// Times and sizes of cached writes behave as the kernel's: an explicit mtime
+/// set after a write wins (cp -a, tar), a chmod after a write keeps the
+/// write's mtime, and a truncate below cached data then an extension reads
+/// zeros, before and after a remount.
+#[test]
+fn times_and_truncates_of_cached_writes() {
+    let img = mkfs("pc-times", 32, &["-b", "4096"]);
+    let (fs, _) = open(&img, opts());
+    let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
+    fs.write(f, 0, &pattern(3, 10_000)).unwrap();
+    let old = commitfs_format::inode::Timestamp::new(1_000_000_000, 5);
+    fs.setattr(
+        f,
+        &SetAttr {
+            mtime: Some(SetTime::At(old)),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(fs.getattr(f).unwrap().mtime, old, "utimens after a write");
+    let g = fs.create(ROOT_INO, b"g", 0o644, 0, 0).unwrap().ino;
+    fs.write(g, 0, b"hello").unwrap();
+    let written = fs.getattr(g).unwrap().mtime;
+    assert!(written.sec > old.sec);
+    fs.setattr(
+        g,
+        &SetAttr {
+            mode: Some(0o600),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let a = fs.getattr(g).unwrap();
+    assert_eq!(a.mtime, written, "chmod keeps the write's mtime");
+    assert!(a.ctime >= written);
+    // Truncate into cached data, then extend: zeros, not the old bytes.
+    fs.setattr(
+        f,
+        &SetAttr {
+            size: Some(5000),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    fs.write(f, 9000, b"end").unwrap();
+    let mut want = pattern(3, 10_000);
+    want.truncate(5000);
+    want.resize(9000, 0);
+    want.extend_from_slice(b"end");
+    assert_eq!(read_all(&fs, f), want, "truncate then extend");
+    fs.unmount().unwrap();
+    drop(fs);
+    assert_clean(&img, "after times and truncates");
+    let (fs, _) = open(&img, opts());
+    let f = fs.resolve("/f").unwrap();
+    assert_eq!(read_all(&fs, f), want, "after remount");
+    let g = fs.resolve("/g").unwrap();
+    assert_eq!(
+        fs.getattr(g).unwrap().mtime,
+        written,
+        "the write's mtime is durable"
+    );
+    assert_eq!(fs.getattr(g).unwrap().perm, 0o600);
+    fs.unmount().unwrap();
+}
+
+/// `-o nocache` keeps the write-through path: data reaches the device at
+/// `write()`.
+#[test]
+fn nocache_writes_through() {
+    let img = mkfs("pc-nocache", 32, &["-b", "4096"]);
+    let (fs, dev) = open(
+        &img,
+        MountOptions {
+            page_cache: false,
+            ..opts()
+        },
+    );
+    assert!(fs.cache_stats().is_none());
+    let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
+    let before = data_writes(&dev);
+    fs.write(f, 0, &pattern(1, 8192)).unwrap();
+    assert!(data_writes(&dev).0 > before.0, "written at write()");
+    fs.unmount().unwrap();
+}
