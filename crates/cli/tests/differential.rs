@@ -2027,6 +2027,12 @@ fn lib_case(case: &Case) {
 
     let ctx = format!("[{}] seed {seed}", case.name);
     let ks = snapshot_posix(km.path(), SnapOpts::default());
+    // Cached data is allocated at write-back, and extent blocks it needs only
+    // count in st_blocks from then on (as with ext4's delalloc): the view the
+    // image must reproduce exactly is the one after a sync.
+    lib.fs
+        .sync()
+        .unwrap_or_else(|e| panic!("[{}] seed {seed}: sync: {e}", case.name));
     let ls = snapshot_lib(&lib.fs, SnapOpts::default());
     eprintln!("{ctx}: final tree has {} entries", ks.entries.len());
     assert_same(
@@ -2097,6 +2103,12 @@ fn fuse_case(case: &Case) {
     let _m = run_sequence(case, seed, nops, bs, km.path(), &mut fuse, "fuse", t0);
 
     let ks = snapshot_posix(km.path(), SnapOpts::default());
+    // As in lib_case, the exact view is the one after write-back: an fsync of
+    // the root directory makes every cached write durable (its commit's cut
+    // takes all of them); FUSE has no syncfs for `sync` to reach the daemon.
+    std::fs::File::open(fm.path())
+        .and_then(|d| d.sync_all())
+        .unwrap_or_else(|e| panic!("{ctx}: fsync of the mount root: {e}"));
     let fs_snap = snapshot_posix(fm.path(), SnapOpts::default());
     eprintln!("{ctx}: final tree has {} entries", ks.entries.len());
     assert_same(

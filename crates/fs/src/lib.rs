@@ -648,10 +648,19 @@ impl Fs {
         // writes included: with pages dirty the running transaction is
         // committed even if it is empty, so that its cut writes them.
         let r = if !self.cache_covered(wseq) {
-            journal.commit_forced().and_then(|()| match dgen {
-                Some(g) => journal.wait_data(g),
-                None => Ok(()),
-            })
+            // The fsync's transaction, even if empty: its cut comes at its
+            // lock, after this fsync began, unless it was locked already; then
+            // the one after it.
+            journal
+                .commit_upto_forced(tid, dgen)
+                .map(|_| ())
+                .and_then(|()| {
+                    if self.cache_covered(wseq) {
+                        Ok(())
+                    } else {
+                        journal.commit_forced()
+                    }
+                })
         } else {
             journal.commit_upto(tid, dgen).map(|_| ())
         };

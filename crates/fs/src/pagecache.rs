@@ -192,7 +192,43 @@ impl PageCache {
             });
     }
 
-    /// Blocks a write of `len` bytes at `off` would add as delayed pages.
+    /// Whether a write of `len` bytes at `off` covers a block below the
+    /// on-disk size that has no page (it may be a hole: a delayed page then).
+    pub fn uncached_inside(
+        &self,
+        ino: u32,
+        off: u64,
+        len: usize,
+        disk_size: u64,
+    ) -> Option<(u32, u32)> {
+        let bs = self.bs as u64;
+        let lo = off / bs;
+        let hi = (off + len as u64).div_ceil(bs).min(disk_size.div_ceil(bs));
+        if lo >= hi {
+            return None;
+        }
+        let files = self.files.lock();
+        let cached = files
+            .get(&ino)
+            .map_or(0, |f| f.pages.range(lo as u32..hi as u32).count() as u64);
+        (cached < hi - lo).then_some((lo as u32, hi as u32))
+    }
+
+    /// Of the holes `holes` (file blocks), those without a page: each becomes
+    /// a delayed page when written.
+    pub fn uncached(&self, ino: u32, holes: Vec<u32>) -> Vec<u32> {
+        let files = self.files.lock();
+        match files.get(&ino) {
+            Some(f) => holes
+                .into_iter()
+                .filter(|l| !f.pages.contains_key(l))
+                .collect(),
+            None => holes,
+        }
+    }
+
+    /// Blocks a write of `len` bytes at `off` would add as delayed pages past
+    /// the on-disk size.
     pub fn new_delayed(&self, ino: u32, off: u64, len: usize, disk_size: u64) -> u64 {
         let bs = self.bs as u64;
         let first = (off / bs).max(disk_size.div_ceil(bs));
@@ -326,16 +362,17 @@ impl PageCache {
     /// Copy `data` at `off` into pages of `ino` (call with the barrier held
     /// shared and the inode's lock exclusively). `filled`: content of blocks
     /// [`Self::plan_write`] asked for; `disk_size`: the inode's on-disk size (a
-    /// new page at or past it is delayed: no block yet); `reserved`: blocks the
-    /// caller reserved for them ([`Self::new_delayed`]; any not used are given
-    /// back). Returns the pages that became dirty.
+    /// new page at or past it is delayed: no block yet), `holes`: file blocks
+    /// below it that are holes (sorted; their new pages are delayed too);
+    /// `reserved`: blocks the caller reserved for delayed pages (any not used
+    /// are given back). Returns the pages that became dirty.
     pub fn write(
         &self,
         ino: u32,
         off: u64,
         data: &[u8],
         filled: Vec<(u32, Vec<u8>)>,
-        disk_size: u64,
+        (disk_size, holes): (u64, &[u32]),
         reserved: u64,
     ) -> usize {
         let now = crate::inner::now();
@@ -367,7 +404,7 @@ impl PageCache {
             });
             if created {
                 new_pages += 1;
-                if lblk as u64 * bs as u64 >= disk_size {
+                if lblk as u64 * bs as u64 >= disk_size || holes.binary_search(&lblk).is_ok() {
                     page.delayed = true;
                     f.delayed += 1;
                     delayed += 1;

@@ -437,9 +437,25 @@ impl Fs {
         if data.is_empty() {
             return Ok(0);
         }
-        // Space for the blocks the write adds (delayed: allocated later).
+        // Space for the blocks the write adds (delayed: allocated later): past
+        // the on-disk size, and holes below it (found in the extent tree).
         let mut data = data;
-        let want = pc.new_delayed(ino, offset, data.len(), facts.disk_size);
+        let holes = match pc.uncached_inside(ino, offset, data.len(), facts.disk_size) {
+            Some((lo, hi)) => {
+                let mut g = self.lock()?;
+                let i = g.live_inode(ino)?;
+                let segs = g.ext_segments(ino, &i, lo as u64, hi as u64)?;
+                drop(g);
+                let holes: Vec<u32> = segs
+                    .into_iter()
+                    .filter(|(_, _, m)| m.is_none())
+                    .flat_map(|(l, n, _)| (l..l + n).map(|b| b as u32))
+                    .collect();
+                pc.uncached(ino, holes)
+            }
+            None => Vec::new(),
+        };
+        let want = pc.new_delayed(ino, offset, data.len(), facts.disk_size) + holes.len() as u64;
         let mut reserved = 0;
         if want > 0 {
             reserved = self.reserve_delayed(pc, want)?;
@@ -447,15 +463,29 @@ impl Fs {
                 return Err(FsError::NoSpace);
             }
             if reserved < want {
-                // A short write: up to the last block that has space (the new
-                // blocks are the ones from the on-disk end on).
+                // A short write: up to the last block that has space (holes
+                // first, then the blocks from the on-disk end on).
+                if (reserved as usize) < holes.len() {
+                    let stop = holes[reserved as usize] as u64 * bs;
+                    let keep = stop.saturating_sub(offset) as usize;
+                    if keep == 0 {
+                        pc.unreserve(reserved);
+                        return Err(FsError::NoSpace);
+                    }
+                    data = &data[..keep.min(data.len())];
+                }
                 let first = (offset / bs).max(facts.disk_size.div_ceil(bs));
-                let stop = (first + reserved) * bs;
-                let keep = (stop - offset).min(data.len() as u64) as usize;
+                let past = reserved.saturating_sub(holes.len() as u64);
+                let stop = (first + past) * bs;
+                let keep = stop.saturating_sub(offset).min(data.len() as u64) as usize;
+                if keep == 0 {
+                    pc.unreserve(reserved);
+                    return Err(FsError::NoSpace);
+                }
                 data = &data[..keep];
             }
         }
-        let r = self.write_reserved(pc, ino, offset, data, &facts, reserved);
+        let r = self.write_reserved(pc, ino, offset, data, (&facts, &holes), reserved);
         if r.is_err() {
             pc.unreserve(reserved);
         }
@@ -486,7 +516,7 @@ impl Fs {
         ino: u32,
         offset: u64,
         data: &[u8],
-        facts: &WriteFacts,
+        (facts, holes): (&WriteFacts, &[u32]),
         reserved: u64,
     ) -> Result<()> {
         let bs = self.block_size as u64;
@@ -540,7 +570,14 @@ impl Fs {
                 }
             }
             let filled = filled.take().unwrap_or_default();
-            pc.write(ino, offset, data, filled, facts.disk_size, reserved);
+            pc.write(
+                ino,
+                offset,
+                data,
+                filled,
+                (facts.disk_size, holes),
+                reserved,
+            );
             drop(br);
             return Ok(());
         }

@@ -914,15 +914,19 @@ impl Core {
         self.check_live()?;
         let tid = {
             let mut q = self.txq.lock();
-            let t = q.running.tid;
-            if !q.running.locked {
-                q.force = Some(t);
-                if q.commit_req == 0 || !tid_le(t, q.commit_req) {
-                    q.commit_req = t;
-                }
-                q.requesters += 1;
-                self.cv.notify_all();
+            // One being locked now had its hooks' cut before this call: the
+            // next one is the one to commit.
+            while q.running.locked {
+                self.check_live()?;
+                self.cv.wait_for(&mut q, WAIT_SLICE);
             }
+            let t = q.running.tid;
+            q.force = Some(t);
+            if q.commit_req == 0 || !tid_le(t, q.commit_req) {
+                q.commit_req = t;
+            }
+            q.requesters += 1;
+            self.cv.notify_all();
             t
         };
         self.wait_committed(tid)?;
@@ -936,6 +940,17 @@ impl Core {
     /// share commits and flushes. Returns the number of buffers the running
     /// transaction held when it was asked for.
     pub fn commit_upto(&self, tid: u32, data_gen: Option<u64>) -> Result<usize> {
+        self.commit_upto_with(tid, data_gen, false)
+    }
+
+    /// [`Self::commit_upto`] that commits `tid` even if it is empty, when it is
+    /// still running: the file system's [`CommitHooks`] may have something to
+    /// put into it (cached data its cut maps).
+    pub fn commit_upto_forced(&self, tid: u32, data_gen: Option<u64>) -> Result<usize> {
+        self.commit_upto_with(tid, data_gen, true)
+    }
+
+    fn commit_upto_with(&self, tid: u32, data_gen: Option<u64>, force: bool) -> Result<usize> {
         if self.log.is_none() || self.read_only {
             return self.commit_home();
         }
@@ -949,8 +964,11 @@ impl Core {
             } else if q.running.locked {
                 // Being frozen by the commit thread right now: not in flight yet.
                 (Some(q.running.tid), 0)
-            } else if !q.running.is_empty() {
+            } else if !q.running.is_empty() || force {
                 let t = q.running.tid;
+                if force && q.running.is_empty() {
+                    q.force = Some(t);
+                }
                 if q.commit_req == 0 || !tid_le(t, q.commit_req) {
                     q.commit_req = t;
                 }

@@ -92,6 +92,18 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
             "ineligible": fc.ineligible,
         },
         "fuse_requests": fuse_json(fuse),
+        "page_cache": fs.cache_stats().map(|c| json!({
+            "cached_bytes": c.cached_bytes,
+            "dirty_bytes": c.dirty_bytes,
+            "bytes_written": c.bytes_written,
+            "read_hits": c.read_hits,
+            "writebacks": c.writebacks,
+            "cuts": c.cuts,
+            "blocks_written": c.blocks_written,
+            "device_writes": c.device_writes,
+            "dropped_dirty": c.dropped_dirty,
+            "evicted": c.evicted,
+        })),
     })
 }
 
@@ -203,6 +215,26 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
         f["avg_commit_us"].as_f64().unwrap_or(0.0),
         f["ineligible"]
     );
+    let c = &v["page_cache"];
+    if c.is_object() {
+        println!(
+            "page cache: {} B cached ({} B dirty); {} B written into it, {} reads answered from it; \
+             {} blocks written back in {} device writes ({} file write-backs, {} commit cuts); \
+             {} dirty pages dropped unwritten, {} evicted",
+            c["cached_bytes"],
+            c["dirty_bytes"],
+            c["bytes_written"],
+            c["read_hits"],
+            c["blocks_written"],
+            c["device_writes"],
+            c["writebacks"],
+            c["cuts"],
+            c["dropped_dirty"],
+            c["evicted"]
+        );
+    } else {
+        println!("page cache: off (-o nocache)");
+    }
     if let Some(m) = v["fuse_requests"].as_object().filter(|m| !m.is_empty()) {
         let mut rows: Vec<_> = m.iter().collect();
         rows.sort_by_key(|(_, r)| std::cmp::Reverse(r["total_us"].as_u64().unwrap_or(0)));
