@@ -119,7 +119,8 @@ impl Inner {
         // ext4_claim_free_clusters against s_dirtyclusters_counter).
         let mut count = count;
         if let Some(pc) = &self.pc {
-            let reserved = pc.reserved();
+            // Granted but not yet reserved blocks count too.
+            let reserved = pc.reserved() + *pc.grant.lock();
             if reserved > 0 && !self.claiming {
                 let (free, _) = self.free_counts();
                 let avail = free.saturating_sub(reserved);

@@ -131,7 +131,7 @@ pub struct Fs {
     /// Per inode, the flush generation when its data was last written (an
     /// fsync needs a flush started after it; entries leave once an fsync saw
     /// them durable).
-    data_gens: Mutex<std::collections::HashMap<Ino, u64>>,
+    data_gens: Arc<writeback::DataGens>,
     /// The mount's journal (the same as `Inner::journal`).
     journal: Arc<commitfs_journal::Journal>,
     /// Per-inode locks: file data I/O runs under these, outside `inner`; taken
@@ -305,6 +305,7 @@ impl Fs {
         let fc_data_csum = inner.fc_data_csum;
         let (block_size, read_only) = (inner.bs as u32, inner.read_only);
         let inner = Arc::new(Mutex::new(inner));
+        let data_gens: Arc<writeback::DataGens> = Default::default();
         let hooks = pc.as_ref().map(|pc| {
             let h: Arc<dyn commitfs_journal::CommitHooks> = Arc::new(writeback::CacheHooks {
                 inner: Arc::downgrade(&inner),
@@ -312,6 +313,7 @@ impl Fs {
                 dio: dio.clone(),
                 ordered: Default::default(),
                 data_errors: data_errors.clone(),
+                data_gens: data_gens.clone(),
             });
             journal.set_hooks(Some(&h));
             h
@@ -337,7 +339,7 @@ impl Fs {
             fsync_active: Default::default(),
             fsync_peak: Default::default(),
             pipeline,
-            data_gens: Mutex::new(Default::default()),
+            data_gens,
             journal,
         })
     }
@@ -551,18 +553,34 @@ impl Fs {
             // errors=panic: nothing more is written (the journal recovers).
             return Ok(());
         }
-        if self.pc.is_some() && !self.journal.is_aborted() {
+        let mut lost = None;
+        if let Some(pc) = self.pc.clone().filter(|_| !self.journal.is_aborted()) {
             // Cached data first, by a commit (its cut), before `Inner` is held
             // across the final commit (which must find nothing to cut).
             if let Err(e) = self.sync() {
                 tracing::warn!("unmount: writing cached data: {e}");
+            }
+            for ino in pc.dirty_inos() {
+                if let Err(e) = self.writeback_file(ino) {
+                    tracing::error!("unmount: cached data of inode {ino} not written: {e}");
+                    lost = Some(e);
+                }
+            }
+            if let Err(e) = self.sync() {
+                lost.get_or_insert(e);
             }
         }
         let (j, r) = {
             let mut g = self.inner.lock();
             (g.journal.clone(), g.unmount())
         };
-        self.check(&j, "unmount", r)
+        self.check(&j, "unmount", r)?;
+        // Unmounted cleanly, but cached data could not be written (ENOSPC or
+        // an I/O error): say so.
+        match lost {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Read-only: mounted so, or turned so by an I/O error (errors=remount-ro,
@@ -765,7 +783,7 @@ impl Fs {
         let il = set.size.map(|_| self.ilocks.write(ino));
         if set.size.is_some() {
             // The on-disk size and mapping must be the whole truth first.
-            self.cache_settle(ino)?;
+            self.cache_settle(ino, set.size)?;
         }
         let a = match set.size {
             // A truncate zeroes the tail of the new last block in place.
@@ -1049,12 +1067,16 @@ impl Fs {
     /// outside it, under the inode's lock (shared): nothing can free them
     /// meanwhile (every path that frees or remaps blocks holds it exclusively).
     pub fn read(&self, ino: Ino, offset: u64, buf: &mut [u8]) -> Result<usize> {
+        let il = self.ilocks.read(ino);
         if let Some(pc) = &self.pc {
-            if let Some(n) = self.read_cached(pc, ino, offset, buf)? {
+            if let Some((n, atime)) = self.read_cached(pc, ino, offset, buf)? {
+                drop(il);
+                if atime {
+                    self.commit_after_access();
+                }
                 return Ok(n);
             }
         }
-        let il = self.ilocks.read(ino);
         let (n, segs, atime) = {
             let mut g = self.lock()?;
             let (n, segs) = g.read_begin(ino, offset, buf.len())?;
@@ -1266,7 +1288,7 @@ impl Fs {
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
         let il = self.ilocks.write(ino);
-        self.cache_settle(ino)?;
+        self.cache_settle(ino, None)?;
         let r = self.retry_nospace_guarded(Some((ino, &span)), |g| {
             g.fallocate(ino, offset, len, flags, caller)
         });
@@ -1364,8 +1386,13 @@ impl Fs {
     /// when they get the lock and return without I/O.
     fn fsync_inner(&self, ino: Ino, datasync: bool) -> Result<()> {
         // Its cached data first (allocation, data write): from here on the
-        // rules of the write-through path apply unchanged.
+        // rules of the write-through path apply unchanged. Pages a cut is
+        // still writing are waited for (their data generation is noted when
+        // written).
         self.writeback_file(ino)?;
+        if let Some(pc) = &self.pc {
+            pc.wait_written(ino, &|| self.journal.is_aborted());
+        }
         let (j, entry_tid, entry_seq, dgen, fc_on, stamp) = {
             let mut g = self.lock()?;
             g.read_inode(ino)?;
@@ -1497,37 +1524,42 @@ impl Fs {
             // Taken whether or not pages look dirty now: a write returning
             // between such a look and the plan would be missing from it while
             // a later operation of its thread is in.
-            let (bw, cut_seq) = match &self.pc {
+            let (bw, cut) = match &self.pc {
                 Some(pc) => {
                     drop(g);
                     let b = pc.barrier.write();
                     g = self.lock()?;
-                    (Some(b), Some(pc.note_cut(j.running_tid())))
+                    match self.fc_cut(pc, &mut g) {
+                        Ok(c) => (Some(b), Some(c)),
+                        Err(e) => {
+                            // Blocks it mapped have no data: never commit them.
+                            drop(g);
+                            self.journal.abort();
+                            self.errors.journal_failed(&self.journal, "writeback", &e);
+                            return Err(e);
+                        }
+                    }
                 }
                 None => (None, None),
             };
-            let cut = if bw.is_some() {
-                self.fc_cut(&mut g)?
-            } else {
-                None
-            };
+            let cut_seq = cut.as_ref().and_then(|c| c.seq);
             let upto = g.fc_seq();
             let plan = g.fc_plan();
             g.fc_overlay.clear();
             drop(bw);
-            if let (Some((runs, h)), Some(pc)) = (cut, &self.pc) {
+            if let (Some(c), Some(pc)) = (cut, &self.pc) {
                 drop(g);
-                let r = writeback::write_runs(&self.dio, pc, &runs, true);
+                let r = writeback::write_runs(&self.dio, pc, &c.runs, true, &self.data_gens);
                 if let Err(e) = &r {
                     // Mapped in the running transaction: it must not commit
                     // without them (data_err=abort, see writeback_locked).
-                    for run in &runs {
+                    for run in &c.runs {
                         self.data_errors.insert(run.ino);
                     }
                     self.journal.abort();
                     self.errors.journal_failed(&self.journal, "writeback", e);
                 }
-                drop(h);
+                drop(c.h);
                 r?;
                 g = self.lock()?;
             }

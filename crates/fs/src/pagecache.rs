@@ -90,6 +90,8 @@ pub(crate) struct PageCache {
     /// Blocks approved for reservation without asking `Inner` (slack while
     /// space is plentiful; see `Fs::reserve_delayed`).
     pub grant: Mutex<u64>,
+    /// Files with `dirty > 0` (a cut maps each: bounds its transaction).
+    dirty_files: AtomicUsize,
     /// Cached writes so far (bumped under the barrier, shared): an fsync
     /// notes it on entry.
     wseq: AtomicU64,
@@ -138,6 +140,7 @@ impl PageCache {
             reserved: AtomicU64::new(0),
             grant: Mutex::new(0),
             wseq: AtomicU64::new(0),
+            dirty_files: AtomicUsize::new(0),
             cuts: Mutex::new(Default::default()),
             durable_seq: AtomicU64::new(0),
             stats: Mutex::new(CacheStats::default()),
@@ -160,6 +163,11 @@ impl PageCache {
         s.cached_bytes = (self.pages.load(Ordering::Acquire) * self.bs) as u64;
         s.dirty_bytes = self.dirty_bytes() as u64;
         s
+    }
+
+    /// Files with dirty pages.
+    pub fn dirty_files(&self) -> usize {
+        self.dirty_files.load(Ordering::Acquire)
     }
 
     /// Blocks reserved for delayed pages.
@@ -208,10 +216,11 @@ impl PageCache {
             return None;
         }
         let files = self.files.lock();
-        let cached = files
-            .get(&ino)
-            .map_or(0, |f| f.pages.range(lo as u32..hi as u32).count() as u64);
-        (cached < hi - lo).then_some((lo as u32, hi as u32))
+        // Inclusive: the last block of the largest file is 2^32 - 1.
+        let cached = files.get(&ino).map_or(0, |f| {
+            f.pages.range(lo as u32..=(hi - 1) as u32).count() as u64
+        });
+        (cached < hi - lo).then_some((lo as u32, (hi - 1) as u32))
     }
 
     /// Of the holes `holes` (file blocks), those without a page: each becomes
@@ -237,8 +246,9 @@ impl PageCache {
             return 0;
         }
         let files = self.files.lock();
+        // Inclusive: the last block of the largest file is 2^32 - 1.
         let cached = files.get(&ino).map_or(0, |f| {
-            f.pages.range(first as u32..end as u32).count() as u64
+            f.pages.range(first as u32..=(end - 1) as u32).count() as u64
         });
         end - first - cached
     }
@@ -281,6 +291,41 @@ impl PageCache {
         self.durable_seq.load(Ordering::Acquire) >= seq
     }
 
+    /// Drop the pages of `ino` from file block `from` on (a truncate to below
+    /// them is coming; the caller waited for their writes): dirty data there
+    /// is gone with the truncate anyway.
+    pub fn drop_from(&self, ino: u32, from: u64) {
+        let mut files = self.files.lock();
+        let Some(f) = files.get_mut(&ino) else {
+            return;
+        };
+        let from = from.min(u32::MAX as u64 + 1);
+        let gone: Vec<u32> = f
+            .pages
+            .range(from.min(u32::MAX as u64) as u32..)
+            .filter(|(&l, _)| l as u64 >= from)
+            .map(|(&l, _)| l)
+            .collect();
+        let (mut dirty, mut counted, mut delayed) = (0u32, 0usize, 0u64);
+        for l in gone {
+            if let Some(p) = f.pages.remove(&l) {
+                dirty += p.dirty as u32;
+                counted += (p.dirty || p.writing) as usize;
+                delayed += p.delayed as u64;
+            }
+        }
+        let was = f.dirty;
+        f.dirty -= dirty;
+        f.delayed -= delayed as u32;
+        if was > 0 && f.dirty == 0 {
+            self.dirty_files.fetch_sub(1, Ordering::AcqRel);
+        }
+        drop(files);
+        self.unreserve(delayed);
+        self.dirty.fetch_sub(counted, Ordering::AcqRel);
+        self.stats.lock().dropped_dirty += dirty as u64;
+    }
+
     /// Whether more is cached than the cap allows.
     pub fn over_cap(&self) -> bool {
         self.pages.load(Ordering::Acquire) * self.bs > self.cap
@@ -307,11 +352,6 @@ impl PageCache {
             .lock()
             .get(&ino)
             .is_some_and(|f| f.dirty > 0 || f.times.is_some())
-    }
-
-    /// The visible size of `ino` if the cache knows the file.
-    pub fn size(&self, ino: u32) -> Option<u64> {
-        self.files.lock().get(&ino).map(|f| f.size)
     }
 
     /// Patch attributes from the inode with what cached writes changed: size,
@@ -374,10 +414,31 @@ impl PageCache {
         filled: Vec<(u32, Vec<u8>)>,
         (disk_size, holes): (u64, &[u32]),
         reserved: u64,
-    ) -> usize {
+    ) -> Result<usize, ()> {
         let now = crate::inner::now();
         let bs = self.bs;
         let mut files = self.files.lock();
+        // A partial block over on-disk data needs its page or its content:
+        // a page the caller counted on may have been evicted since it planned
+        // (then nothing is changed and the caller plans again).
+        let first = (off / bs as u64) as u32;
+        let last = ((off + data.len() as u64 - 1) / bs as u64) as u32;
+        let end = off + data.len() as u64;
+        for (lblk, partial) in [
+            (
+                first,
+                !off.is_multiple_of(bs as u64) || (first == last && !end.is_multiple_of(bs as u64)),
+            ),
+            (last, !end.is_multiple_of(bs as u64)),
+        ] {
+            if partial
+                && (lblk as u64 * bs as u64) < disk_size
+                && files.get(&ino).is_none_or(|f| !f.pages.contains_key(&lblk))
+                && !filled.iter().any(|(l, _)| *l == lblk)
+            {
+                return Err(());
+            }
+        }
         let f = files.entry(ino).or_insert_with(|| FileCache {
             size: disk_size,
             ..Default::default()
@@ -385,6 +446,9 @@ impl PageCache {
         let mut filled: HashMap<u32, Vec<u8>> = filled.into_iter().collect();
         let mut pos = 0usize;
         let (mut new_dirty, mut new_pages, mut delayed) = (0, 0, 0u64);
+        if f.dirty == 0 {
+            self.dirty_files.fetch_add(1, Ordering::AcqRel);
+        }
         while pos < data.len() {
             let cur = off + pos as u64;
             let lblk = (cur / bs as u64) as u32;
@@ -431,17 +495,21 @@ impl PageCache {
         self.pages.fetch_add(new_pages, Ordering::AcqRel);
         self.dirty.fetch_add(new_dirty, Ordering::AcqRel);
         self.stats.lock().bytes_written += data.len() as u64;
-        new_dirty
+        Ok(new_dirty)
     }
 
-    /// Copy cached bytes of `ino` at `off` into `buf`; returns, per block of the
-    /// range, whether it came from the cache.
-    pub fn read(&self, ino: u32, off: u64, buf: &mut [u8]) -> Vec<bool> {
+    /// Copy cached bytes of `ino` at `off` into `buf`, up to the visible size,
+    /// under one hold of the lock: the bytes there are, and per block whether
+    /// it came from the cache. `None`: the cache does not know the file.
+    pub fn read(&self, ino: u32, off: u64, buf: &mut [u8]) -> Option<(usize, Vec<bool>)> {
         let bs = self.bs as u64;
         let files = self.files.lock();
-        let Some(f) = files.get(&ino) else {
-            return Vec::new();
-        };
+        let f = files.get(&ino)?;
+        if off >= f.size {
+            return Some((0, Vec::new()));
+        }
+        let len = ((f.size - off) as usize).min(buf.len());
+        let buf = &mut buf[..len];
         let mut hit = Vec::new();
         let mut pos = 0usize;
         while pos < buf.len() {
@@ -458,14 +526,15 @@ impl PageCache {
             }
             pos += n;
         }
-        hit
+        Some((len, hit))
     }
 
     /// Take every dirty page of `ino` for write-back: their snapshots are
     /// returned with the visible size and pending times (which leave the
     /// cache: the caller puts them into the inode). Waits first while an
-    /// earlier snapshot of one of them is still being written.
-    pub fn take_dirty(&self, ino: u32) -> Option<Taken> {
+    /// earlier snapshot of one of them is still being written (`None` once
+    /// `stop()`: the journal aborted, so that write may never end).
+    pub fn take_dirty(&self, ino: u32, stop: &dyn Fn() -> bool) -> Option<Taken> {
         let mut files = self.files.lock();
         loop {
             let f = files.get(&ino)?;
@@ -475,7 +544,11 @@ impl PageCache {
             if !f.pages.values().any(|p| p.dirty && p.writing) {
                 break;
             }
-            self.written.wait(&mut files);
+            if stop() {
+                return None;
+            }
+            self.written
+                .wait_for(&mut files, std::time::Duration::from_millis(50));
         }
         let f = files.get_mut(&ino)?;
         let mut snaps = Vec::with_capacity(f.dirty as usize);
@@ -489,6 +562,9 @@ impl PageCache {
                 });
             }
         }
+        if f.dirty > 0 {
+            self.dirty_files.fetch_sub(1, Ordering::AcqRel);
+        }
         f.dirty = 0;
         Some(Taken {
             snaps,
@@ -497,14 +573,16 @@ impl PageCache {
         })
     }
 
-    /// Wait until no page of `ino` is being written.
-    pub fn wait_written(&self, ino: u32) {
+    /// Wait until no page of `ino` is being written (or `stop()`).
+    pub fn wait_written(&self, ino: u32, stop: &dyn Fn() -> bool) {
         let mut files = self.files.lock();
         while files
             .get(&ino)
             .is_some_and(|f| f.pages.values().any(|p| p.writing))
+            && !stop()
         {
-            self.written.wait(&mut files);
+            self.written
+                .wait_for(&mut files, std::time::Duration::from_millis(50));
         }
     }
 
@@ -552,6 +630,9 @@ impl PageCache {
                     // Written again since the snapshot: still counted.
                 } else if failed {
                     p.dirty = true;
+                    if f.dirty == 0 {
+                        self.dirty_files.fetch_add(1, Ordering::AcqRel);
+                    }
                     f.dirty += 1;
                 } else {
                     cleaned += 1;
@@ -573,6 +654,9 @@ impl PageCache {
             return;
         };
         let dirty = f.pages.values().filter(|p| p.dirty || p.writing).count();
+        if f.dirty > 0 {
+            self.dirty_files.fetch_sub(1, Ordering::AcqRel);
+        }
         self.unreserve(f.delayed as u64);
         self.pages.fetch_sub(f.pages.len(), Ordering::AcqRel);
         self.dirty.fetch_sub(dirty, Ordering::AcqRel);

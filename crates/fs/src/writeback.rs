@@ -152,44 +152,58 @@ impl Inner {
     /// exclusively, so no cached write is half done. With `note`, the runs are
     /// reported to single-flush tracking now (their commit writes them after
     /// its tid switch).
-    pub fn cut_all(&mut self, h: &Handle, note: bool) -> Result<Vec<WbRun>> {
+    pub fn cut_all(&mut self, h: &Handle) -> Result<(Vec<WbRun>, bool)> {
         let Some(pc) = self.pc.clone() else {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), true));
         };
-        let mut all = Vec::new();
+        let mut all: Vec<WbRun> = Vec::new();
+        let mut complete = true;
         for ino in pc.dirty_inos() {
-            let Some(t) = pc.take_dirty(ino) else {
+            let Some(t) = pc.take_dirty(ino, &|| self.journal.is_aborted()) else {
                 continue;
             };
             match self.wb_map(h, ino, &t) {
                 Ok((runs, unmapped)) => {
                     if !unmapped.is_empty() {
+                        // ENOSPC: these stay dirty, so this cut covers less
+                        // than every write so far.
+                        complete = false;
                         pc.finish(ino, &unmapped, true);
                     }
                     all.extend(runs);
                 }
                 Err(e) => {
+                    // Blocks mapped so far in this transaction have no data:
+                    // the caller aborts the journal; the pages stay cached.
                     pc.finish(ino, &t.snaps, true);
+                    for r in &all {
+                        pc.finish(r.ino, &r.snaps, true);
+                    }
                     return Err(e);
                 }
-            }
-        }
-        if note {
-            for r in &all {
-                self.journal.note_data(r.pblk, r.snaps.len() as u64);
             }
         }
         if !all.is_empty() {
             pc.stats.lock().cuts += 1;
         }
-        Ok(all)
+        Ok((all, complete))
     }
 }
 
 /// Write the runs (one device write each) and mark their pages clean; on a
 /// failure the pages go back to dirty and the error is returned. `note`:
 /// report to single-flush tracking here (under the caller's handle).
-pub(crate) fn write_runs(dio: &DataIo, pc: &PageCache, runs: &[WbRun], note: bool) -> Result<()> {
+/// Per inode, the flush generation when its data was last written (an fsync
+/// of it needs a flush that starts later; `Fs::data_gens`).
+pub(crate) type DataGens = Mutex<std::collections::HashMap<u32, u64>>;
+
+pub(crate) fn write_runs(
+    dio: &DataIo,
+    pc: &PageCache,
+    runs: &[WbRun],
+    note: bool,
+    gens: &DataGens,
+) -> Result<()> {
     let bs = dio.bs;
     // One device write per contiguous run, in pieces of at most 1 MiB (the
     // copy into one buffer stays small).
@@ -220,6 +234,9 @@ pub(crate) fn write_runs(dio: &DataIo, pc: &PageCache, runs: &[WbRun], note: boo
             }
             return Err(e);
         }
+        // Before the pages turn clean: an fdatasync that finds them clean
+        // then finds this generation too.
+        gens.lock().insert(r.ino, dio.journal.flush_gen());
         pc.finish(r.ino, &r.snaps, false);
     }
     Ok(())
@@ -227,8 +244,13 @@ pub(crate) fn write_runs(dio: &DataIo, pc: &PageCache, runs: &[WbRun], note: boo
 
 /// The cut's runs for a full commit, waiting for the commit thread's
 /// `write_data` (and the in-flight mark that keeps fast commits from
-/// planning over blocks without their data).
-type Ordered = BTreeMap<u32, Vec<(Vec<WbRun>, InflightGuard)>>;
+/// planning over blocks without their data), and every cut's device ranges
+/// by transaction, for its single-flush checksums (`data_ranges`).
+#[derive(Default)]
+pub(crate) struct Ordered {
+    runs: BTreeMap<u32, Vec<(Vec<WbRun>, InflightGuard)>>,
+    ranges: BTreeMap<u32, Vec<(u64, u64)>>,
+}
 
 /// The page cache's part in full commits ([`CommitHooks`]).
 pub(crate) struct CacheHooks {
@@ -237,6 +259,7 @@ pub(crate) struct CacheHooks {
     pub dio: DataIo,
     pub ordered: Mutex<Ordered>,
     pub data_errors: Arc<crate::dataio::DataErrors>,
+    pub data_gens: Arc<DataGens>,
 }
 
 fn to_journal(e: FsError) -> JournalError {
@@ -248,32 +271,50 @@ fn to_journal(e: FsError) -> JournalError {
 }
 
 impl CacheHooks {
+    /// Write a cut's runs; after a failure the rest are given back as dirty
+    /// (the journal aborts: their transaction never commits).
     fn write(&self, batch: Vec<(Vec<WbRun>, InflightGuard)>) -> commitfs_journal::Result<()> {
+        let mut res = Ok(());
         for (runs, guard) in batch {
-            let r = write_runs(&self.dio, &self.pc, &runs, false);
+            if res.is_ok() && self.dio.journal.is_aborted() {
+                res = Err(JournalError::Aborted);
+            }
+            if res.is_err() {
+                for r in &runs {
+                    self.pc.finish(r.ino, &r.snaps, true);
+                }
+                continue;
+            }
+            let r = write_runs(&self.dio, &self.pc, &runs, false, &self.data_gens);
             drop(guard);
             if let Err(e) = r {
                 for r in &runs {
                     self.data_errors.insert(r.ino);
                 }
-                return Err(to_journal(e));
+                res = Err(to_journal(e));
             }
         }
         if self.pc.over_cap() {
             self.pc.evict();
         }
-        Ok(())
+        res
     }
 }
 
 impl CommitHooks for CacheHooks {
     fn cut(&self, tid: u32, lock: &mut dyn FnMut() -> bool) -> commitfs_journal::Result<()> {
-        let _bw = self.pc.barrier.write();
-        // Every cached write so far is in this transaction or an earlier one
-        // once the lock below is taken (a write-back under way has its handle
-        // in one of them).
-        self.pc.note_cut(tid);
+        // Bounded: a writer holding it shared may wait for `Inner`, which an
+        // unmount holds while it waits for this commit (see below).
+        let Some(_bw) = self.pc.barrier.try_write_for(Duration::from_secs(2)) else {
+            tracing::warn!("commit cut: cache barrier busy, cached data joins the next commit");
+            lock();
+            return Ok(());
+        };
         if !self.pc.has_dirty() {
+            // Every cached write so far is in this transaction or an earlier
+            // one (a write-back under way started its handle before it took
+            // its pages, so in one of them).
+            self.pc.note_cut(tid);
             lock();
             return Ok(());
         }
@@ -290,19 +331,33 @@ impl CommitHooks for CacheHooks {
             return Ok(());
         };
         let h = g.start(64).map_err(to_journal)?;
-        let runs = g.cut_all(&h, true);
+        let cut = g.cut_all(&h);
         drop(h);
         let guard = g.inflight.begin(0);
         drop(g);
-        let runs = runs.map_err(to_journal)?;
+        let (runs, complete) = cut.map_err(to_journal)?;
+        if complete {
+            self.pc.note_cut(tid);
+        }
         if runs.is_empty() {
             drop(guard);
             lock();
             return Ok(());
         }
+        let ranges: Vec<(u64, u64)> = runs
+            .iter()
+            .map(|r| (r.pblk, r.snaps.len() as u64))
+            .collect();
+        self.ordered
+            .lock()
+            .ranges
+            .entry(tid)
+            .or_default()
+            .extend(ranges);
         if lock() {
             self.ordered
                 .lock()
+                .runs
                 .entry(tid)
                 .or_default()
                 .push((runs, guard));
@@ -315,9 +370,26 @@ impl CommitHooks for CacheHooks {
     }
 
     fn write_data(&self, tid: u32) -> commitfs_journal::Result<()> {
-        let batch = self.ordered.lock().remove(&tid).unwrap_or_default();
+        let batch = self.ordered.lock().runs.remove(&tid).unwrap_or_default();
         self.write(batch)
     }
+
+    fn data_ranges(&self, tid: u32) -> Vec<(u64, u64)> {
+        let mut o = self.ordered.lock();
+        let r = o.ranges.remove(&tid).unwrap_or_default();
+        // Older transactions' leftovers (none normally) go too.
+        o.ranges.retain(|&t, _| !commitfs_journal::tid_le(t, tid));
+        r
+    }
+}
+
+/// A fast-commit leader's cut: the runs to write while `h` pins their
+/// transaction, and the write sequence it covers (`None`: not every write,
+/// pages were left dirty by ENOSPC).
+pub(crate) struct FcCut {
+    pub runs: Vec<WbRun>,
+    pub h: Handle,
+    pub seq: Option<u64>,
 }
 
 /// The facts a cached write needs about its inode.
@@ -433,9 +505,51 @@ impl Fs {
             return Err(FsError::ReadOnly);
         }
         let il = self.ilocks.write(ino);
+        // A cut (which takes no inode lock) may move the on-disk size, and
+        // eviction may drop a page, between the plan below and the copy: then
+        // nothing is written and the write is planned again.
+        let n = loop {
+            if let Some(n) = self.write_cached_once(pc, ino, offset, data, caller)? {
+                break n;
+            }
+        };
+        // Throttle: past the dirty limit a writer writes its own file back.
+        if pc.dirty_bytes() > pc.dirty_limit() {
+            // The write is in the cache either way: a failure here is the next
+            // fsync's to report (ENOSPC: the pages stay dirty; EIO: aborted).
+            if let Err(e) = self.writeback_locked(pc, ino) {
+                tracing::debug!("write-back under the dirty limit: {e}");
+            }
+            if pc.dirty_bytes() > pc.dirty_limit() {
+                self.journal.start_commit();
+            }
+        }
+        // A cut maps every dirty file in one transaction: commit before that
+        // could outgrow the log (a file's inode, bitmap and extent blocks).
+        if pc.dirty_files() as u64 > (self.journal.max_transaction_blocks() / 8).max(16) {
+            self.journal.start_commit();
+        }
+        if pc.over_cap() {
+            pc.evict();
+        }
+        drop(il);
+        Ok(n)
+    }
+
+    /// One attempt of [`Self::write_cached`] (the caller holds the inode's
+    /// lock): `None` when it must be planned again.
+    fn write_cached_once(
+        &self,
+        pc: &Arc<PageCache>,
+        ino: u32,
+        offset: u64,
+        data: &[u8],
+        caller: CallerOf<'_>,
+    ) -> Result<Option<usize>> {
+        let bs = self.block_size as u64;
         let facts = self.write_facts(ino, caller)?;
         if data.is_empty() {
-            return Ok(0);
+            return Ok(Some(0));
         }
         // Space for the blocks the write adds (delayed: allocated later): past
         // the on-disk size, and holes below it (found in the extent tree).
@@ -485,31 +599,22 @@ impl Fs {
                 data = &data[..keep];
             }
         }
-        let r = self.write_reserved(pc, ino, offset, data, (&facts, &holes), reserved);
-        if r.is_err() {
-            pc.unreserve(reserved);
-        }
-        r?;
-        // Throttle: past the dirty limit a writer writes its own file back.
-        if pc.dirty_bytes() > pc.dirty_limit() {
-            // The write is in the cache either way: a failure here is the next
-            // fsync's to report (ENOSPC: the pages stay dirty; EIO: aborted).
-            if let Err(e) = self.writeback_locked(pc, ino) {
-                tracing::debug!("write-back under the dirty limit: {e}");
+        match self.write_reserved(pc, ino, offset, data, (&facts, &holes), reserved) {
+            Ok(true) => Ok(Some(data.len())),
+            Ok(false) => {
+                pc.unreserve(reserved);
+                Ok(None)
             }
-            if pc.dirty_bytes() > pc.dirty_limit() {
-                self.journal.start_commit();
+            Err(e) => {
+                pc.unreserve(reserved);
+                Err(e)
             }
         }
-        if pc.over_cap() {
-            pc.evict();
-        }
-        drop(il);
-        Ok(data.len())
     }
 
     /// [`Self::write_cached`] once space is reserved: read partial blocks,
-    /// check the `fc_data_csum` guards, copy into the cache.
+    /// check the `fc_data_csum` guards, copy into the cache. `false`: the
+    /// on-disk size or a page it counted on changed meanwhile (nothing done).
     fn write_reserved(
         &self,
         pc: &Arc<PageCache>,
@@ -518,7 +623,7 @@ impl Fs {
         data: &[u8],
         (facts, holes): (&WriteFacts, &[u32]),
         reserved: u64,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let bs = self.block_size as u64;
         let end = offset + data.len() as u64;
         // Partial blocks with content on the device: read them first, outside
@@ -569,8 +674,11 @@ impl Fs {
                     }
                 }
             }
+            if self.itable.with(ino, |i| i.size) != Some(facts.disk_size) {
+                return Ok(false);
+            }
             let filled = filled.take().unwrap_or_default();
-            pc.write(
+            let r = pc.write(
                 ino,
                 offset,
                 data,
@@ -579,32 +687,30 @@ impl Fs {
                 reserved,
             );
             drop(br);
-            return Ok(());
+            return Ok(r.is_ok());
         }
     }
 
-    /// Read through the cache: cached blocks first (they may be newer than the
-    /// device), then the device for the rest, mapped after the cache was
-    /// looked at (a page missing then was never delayed: its mapping is final).
+    /// Read through the cache (the caller holds the inode's lock shared, so
+    /// no write of this file is half done): cached blocks first (they may be
+    /// newer than the device), then the device for the rest, mapped after the
+    /// cache was looked at (a page missing then was never delayed, so its
+    /// mapping is final). `None`: the cache does not know the file.
     pub(crate) fn read_cached(
         &self,
         pc: &Arc<PageCache>,
         ino: u32,
         offset: u64,
         buf: &mut [u8],
-    ) -> Result<Option<usize>> {
-        let il = self.ilocks.read(ino);
-        let Some(size) = pc.size(ino) else {
+    ) -> Result<Option<(usize, bool)>> {
+        let Some((n, hits)) = pc.read(ino, offset, buf) else {
             return Ok(None);
         };
-        if offset >= size {
-            // Checks as a read past the end (a directory is still EISDIR).
-            drop(il);
+        if n == 0 {
+            // At or past the end (checks as the uncached path: EISDIR etc.).
             return Ok(None);
         }
-        let n = ((size - offset) as usize).min(buf.len());
-        let hits = pc.read(ino, offset, &mut buf[..n]);
-        let all = !hits.is_empty() && hits.iter().all(|&h| h);
+        let all = hits.iter().all(|&h| h);
         let (segs, atime) = {
             let mut g = self.lock()?;
             let i = g.live_inode(ino)?;
@@ -613,7 +719,7 @@ impl Fs {
             } else {
                 g.read_plan(ino, &i, offset, n)?
             };
-            (segs, n > 0 && g.touch_atime(ino))
+            (segs, g.touch_atime(ino))
         };
         if all {
             pc.stats.lock().read_hits += 1;
@@ -631,11 +737,7 @@ impl Fs {
                 pos += k;
             }
         }
-        drop(il);
-        if atime {
-            self.commit_after_access();
-        }
-        Ok(Some(n))
+        Ok(Some((n, atime)))
     }
 
     /// Write `ino`'s dirty pages back now (fsync, truncate, fallocate, seek,
@@ -655,21 +757,22 @@ impl Fs {
     pub(crate) fn writeback_locked(&self, pc: &Arc<PageCache>, ino: u32) -> Result<()> {
         let (runs, unmapped, guard, h) = {
             let mut g = self.lock()?;
-            let Some(t) = pc.take_dirty(ino) else {
+            // The handle before the pages: a cut that finds them gone knows
+            // they are mapped in its transaction or an earlier one.
+            let h = g.start(64)?;
+            let Some(t) = pc.take_dirty(ino, &|| self.journal.is_aborted()) else {
                 return Ok(());
-            };
-            let h = match g.start(64) {
-                Ok(h) => h,
-                Err(e) => {
-                    pc.finish(ino, &t.snaps, true);
-                    return Err(e);
-                }
             };
             let (runs, unmapped) = match g.wb_map(&h, ino, &t) {
                 Ok(x) => x,
                 Err(e) => {
+                    // Runs mapped before the error have no data: this
+                    // transaction must not commit.
                     pc.finish(ino, &t.snaps, true);
                     drop(h);
+                    drop(g);
+                    self.journal.abort();
+                    self.errors.journal_failed(&self.journal, "writeback", &e);
                     return Err(e);
                 }
             };
@@ -679,7 +782,7 @@ impl Fs {
             (runs, unmapped.len(), g.inflight.begin(ino), h)
         };
         pc.stats.lock().writebacks += 1;
-        let r = write_runs(&self.dio, pc, &runs, true);
+        let r = write_runs(&self.dio, pc, &runs, true, &self.data_gens);
         drop(guard);
         if let Err(e) = &r {
             // Mapped by this transaction, so it must not commit without the
@@ -704,17 +807,19 @@ impl Fs {
     /// The fast-commit leader's cut: under the barrier and `Inner` (`g`),
     /// every dirty page mapped in a handle that the caller holds until the
     /// runs are written ([`write_runs`]).
-    pub(crate) fn fc_cut(&self, g: &mut Inner) -> Result<Option<(Vec<WbRun>, Handle)>> {
-        let Some(pc) = &self.pc else {
-            return Ok(None);
-        };
-        if !pc.has_dirty() {
-            return Ok(None);
-        }
+    pub(crate) fn fc_cut(&self, pc: &PageCache, g: &mut Inner) -> Result<FcCut> {
+        // The handle first: every write-back under way started its handle
+        // before taking its pages, so what is not dirty now is mapped in this
+        // transaction or an earlier one.
         let h = g.start(64)?;
-        let runs = g.cut_all(&h, false)?;
+        let (runs, complete) = if pc.has_dirty() {
+            g.cut_all(&h)?
+        } else {
+            (Vec::new(), true)
+        };
+        let seq = complete.then(|| pc.note_cut(h.tid()));
         if runs.is_empty() {
-            return Ok(None);
+            return Ok(FcCut { runs, h, seq });
         }
         // fc_data_csum: the plan checksums these blocks from the snapshots.
         let bs = self.block_size as usize;
@@ -728,7 +833,7 @@ impl Fs {
             })
             .filter(|(_, d)| d.len() >= bs)
             .collect();
-        Ok(Some((runs, h)))
+        Ok(FcCut { runs, h, seq })
     }
 
     /// Whether every cached write up to `seq` is durable (`None`: no cache).
@@ -743,10 +848,16 @@ impl Fs {
     /// (truncate, fallocate; the caller holds the inode's lock): write its
     /// dirty pages back, wait for writes of its pages in flight, and drop
     /// them all (a page could hold bytes the operation zeroes or frees).
-    pub(crate) fn cache_settle(&self, ino: u32) -> Result<()> {
+    pub(crate) fn cache_settle(&self, ino: u32, new_size: Option<u64>) -> Result<()> {
         if let Some(pc) = &self.pc {
+            if let Some(sz) = new_size {
+                // Pages wholly past the new size go unwritten (a truncate on a
+                // full file system must not need space for them).
+                pc.wait_written(ino, &|| self.journal.is_aborted());
+                pc.drop_from(ino, sz.div_ceil(self.block_size as u64));
+            }
             self.writeback_locked(pc, ino)?;
-            pc.wait_written(ino);
+            pc.wait_written(ino, &|| self.journal.is_aborted());
             pc.discard(ino);
         }
         Ok(())

@@ -331,3 +331,98 @@ fn nocache_writes_through() {
     assert!(data_writes(&dev).0 > before.0, "written at write()");
     fs.unmount().unwrap();
 }
+
+/// Space granted to cached writes is not given to other allocations: after a
+/// small cached write, a fallocate of what is left cannot take the blocks the
+/// cache may still reserve without asking, so a later write gets ENOSPC at
+/// `write()` rather than at write-back.
+#[test]
+fn fallocate_cannot_take_space_promised_to_cached_writes() {
+    let img = mkfs("pc-grant", 64, &["-b", "4096"]);
+    let (fs, _) = open(&img, opts());
+    let a = fs.create(ROOT_INO, b"a", 0o644, 0, 0).unwrap().ino;
+    fs.write(a, 0, &pattern(1, 4096)).unwrap();
+    let b = fs.create(ROOT_INO, b"b", 0o644, 0, 0).unwrap().ino;
+    // Take everything fallocate can get, in pieces.
+    let mut off = 0u64;
+    loop {
+        match fs.fallocate(b, off, 1 << 20, FallocFlags::default()) {
+            Ok(()) => off += 1 << 20,
+            Err(FsError::NoSpace) => break,
+            Err(e) => panic!("fallocate: {e}"),
+        }
+    }
+    // Cached writes until ENOSPC: every acknowledged one must reach the disk.
+    let mut acked = 0u64;
+    let chunk = pattern(2, 64 * 1024);
+    loop {
+        match fs.write(a, 4096 + acked, &chunk) {
+            Ok(n) => acked += n as u64,
+            Err(FsError::NoSpace) => break,
+            Err(e) => panic!("write: {e}"),
+        }
+        assert!(acked < 64 << 20, "never ran out of space");
+    }
+    fs.fsync(a, false).expect("every acknowledged byte fits");
+    assert_eq!(fs.getattr(a).unwrap().size, 4096 + acked);
+    fs.unmount().unwrap();
+    drop(fs);
+    assert_clean(&img, "after grants and fallocate");
+}
+
+/// A truncate on a full file system drops the cached pages past the new size
+/// instead of writing them back first (which would need the space that is
+/// not there).
+#[test]
+fn truncate_on_a_full_file_system_drops_cached_pages() {
+    let img = mkfs("pc-trunc-full", 8, &["-b", "4096"]);
+    let (fs, _) = open(&img, opts());
+    let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
+    let chunk = pattern(3, 64 * 1024);
+    let mut off = 0u64;
+    loop {
+        match fs.write(f, off, &chunk) {
+            Ok(n) => off += n as u64,
+            Err(FsError::NoSpace) => break,
+            Err(e) => panic!("write: {e}"),
+        }
+    }
+    assert!(fs.cache_stats().unwrap().dirty_bytes > 0);
+    for size in [off / 2, 0] {
+        fs.setattr(
+            f,
+            &SetAttr {
+                size: Some(size),
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("truncate to {size}: {e}"));
+        assert_eq!(fs.getattr(f).unwrap().size, size);
+    }
+    fs.unmount().unwrap();
+    drop(fs);
+    assert_clean(&img, "after truncating cached data");
+}
+
+/// The largest file offsets (the last of 2^32 blocks) go through the cache
+/// without overflowing a block number.
+#[test]
+fn writes_at_the_largest_offsets() {
+    let img = mkfs("pc-maxoff", 32, &["-b", "4096"]);
+    let (fs, _) = open(&img, opts());
+    let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
+    fs.write(f, 0, b"x").unwrap();
+    let last = (1u64 << 32) * 4096 - 4096;
+    assert_eq!(fs.write(f, last, &[7u8; 4095]).unwrap(), 4095);
+    assert!(matches!(
+        fs.write(f, last, &[7u8; 4096]),
+        Err(FsError::FileTooBig)
+    ));
+    let mut buf = [0u8; 10];
+    assert_eq!(fs.read(f, last, &mut buf).unwrap(), 10);
+    assert_eq!(buf, [7u8; 10]);
+    fs.fsync(f, false).unwrap();
+    fs.unmount().unwrap();
+    drop(fs);
+    assert_clean(&img, "after writes at the largest offsets");
+}

@@ -83,6 +83,11 @@ pub trait CommitHooks: Send + Sync {
     /// After the tid switch of `tid`, before its log blocks and data checksums:
     /// write the file data its cut collected (none: nothing to do).
     fn write_data(&self, tid: u32) -> Result<()>;
+    /// At the tid switch of `tid` (journal locks held: no I/O, no waiting):
+    /// the data blocks `(pblk, len)` its cuts mapped, for single-flush
+    /// checksums. Reported here rather than at the cut, where a flush in
+    /// between would count them durable before they are written.
+    fn data_ranges(&self, tid: u32) -> Vec<(u64, u64)>;
 }
 
 /// `a <= b` in tid order (tids wrap; the kernel's `tid_geq`).
@@ -591,6 +596,12 @@ impl Core {
             failure: Mutex::new(None),
             hooks: Mutex::new(None),
         }
+    }
+
+    /// Blocks a running transaction may log before it is committed (a quarter
+    /// of the log).
+    pub fn max_transaction_blocks(&self) -> u64 {
+        self.max_tx_blocks.load(Ordering::Relaxed)
     }
 
     /// Register the file system's [`CommitHooks`] (replacing any earlier).

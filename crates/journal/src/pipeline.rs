@@ -225,6 +225,12 @@ impl Core {
             if self.is_aborted() {
                 q.running.locked = false;
                 self.cv.notify_all();
+                if let Some(hk) = &hooks {
+                    // The cut's pages are given back (aborted: not written).
+                    let tid = q.running.tid;
+                    drop(q);
+                    let _ = hk.write_data(tid);
+                }
                 return Ok(true);
             }
             self.cv.wait_for(&mut q, WAIT_SLICE);
@@ -263,6 +269,13 @@ impl Core {
         // Its data blocks: guarded from now on (a handle of the next transaction
         // must not overwrite them in place before this commit, and a later one
         // behind it, are durable).
+        if q.running.data.on {
+            if let Some(hk) = &hooks {
+                for (p, n) in hk.data_ranges(tid) {
+                    q.running.data.running.insert(p, p.saturating_add(n));
+                }
+            }
+        }
         let data = if q.running.data.on {
             let mut d = std::mem::take(&mut q.running.data.running);
             d.union(&std::mem::take(&mut q.running.data.flushing));
