@@ -194,8 +194,10 @@ impl System {
             SysKind::KernelExt4 { .. } => "mount -t ext4 (data=ordered, commit=5)".into(),
             SysKind::Xfs => "mount -t xfs".into(),
             SysKind::Fuse2fs => "fuse2fs DEV DIR".into(),
-            SysKind::Commitfs(m) if m.mount_opts.is_empty() => "commitfs mount DEV DIR".into(),
-            SysKind::Commitfs(m) => format!("commitfs mount -o {} DEV DIR", m.mount_opts),
+            SysKind::Commitfs(m) => match commitfs_opts(m.mount_opts) {
+                o if o.is_empty() => "commitfs mount DEV DIR".into(),
+                o => format!("commitfs mount -o {o} DEV DIR"),
+            },
         }
     }
 
@@ -269,9 +271,10 @@ impl System {
                 let mut args = vec!["mount".to_string(), d.clone(), m.clone()];
                 args.push("--pid-file".into());
                 args.push(pidf.to_string_lossy().into_owned());
-                if !mode.mount_opts.is_empty() {
+                let opts = commitfs_opts(mode.mount_opts);
+                if !opts.is_empty() {
                     args.push("-o".into());
-                    args.push(mode.mount_opts.into());
+                    args.push(opts);
                 }
                 let a: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
                 sys::run(&commitfs_bin.to_string_lossy(), &a)?;
@@ -488,6 +491,19 @@ fn xfs_regions(dev: &Path) -> Result<Regions> {
         journal: vec![(start, start + lb * bs)],
         fast_commit: Vec::new(),
     })
+}
+
+/// A commitfs system's mount options, with `COMMITFS_BENCH_MOUNT_OPTS` (extra
+/// options for experiments, e.g. `writeback_cache` or `nocache`; shown in the
+/// report's mount column) appended.
+fn commitfs_opts(base: &str) -> String {
+    let extra = std::env::var("COMMITFS_BENCH_MOUNT_OPTS").unwrap_or_default();
+    [base, extra.trim()]
+        .iter()
+        .filter(|s| !s.is_empty())
+        .copied()
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 #[cfg(test)]

@@ -525,8 +525,11 @@ impl Fs {
             }
         }
         // A cut maps every dirty file in one transaction: commit before that
-        // could outgrow the log (a file's inode, bitmap and extent blocks).
-        if pc.dirty_files() as u64 > (self.journal.max_transaction_blocks() / 8).max(16) {
+        // could outgrow the log. A small file costs its share of an
+        // inode-table block (16 inodes of 256 bytes in 4 KiB) plus shared
+        // bitmap and descriptor blocks: 4 files per allowed block keeps a cut
+        // within about a quarter of the limit.
+        if pc.dirty_files() as u64 > self.journal.max_transaction_blocks() * 4 {
             self.journal.start_commit();
         }
         if pc.over_cap() {
