@@ -1027,3 +1027,62 @@ fn forget_releases_unlinked_inodes_and_cached_ones_stay_usable() {
     m.unmount();
     assert_fsck_clean(&img.path);
 }
+
+/// Through the mount, cached writes reach the device only when written back,
+/// a close costs one request (RELEASE, no FLUSH: nothing is buffered per
+/// handle), and what the daemon's cache held is on the image after unmount.
+#[test]
+fn cached_writes_and_closes_through_the_mount() {
+    let img = mkfs("fuse-cache", 64, &["-b", "4096"]);
+    let mut m = Mount::new(&img.path, &["-o", "commit=60"]);
+    let stats = || -> serde_json::Value {
+        let s = std::process::Command::new(BIN)
+            .arg("stats")
+            .arg(&m.dir)
+            .arg("--json")
+            .output()
+            .expect("commitfs stats");
+        serde_json::from_slice(&s.stdout).expect("stats JSON")
+    };
+    let before = stats();
+    let data = pattern(200_000, 9);
+    for k in 0..20 {
+        fs::write(m.p(&format!("f{k}")), &data).unwrap();
+    }
+    let after = stats();
+    let data_bytes = |v: &serde_json::Value| v["data_bytes"].as_u64().unwrap();
+    assert_eq!(
+        data_bytes(&after),
+        data_bytes(&before),
+        "cached writes reached the device before any write-back"
+    );
+    let pc = &after["page_cache"];
+    assert!(pc["dirty_bytes"].as_u64().unwrap() >= 20 * 200_000);
+    let fr = &after["fuse_requests"];
+    assert!(fr.get("flush").is_none(), "a close sent FLUSH: {fr}");
+    assert!(fr["release"]["count"].as_u64().unwrap() >= 20);
+    for k in 0..20 {
+        assert_eq!(fs::read(m.p(&format!("f{k}"))).unwrap(), data);
+    }
+    m.unmount();
+    assert_fsck_clean(&img.path);
+    let lib = commitfs::Fs::open_path(
+        &img.path,
+        commitfs::MountOptions {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    for k in 0..20 {
+        let ino = lib.resolve(&format!("/f{k}")).unwrap();
+        let mut got = vec![0u8; data.len()];
+        let mut off = 0;
+        while off < got.len() {
+            let n = lib.read(ino, off as u64, &mut got[off..]).unwrap();
+            assert!(n > 0);
+            off += n;
+        }
+        assert!(got == data, "f{k} after unmount");
+    }
+}
