@@ -286,6 +286,12 @@ impl Fs {
             ))
         });
         inner.pc = pc.clone();
+        if pc.is_some() {
+            // Metadata buffers get as much memory as file data (`cache_size=`).
+            inner
+                .journal
+                .set_cache_limit(cache_mb as usize * (1 << 20) / inner.bs);
+        }
         // e2fsck 1.47 replays fast commits over a stale copy of this block unless
         // it is home (fc.rs, FcReason::JournalInodeBlock).
         inner.journal.keep_home(inner.fc_journal_inode_block());

@@ -331,9 +331,18 @@ impl PageCache {
         self.pages.load(Ordering::Acquire) * self.bs > self.cap
     }
 
-    /// Whether any page is dirty (not under write-back).
+    /// Whether any page is dirty (not under write-back): O(1), every fsync
+    /// and commit asks.
     pub fn has_dirty(&self) -> bool {
-        self.files.lock().values().any(|f| f.dirty > 0)
+        self.dirty_files() > 0
+    }
+
+    /// Put back pending times a failed write-back took ([`Self::take_dirty`]),
+    /// unless newer ones came meanwhile.
+    pub fn restore_times(&self, ino: u32, t: Option<Timestamp>) {
+        if let (Some(t), Some(f)) = (t, self.files.lock().get_mut(&ino)) {
+            f.times = Some(f.times.map_or(t, |n| n.max(t)));
+        }
     }
 
     /// Inodes with dirty pages.

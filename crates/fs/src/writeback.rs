@@ -176,6 +176,7 @@ impl Inner {
                     // Blocks mapped so far in this transaction have no data:
                     // the caller aborts the journal; the pages stay cached.
                     pc.finish(ino, &t.snaps, true);
+                    pc.restore_times(ino, t.times);
                     for r in &all {
                         pc.finish(r.ino, &r.snaps, true);
                     }
@@ -772,6 +773,7 @@ impl Fs {
                     // Runs mapped before the error have no data: this
                     // transaction must not commit.
                     pc.finish(ino, &t.snaps, true);
+                    pc.restore_times(ino, t.times);
                     drop(h);
                     drop(g);
                     self.journal.abort();

@@ -409,7 +409,11 @@ pub struct Core {
     /// Write-home commits are serialised.
     commit_lock: Mutex<()>,
     aborted: AtomicBool,
-    cache_limit: usize,
+    /// Buffers cached at most before clean, unheld ones are dropped.
+    cache_limit: std::sync::atomic::AtomicUsize,
+    /// Size at which the next drop is tried (when most buffers were dirty or
+    /// held at the last one, not at every insertion).
+    cache_next: std::sync::atomic::AtomicUsize,
     /// The on-disk JBD2 log; `None` = write-home mode (no journal on the image).
     log: Option<Mutex<log::LogState>>,
     /// `LogState::checkpoint_list`: asked by [`Core::forget`] without the log lock.
@@ -582,7 +586,8 @@ impl Core {
             cv: Condvar::new(),
             commit_lock: Mutex::new(()),
             aborted: AtomicBool::new(false),
-            cache_limit: 1 << 18,
+            cache_limit: std::sync::atomic::AtomicUsize::new(1 << 18),
+            cache_next: std::sync::atomic::AtomicUsize::new(0),
             log: None,
             logged: None,
             fc_capacity: 0,
@@ -596,6 +601,12 @@ impl Core {
             failure: Mutex::new(None),
             hooks: Mutex::new(None),
         }
+    }
+
+    /// Bound the metadata buffer cache to `buffers` (at least 1,024): past it,
+    /// clean buffers nobody holds are dropped.
+    pub fn set_cache_limit(&self, buffers: usize) {
+        self.cache_limit.store(buffers.max(1024), Ordering::Relaxed);
     }
 
     /// Blocks a running transaction may log before it is committed (a quarter
@@ -736,9 +747,12 @@ impl Core {
             IoCategory::Metadata,
         )?;
         let mut cache = self.cache.lock();
-        if cache.len() >= self.cache_limit {
+        let lim = self.cache_limit.load(Ordering::Relaxed);
+        if cache.len() >= lim.max(self.cache_next.load(Ordering::Relaxed)) {
             // Drop clean buffers nobody holds; dirty ones stay until written home.
             cache.retain(|_, b| b.is_dirty() || Arc::strong_count(b) > 1);
+            self.cache_next
+                .store(cache.len() + lim / 8, Ordering::Relaxed);
         }
         let b = cache
             .entry(blocknr)
