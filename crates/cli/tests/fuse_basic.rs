@@ -1086,3 +1086,103 @@ fn cached_writes_and_closes_through_the_mount() {
         assert!(got == data, "f{k} after unmount");
     }
 }
+
+/// mmap through the mount, interleaved with write, read, truncate and a
+/// punched hole, all through the daemon's page cache: every view (read(2),
+/// the mapping, the image after unmount) agrees with a model of the file.
+#[test]
+fn mmap_write_read_truncate_punch_through_the_cache() {
+    let img = mkfs("fuse-mmap", 64, &["-b", "4096"]);
+    let mut m = Mount::new(&img.path, &["-o", "commit=60"]);
+    let path = m.p("mm.bin");
+    let len = 64 * 1024;
+    let mut model = pattern(len, 4);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    f.write_all_at(&model, 0).unwrap();
+    // SAFETY: a shared mapping of `len` bytes of an open file that is at least
+    // that long; unmapped below before the file is closed.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(
+        map,
+        libc::MAP_FAILED,
+        "mmap: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: `map` is a live mapping of `len` bytes.
+    let view = unsafe { std::slice::from_raw_parts_mut(map as *mut u8, len) };
+    // Stores through the mapping, made durable with msync.
+    for i in (100..30_000).step_by(7) {
+        view[i] = 0xAB;
+        model[i] = 0xAB;
+    }
+    // SAFETY: the same live mapping.
+    assert_eq!(unsafe { libc::msync(map, len, libc::MS_SYNC) }, 0);
+    let mut got = vec![0u8; len];
+    f.read_exact_at(&mut got, 0).unwrap();
+    assert!(got == model, "read(2) after stores through the mapping");
+    // A write(2) shows in the mapping.
+    f.write_all_at(&[0x5A; 5000], 40_000).unwrap();
+    model[40_000..45_000].fill(0x5A);
+    assert!(
+        view[40_000..45_000].iter().all(|&b| b == 0x5A),
+        "write(2) seen through the mapping"
+    );
+    // SAFETY: the same live mapping, unmapped once.
+    assert_eq!(unsafe { libc::munmap(map, len) }, 0);
+    // A punched hole and a truncate, then an extension.
+    assert_eq!(
+        fallocate(
+            &f,
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            8192,
+            8192
+        ),
+        0
+    );
+    model[8192..16_384].fill(0);
+    f.set_len(50_000).unwrap();
+    model.truncate(50_000);
+    f.write_all_at(b"tail", 60_000).unwrap();
+    model.resize(60_000, 0);
+    model.extend_from_slice(b"tail");
+    f.sync_all().unwrap();
+    drop(f);
+    assert!(
+        fs::read(&path).unwrap() == model,
+        "read back through the mount"
+    );
+    m.unmount();
+    assert_fsck_clean(&img.path);
+    let lib = commitfs::Fs::open_path(
+        &img.path,
+        commitfs::MountOptions {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let ino = lib.resolve("/mm.bin").unwrap();
+    let mut got = vec![0u8; model.len()];
+    let mut off = 0;
+    while off < got.len() {
+        let n = lib.read(ino, off as u64, &mut got[off..]).unwrap();
+        assert!(n > 0);
+        off += n;
+    }
+    assert!(got == model, "the image after unmount");
+}
