@@ -785,27 +785,24 @@ fn writeback_cache_mount_round_trips() {
     assert_eq!(fs::read(m.p("wb.bin")).unwrap(), want);
     m.unmount();
     assert_fsck_clean(&img.path);
+    assert!(
+        lib_read(&img.path, "/wb.bin") == want,
+        "library reads what the writeback-cache mount wrote"
+    );
+}
+
+/// A file of `image`, read whole through a read-only library mount.
+fn lib_read(image: &Path, path: &str) -> Vec<u8> {
     let lib = commitfs::Fs::open_path(
-        &img.path,
+        image,
         commitfs::MountOptions {
             read_only: true,
             ..Default::default()
         },
     )
     .unwrap();
-    let ino = lib.resolve("/wb.bin").unwrap();
-    assert_eq!(lib.getattr(ino).unwrap().size, want.len() as u64);
-    let mut got = vec![0u8; want.len()];
-    let mut off = 0;
-    while off < got.len() {
-        let n = lib.read(ino, off as u64, &mut got[off..]).unwrap();
-        assert!(n > 0);
-        off += n;
-    }
-    assert!(
-        got == want,
-        "library reads what the writeback-cache mount wrote"
-    );
+    let ino = lib.resolve(path).unwrap();
+    commitfs::testutil::read_all(&lib, ino)
 }
 
 /// Waits until a process that is not our child has exited (or is a zombie).
@@ -1066,24 +1063,11 @@ fn cached_writes_and_closes_through_the_mount() {
     }
     m.unmount();
     assert_fsck_clean(&img.path);
-    let lib = commitfs::Fs::open_path(
-        &img.path,
-        commitfs::MountOptions {
-            read_only: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
     for k in 0..20 {
-        let ino = lib.resolve(&format!("/f{k}")).unwrap();
-        let mut got = vec![0u8; data.len()];
-        let mut off = 0;
-        while off < got.len() {
-            let n = lib.read(ino, off as u64, &mut got[off..]).unwrap();
-            assert!(n > 0);
-            off += n;
-        }
-        assert!(got == data, "f{k} after unmount");
+        assert!(
+            lib_read(&img.path, &format!("/f{k}")) == data,
+            "f{k} after unmount"
+        );
     }
 }
 
@@ -1168,21 +1152,8 @@ fn mmap_write_read_truncate_punch_through_the_cache() {
     );
     m.unmount();
     assert_fsck_clean(&img.path);
-    let lib = commitfs::Fs::open_path(
-        &img.path,
-        commitfs::MountOptions {
-            read_only: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let ino = lib.resolve("/mm.bin").unwrap();
-    let mut got = vec![0u8; model.len()];
-    let mut off = 0;
-    while off < got.len() {
-        let n = lib.read(ino, off as u64, &mut got[off..]).unwrap();
-        assert!(n > 0);
-        off += n;
-    }
-    assert!(got == model, "the image after unmount");
+    assert!(
+        lib_read(&img.path, "/mm.bin") == model,
+        "the image after unmount"
+    );
 }

@@ -51,6 +51,10 @@ impl DataErrorsRef {
     }
 }
 
+/// The key a page-cache cut's writes are in flight under: they span files,
+/// and no inode has number 0.
+pub(crate) const CUT_WRITES: u32 = 0;
+
 /// Data writes between their metadata step and the end of their device write,
 /// per inode (see the module doc).
 #[derive(Default)]
@@ -176,6 +180,12 @@ impl DataIo {
     /// single-flush tracking (`note_data`, under the writer's handle) and to
     /// group flushing (`Journal::note_data_written`, once the write completed).
     pub fn write(&self, pblk: u64, buf: &[u8]) -> Result<()> {
+        self.write_noting(pblk, buf, true)
+    }
+
+    /// [`Self::write`]; without `note`, not reported to single-flush tracking
+    /// (a full commit's cut reports its blocks at the tid switch instead).
+    pub fn write_noting(&self, pblk: u64, buf: &[u8], note: bool) -> Result<()> {
         if self.errors.is_dead() {
             return Err(FsError::Shutdown);
         }
@@ -185,24 +195,10 @@ impl DataIo {
         self.check_range(pblk, buf.len())?;
         self.dev
             .write_at(pblk * self.bs as u64, buf, IoCategory::Data, false)?;
-        self.journal
-            .note_data(pblk, buf.len().div_ceil(self.bs) as u64);
-        self.journal.note_data_written();
-        Ok(())
-    }
-
-    /// [`Self::write`] without reporting to single-flush tracking (a full
-    /// commit's cut reported the blocks before its tid switch).
-    pub fn write_unnoted(&self, pblk: u64, buf: &[u8]) -> Result<()> {
-        if self.errors.is_dead() {
-            return Err(FsError::Shutdown);
+        if note {
+            self.journal
+                .note_data(pblk, buf.len().div_ceil(self.bs) as u64);
         }
-        if self.read_only || self.errors.is_read_only() {
-            return Err(FsError::ReadOnly);
-        }
-        self.check_range(pblk, buf.len())?;
-        self.dev
-            .write_at(pblk * self.bs as u64, buf, IoCategory::Data, false)?;
         self.journal.note_data_written();
         Ok(())
     }

@@ -158,6 +158,9 @@ struct Tracked {
     version: u64,
 }
 
+/// Device block -> its data, for blocks written after a plan is made.
+pub type DataOverlay = std::collections::HashMap<u64, std::sync::Arc<Vec<u8>>>;
+
 /// Fast-commit counters (like the kernel's `fc_info`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FcStats {
@@ -323,7 +326,9 @@ impl Inner {
     }
 
     /// Decide how to make the running transaction's changes durable.
-    pub fn fc_plan(&mut self) -> Result<FcPlan> {
+    /// `written`: data of blocks about to be written by the caller (a page
+    /// cache cut) before the fast commit, for its DATA_CSUM records.
+    pub fn fc_plan(&mut self, written: &DataOverlay) -> Result<FcPlan> {
         if !self.fc_enabled {
             return Ok(FcPlan::Full(FcReason::NoFullCommitYet));
         }
@@ -489,7 +494,7 @@ impl Inner {
             }
         }
         let serial = if self.fc_data_csum {
-            Some(self.fc_add_data_csums(tid, &mut records)?)
+            Some(self.fc_add_data_csums(tid, &mut records, written)?)
         } else {
             None
         };
@@ -543,7 +548,12 @@ impl Inner {
     /// Append a DATA_CSUM record for every written ADD_RANGE in `records` (CRC of
     /// the blocks as they are on the device now: data is written at `write` time)
     /// and protect those blocks under a new serial, which is returned.
-    fn fc_add_data_csums(&mut self, tid: u32, records: &mut Vec<FcRecord>) -> Result<u64> {
+    fn fc_add_data_csums(
+        &mut self,
+        tid: u32,
+        records: &mut Vec<FcRecord>,
+        written: &DataOverlay,
+    ) -> Result<u64> {
         let mut csums = Vec::new();
         let mut ranges = Vec::new();
         for r in records.iter() {
@@ -555,7 +565,7 @@ impl Inner {
                 unwritten: false,
             } = r
             {
-                let crc = self.fc_range_crc(*pblk, *len)?;
+                let crc = self.fc_range_crc(*pblk, *len, written)?;
                 csums.push(Tlv::DataCsum {
                     ino: *ino,
                     lblk: *lblk,
@@ -580,17 +590,17 @@ impl Inner {
     }
 
     /// CRC of device blocks `pblk..pblk+len` as they will be once the fast
-    /// commit's cut is written: blocks in [`Inner::fc_overlay`] from there,
-    /// the rest from the device.
-    fn fc_range_crc(&self, pblk: u64, len: u32) -> Result<u32> {
-        if !(pblk..pblk + len as u64).any(|b| self.fc_overlay.contains_key(&b)) {
+    /// commit's cut is written: blocks in `written` from there, the rest from
+    /// the device.
+    fn fc_range_crc(&self, pblk: u64, len: u32, written: &DataOverlay) -> Result<u32> {
+        if !(pblk..pblk + len as u64).any(|b| written.contains_key(&b)) {
             return commitfs_journal::data_range_crc(&*self.dev, self.bs, pblk, len)?
                 .ok_or_else(|| crate::error::FsError::corrupt("ADD_RANGE beyond the device"));
         }
         let mut crc = commitfs_format::fast_commit::DATA_CRC_SEED;
         let mut buf = vec![0u8; self.bs];
         for b in pblk..pblk + len as u64 {
-            match self.fc_overlay.get(&b) {
+            match written.get(&b) {
                 Some(d) => crc = commitfs_format::fast_commit::data_crc(crc, &d[..self.bs]),
                 None => {
                     self.data_io().read(b, &mut buf)?;

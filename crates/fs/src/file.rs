@@ -15,7 +15,7 @@ use crate::inner::{now, Inner};
 use crate::types::{CallerOf, FallocFlags};
 
 /// Largest file size: 2^32 logical blocks (extent logical block numbers are 32 bits).
-fn max_file_size(bs: usize) -> u64 {
+pub(crate) fn max_file_size(bs: usize) -> u64 {
     (1u64 << 32) * bs as u64 - 1
 }
 

@@ -121,9 +121,6 @@ pub(crate) struct Inner {
     pub recovery: Option<crate::Recovery>,
     /// The file-data page cache (`None`: `-o nocache`, read-only, no journal).
     pub pc: Option<Arc<crate::pagecache::PageCache>>,
-    /// During a fast commit's plan: data of blocks its cut is about to write,
-    /// for the DATA_CSUM records (`fc_data_csum`).
-    pub fc_overlay: HashMap<u64, Arc<Vec<u8>>>,
     /// A write-back is allocating delayed pages: it may use reserved blocks.
     pub claiming: bool,
 }
@@ -258,7 +255,6 @@ impl Inner {
             data_errors: Default::default(),
             recovery: None,
             pc: None,
-            fc_overlay: HashMap::new(),
             claiming: false,
         };
         inner.load_group_descs()?;

@@ -1550,8 +1550,11 @@ impl Fs {
             };
             let cut_seq = cut.as_ref().and_then(|c| c.seq);
             let upto = g.fc_seq();
-            let plan = g.fc_plan();
-            g.fc_overlay.clear();
+            let written = match &cut {
+                Some(c) if g.fc_data_csum => c.overlay(),
+                _ => Default::default(),
+            };
+            let plan = g.fc_plan(&written);
             drop(bw);
             if let (Some(c), Some(pc)) = (cut, &self.pc) {
                 drop(g);

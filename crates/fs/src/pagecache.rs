@@ -378,33 +378,41 @@ impl PageCache {
         a.blocks += f.delayed as u64 * (self.bs as u64 / 512);
     }
 
-    /// Plan a write of `len` bytes at `off` into a file whose on-disk size is
-    /// `disk_size`: which partial blocks need their content first.
-    pub fn plan_write(&self, ino: u32, off: u64, len: usize, disk_size: u64) -> WritePlan {
+    /// The blocks a write of `len` bytes at `off` covers only partly (its
+    /// first and last) that hold on-disk data (below `disk_size`) and are not
+    /// `present`: their current content must be read before the write.
+    fn needs_content(
+        &self,
+        off: u64,
+        len: usize,
+        disk_size: u64,
+        present: impl Fn(u32) -> bool,
+    ) -> Vec<u32> {
         let bs = self.bs as u64;
         let end = off + len as u64;
-        let files = self.files.lock();
-        let f = files.get(&ino);
-        let mut fill = Vec::new();
-        let first = (off / bs) as u32;
-        let last = ((end - 1) / bs) as u32;
-        for (lblk, partial) in [
+        let (first, last) = ((off / bs) as u32, ((end - 1) / bs) as u32);
+        [
             (
                 first,
                 !off.is_multiple_of(bs) || (first == last && !end.is_multiple_of(bs)),
             ),
             (last, !end.is_multiple_of(bs)),
-        ] {
-            // Past the on-disk size a block reads as zeros (cached writes past
-            // it are in pages already).
-            if partial
-                && (lblk as u64 * bs) < disk_size
-                && !fill.contains(&lblk)
-                && f.is_none_or(|f| !f.pages.contains_key(&lblk))
-            {
-                fill.push(lblk);
-            }
-        }
+        ]
+        .into_iter()
+        .filter(|&(l, partial)| partial && (l as u64 * bs) < disk_size && !present(l))
+        .map(|(l, _)| l)
+        .collect()
+    }
+
+    /// Plan a write of `len` bytes at `off` into a file whose on-disk size is
+    /// `disk_size`: which partial blocks need their content first.
+    pub fn plan_write(&self, ino: u32, off: u64, len: usize, disk_size: u64) -> WritePlan {
+        let files = self.files.lock();
+        let f = files.get(&ino);
+        let mut fill = self.needs_content(off, len, disk_size, |l| {
+            f.is_some_and(|f| f.pages.contains_key(&l))
+        });
+        fill.dedup();
         WritePlan { fill }
     }
 
@@ -430,23 +438,12 @@ impl PageCache {
         // A partial block over on-disk data needs its page or its content:
         // a page the caller counted on may have been evicted since it planned
         // (then nothing is changed and the caller plans again).
-        let first = (off / bs as u64) as u32;
-        let last = ((off + data.len() as u64 - 1) / bs as u64) as u32;
-        let end = off + data.len() as u64;
-        for (lblk, partial) in [
-            (
-                first,
-                !off.is_multiple_of(bs as u64) || (first == last && !end.is_multiple_of(bs as u64)),
-            ),
-            (last, !end.is_multiple_of(bs as u64)),
-        ] {
-            if partial
-                && (lblk as u64 * bs as u64) < disk_size
-                && files.get(&ino).is_none_or(|f| !f.pages.contains_key(&lblk))
-                && !filled.iter().any(|(l, _)| *l == lblk)
-            {
-                return Err(());
-            }
+        let f = files.get(&ino);
+        let missing = self.needs_content(off, data.len(), disk_size, |l| {
+            f.is_some_and(|f| f.pages.contains_key(&l)) || filled.iter().any(|(b, _)| *b == l)
+        });
+        if !missing.is_empty() {
+            return Err(());
         }
         let f = files.entry(ino).or_insert_with(|| FileCache {
             size: disk_size,

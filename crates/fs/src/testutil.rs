@@ -192,3 +192,16 @@ pub mod kernel_xattr {
         Ok(())
     }
 }
+
+/// All of a file's bytes, by its size, read through `fs`.
+pub fn read_all(fs: &crate::Fs, ino: crate::Ino) -> Vec<u8> {
+    let size = fs.getattr(ino).expect("getattr").size as usize;
+    let mut buf = vec![0u8; size];
+    let mut off = 0;
+    while off < size {
+        let n = fs.read(ino, off as u64, &mut buf[off..]).expect("read");
+        assert!(n > 0, "short read at {off} of {size}");
+        off += n;
+    }
+    buf
+}

@@ -17,6 +17,7 @@ use parking_lot::Mutex;
 
 use crate::dataio::{DataIo, InflightGuard};
 use crate::error::{FsError, Result};
+use crate::file::max_file_size;
 use crate::inner::{now, Inner};
 use crate::pagecache::{PageCache, Snap, Taken};
 use crate::types::CallerOf;
@@ -32,11 +33,6 @@ pub(crate) struct WbRun {
 /// Blocks granted at once while free space is plentiful (so that most writes
 /// reserve without `Inner`).
 const GRANT_CHUNK: u64 = 1024;
-
-/// Largest file size (as file.rs).
-fn max_file_size(bs: usize) -> u64 {
-    (1u64 << 32) * bs as u64 - 1
-}
 
 impl Inner {
     /// Map the pages `t` took from `ino` (holes allocated in contiguous runs,
@@ -219,11 +215,7 @@ pub(crate) fn write_runs(
                 buf.extend_from_slice(&s.data[..bs]);
             }
             let pblk = r.pblk + (i * per) as u64;
-            w = if note {
-                dio.write(pblk, &buf)
-            } else {
-                dio.write_unnoted(pblk, &buf)
-            };
+            w = dio.write_noting(pblk, &buf, note);
             if w.is_err() {
                 break;
             }
@@ -334,7 +326,7 @@ impl CommitHooks for CacheHooks {
         let h = g.start(64).map_err(to_journal)?;
         let cut = g.cut_all(&h);
         drop(h);
-        let guard = g.inflight.begin(0);
+        let guard = g.inflight.begin(crate::dataio::CUT_WRITES);
         drop(g);
         let (runs, complete) = cut.map_err(to_journal)?;
         if complete {
@@ -391,6 +383,22 @@ pub(crate) struct FcCut {
     pub runs: Vec<WbRun>,
     pub h: Handle,
     pub seq: Option<u64>,
+}
+
+impl FcCut {
+    /// The runs' data by device block (`fc_data_csum`: the plan checksums
+    /// these blocks from the snapshots, which are what gets written).
+    pub fn overlay(&self) -> crate::fc::DataOverlay {
+        self.runs
+            .iter()
+            .flat_map(|r| {
+                r.snaps
+                    .iter()
+                    .enumerate()
+                    .map(move |(k, s)| (r.pblk + k as u64, s.data.clone()))
+            })
+            .collect()
+    }
 }
 
 /// The facts a cached write needs about its inode.
@@ -714,32 +722,35 @@ impl Fs {
             // At or past the end (checks as the uncached path: EISDIR etc.).
             return Ok(None);
         }
-        let all = hits.iter().all(|&h| h);
-        let (segs, atime) = {
+        // The byte ranges the cache did not have, merged into runs: only these
+        // are read from the device.
+        let bs = self.block_size as u64;
+        let mut misses: Vec<(usize, usize)> = Vec::new();
+        let mut pos = 0usize;
+        for hit in hits {
+            let k = (bs - (offset + pos as u64) % bs).min((n - pos) as u64) as usize;
+            if !hit {
+                match misses.last_mut() {
+                    Some((s, l)) if *s + *l == pos => *l += k,
+                    _ => misses.push((pos, k)),
+                }
+            }
+            pos += k;
+        }
+        let (plans, atime) = {
             let mut g = self.lock()?;
             let i = g.live_inode(ino)?;
-            let segs = if all {
-                Vec::new()
-            } else {
-                g.read_plan(ino, &i, offset, n)?
-            };
-            (segs, g.touch_atime(ino))
-        };
-        if all {
-            pc.stats.lock().read_hits += 1;
-        } else {
-            let mut tmp = vec![0u8; n];
-            self.dio.read_segs(&segs, &mut tmp)?;
-            let bs = self.block_size as u64;
-            let mut pos = 0usize;
-            for hit in hits {
-                let cur = offset + pos as u64;
-                let k = (bs - cur % bs).min((n - pos) as u64) as usize;
-                if !hit {
-                    buf[pos..pos + k].copy_from_slice(&tmp[pos..pos + k]);
-                }
-                pos += k;
+            let mut plans = Vec::with_capacity(misses.len());
+            for &(p, l) in &misses {
+                plans.push((p, l, g.read_plan(ino, &i, offset + p as u64, l)?));
             }
+            (plans, g.touch_atime(ino))
+        };
+        if plans.is_empty() {
+            pc.stats.lock().read_hits += 1;
+        }
+        for (p, l, segs) in plans {
+            self.dio.read_segs(&segs, &mut buf[p..p + l])?;
         }
         Ok(Some((n, atime)))
     }
@@ -826,18 +837,6 @@ impl Fs {
         if runs.is_empty() {
             return Ok(FcCut { runs, h, seq });
         }
-        // fc_data_csum: the plan checksums these blocks from the snapshots.
-        let bs = self.block_size as usize;
-        g.fc_overlay = runs
-            .iter()
-            .flat_map(|r| {
-                r.snaps
-                    .iter()
-                    .enumerate()
-                    .map(move |(k, s)| (r.pblk + k as u64, s.data.clone()))
-            })
-            .filter(|(_, d)| d.len() >= bs)
-            .collect();
         Ok(FcCut { runs, h, seq })
     }
 

@@ -196,6 +196,33 @@ fn assert_clean(path: &std::path::Path, what: &str) {
 
 const GATE_THREADS: usize = 8;
 
+/// One file per gated thread, `w{t}`, with 8 KiB of `pattern(t)`.
+fn gated_files(fs: &Fs) -> Vec<Ino> {
+    (0..GATE_THREADS)
+        .map(|t| {
+            let a = fs
+                .create(ROOT_INO, format!("w{t}").as_bytes(), 0o644, 0, 0)
+                .unwrap();
+            fs.write(a.ino, 0, &pattern(t as u64, 8192)).unwrap();
+            a.ino
+        })
+        .collect()
+}
+
+/// The gated files after thread `t` wrote `pattern(100 + t)` over bytes
+/// 500..3500 and appended `pattern(101 + t)` (3,000 bytes).
+fn check_gated_files(fs: &Fs, files: &[Ino]) {
+    for (t, &ino) in files.iter().enumerate() {
+        let mut want = pattern(t as u64, 8192);
+        want[500..3500].copy_from_slice(&pattern(100 + t as u64, 3000));
+        want.extend_from_slice(&pattern(101 + t as u64, 3000));
+        let mut buf = vec![0u8; want.len() + 10];
+        let n = fs.read(ino, 0, &mut buf).unwrap();
+        assert_eq!(n, want.len(), "size of w{t}");
+        assert!(buf[..n] == want[..], "content of w{t}");
+    }
+}
+
 /// Data writes of different files are inside the device at once: 8 threads,
 /// each a partial-block overwrite of its own file (read-modify-write) and an
 /// append to it.
@@ -207,15 +234,7 @@ fn data_writes_run_in_parallel() {
         true,
     ));
     let fs = Fs::open(dev.clone(), nocache_opts()).unwrap();
-    let files: Vec<Ino> = (0..GATE_THREADS)
-        .map(|t| {
-            let a = fs
-                .create(ROOT_INO, format!("w{t}").as_bytes(), 0o644, 0, 0)
-                .unwrap();
-            fs.write(a.ino, 0, &pattern(t as u64, 8192)).unwrap();
-            a.ino
-        })
-        .collect();
+    let files = gated_files(&fs);
     fs.sync().unwrap();
 
     for round in 0..2u64 {
@@ -244,15 +263,7 @@ fn data_writes_run_in_parallel() {
         );
     }
     // What was written is there.
-    for (t, &ino) in files.iter().enumerate() {
-        let mut want = pattern(t as u64, 8192);
-        want[500..3500].copy_from_slice(&pattern(100 + t as u64, 3000));
-        want.extend_from_slice(&pattern(101 + t as u64, 3000));
-        let mut buf = vec![0u8; want.len() + 10];
-        let n = fs.read(ino, 0, &mut buf).unwrap();
-        assert_eq!(n, want.len(), "size of w{t}");
-        assert!(buf[..n] == want[..], "content of w{t}");
-    }
+    check_gated_files(&fs, &files);
     fs.unmount().unwrap();
     drop(fs);
     assert_clean(&img.path, "after the gated writes");
@@ -274,15 +285,7 @@ fn cached_write_backs_run_in_parallel() {
         fs.cache_stats().is_some(),
         "the page cache is on by default"
     );
-    let files: Vec<Ino> = (0..GATE_THREADS)
-        .map(|t| {
-            let a = fs
-                .create(ROOT_INO, format!("w{t}").as_bytes(), 0o644, 0, 0)
-                .unwrap();
-            fs.write(a.ino, 0, &pattern(t as u64, 8192)).unwrap();
-            a.ino
-        })
-        .collect();
+    let files = gated_files(&fs);
     fs.sync().unwrap();
     dev.arm(GATE_THREADS);
     std::thread::scope(|s| {
@@ -292,7 +295,7 @@ fn cached_write_backs_run_in_parallel() {
                 // A partial block in the middle (cached after the sync) and an
                 // append: both only reach the device in the fsync.
                 fs.write(ino, 500, &pattern(100 + t as u64, 3000)).unwrap();
-                fs.write(ino, 8192, &pattern(200 + t as u64, 3000)).unwrap();
+                fs.write(ino, 8192, &pattern(101 + t as u64, 3000)).unwrap();
                 fs.fsync(ino, false).unwrap();
             });
         }
@@ -302,15 +305,7 @@ fn cached_write_backs_run_in_parallel() {
         !timed_out && max >= GATE_THREADS,
         "at most {max} write-backs were in the device at once (want {GATE_THREADS})"
     );
-    for (t, &ino) in files.iter().enumerate() {
-        let mut want = pattern(t as u64, 8192);
-        want[500..3500].copy_from_slice(&pattern(100 + t as u64, 3000));
-        want.extend_from_slice(&pattern(200 + t as u64, 3000));
-        let mut buf = vec![0u8; want.len() + 10];
-        let n = fs.read(ino, 0, &mut buf).unwrap();
-        assert_eq!(n, want.len(), "size of w{t}");
-        assert!(buf[..n] == want[..], "content of w{t}");
-    }
+    check_gated_files(&fs, &files);
     fs.unmount().unwrap();
     drop(fs);
     assert_clean(&img.path, "after the gated write-backs");

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use commitfs_device::{DeviceRef, FileDevice, IoCategory};
-use commitfs_fs::testutil::{fsck, mkfs, problem_lines, TempImage};
+use commitfs_fs::testutil::{assert_fsck_clean, mkfs, read_all, TempImage};
 use commitfs_fs::*;
 
 fn opts() -> MountOptions {
@@ -34,22 +34,18 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn read_all(fs: &Fs, ino: Ino) -> Vec<u8> {
-    let size = fs.getattr(ino).unwrap().size as usize;
-    let mut buf = vec![0u8; size + 100];
-    let n = fs.read(ino, 0, &mut buf).unwrap();
-    buf.truncate(n);
-    buf
-}
-
-fn assert_clean(img: &TempImage, what: &str) {
-    let r = fsck(&img.path);
-    assert!(
-        r.is_clean(),
-        "{what}: e2fsck -fn: {:?}\n{}",
-        problem_lines(&r.output),
-        r.output
-    );
+/// Append `chunk` at `start` onwards until ENOSPC; returns the bytes the
+/// writes acknowledged (short writes included).
+fn write_until_nospace(fs: &Fs, ino: Ino, start: u64, chunk: &[u8]) -> u64 {
+    let mut acked = 0u64;
+    loop {
+        match fs.write(ino, start + acked, chunk) {
+            Ok(n) => acked += n as u64,
+            Err(FsError::NoSpace) => return acked,
+            Err(e) => panic!("write: {e}"),
+        }
+        assert!(acked < 1 << 30, "never ran out of space");
+    }
 }
 
 /// Small appends stay in memory (no device write at all, the size and
@@ -110,7 +106,7 @@ fn appends_reach_the_device_once_as_one_run() {
         fs.unmount().unwrap();
         drop(fs);
         drop(dev);
-        assert_clean(&img, "after the appends");
+        assert_fsck_clean(&img.path);
         let (fs, _) = open(&img, opts());
         let f = fs.resolve("/f").unwrap();
         assert_eq!(read_all(&fs, f), want, "fc={fc}: after remount");
@@ -147,7 +143,7 @@ fn data_of_a_file_removed_before_write_back_is_never_written() {
     assert!(fs.cache_stats().unwrap().dropped_dirty >= 20 * 16);
     fs.unmount().unwrap();
     drop(fs);
-    assert_clean(&img, "after removing cached files");
+    assert_fsck_clean(&img.path);
 }
 
 /// ENOSPC is decided at `write()` (space is reserved for delayed blocks):
@@ -193,7 +189,7 @@ fn enospc_at_write_time_and_nothing_acknowledged_is_lost() {
         );
         fs.unmount().unwrap();
         drop(fs);
-        assert_clean(&img, "after filling with cached writes");
+        assert_fsck_clean(&img.path);
         let (fs, _) = open(&img, opts());
         for (name, want) in &files {
             let f = fs.resolve(&format!("/{name}")).unwrap();
@@ -235,7 +231,7 @@ fn memory_cap_bounds_a_large_sequential_write() {
     fs.fsync(f, false).unwrap();
     fs.unmount().unwrap();
     drop(fs);
-    assert_clean(&img, "after the large write");
+    assert_fsck_clean(&img.path);
     let (fs, _) = open(&img, opts());
     let f = fs.resolve("/big").unwrap();
     let mut buf = vec![0u8; piece];
@@ -298,7 +294,7 @@ fn times_and_truncates_of_cached_writes() {
     assert_eq!(read_all(&fs, f), want, "truncate then extend");
     fs.unmount().unwrap();
     drop(fs);
-    assert_clean(&img, "after times and truncates");
+    assert_fsck_clean(&img.path);
     let (fs, _) = open(&img, opts());
     let f = fs.resolve("/f").unwrap();
     assert_eq!(read_all(&fs, f), want, "after remount");
@@ -353,21 +349,12 @@ fn fallocate_cannot_take_space_promised_to_cached_writes() {
         }
     }
     // Cached writes until ENOSPC: every acknowledged one must reach the disk.
-    let mut acked = 0u64;
-    let chunk = pattern(2, 64 * 1024);
-    loop {
-        match fs.write(a, 4096 + acked, &chunk) {
-            Ok(n) => acked += n as u64,
-            Err(FsError::NoSpace) => break,
-            Err(e) => panic!("write: {e}"),
-        }
-        assert!(acked < 64 << 20, "never ran out of space");
-    }
+    let acked = write_until_nospace(&fs, a, 4096, &pattern(2, 64 * 1024));
     fs.fsync(a, false).expect("every acknowledged byte fits");
     assert_eq!(fs.getattr(a).unwrap().size, 4096 + acked);
     fs.unmount().unwrap();
     drop(fs);
-    assert_clean(&img, "after grants and fallocate");
+    assert_fsck_clean(&img.path);
 }
 
 /// A truncate on a full file system drops the cached pages past the new size
@@ -378,15 +365,7 @@ fn truncate_on_a_full_file_system_drops_cached_pages() {
     let img = mkfs("pc-trunc-full", 8, &["-b", "4096"]);
     let (fs, _) = open(&img, opts());
     let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
-    let chunk = pattern(3, 64 * 1024);
-    let mut off = 0u64;
-    loop {
-        match fs.write(f, off, &chunk) {
-            Ok(n) => off += n as u64,
-            Err(FsError::NoSpace) => break,
-            Err(e) => panic!("write: {e}"),
-        }
-    }
+    let off = write_until_nospace(&fs, f, 0, &pattern(3, 64 * 1024));
     assert!(fs.cache_stats().unwrap().dirty_bytes > 0);
     for size in [off / 2, 0] {
         fs.setattr(
@@ -401,7 +380,7 @@ fn truncate_on_a_full_file_system_drops_cached_pages() {
     }
     fs.unmount().unwrap();
     drop(fs);
-    assert_clean(&img, "after truncating cached data");
+    assert_fsck_clean(&img.path);
 }
 
 /// The largest file offsets (the last of 2^32 blocks) go through the cache
@@ -424,5 +403,5 @@ fn writes_at_the_largest_offsets() {
     fs.fsync(f, false).unwrap();
     fs.unmount().unwrap();
     drop(fs);
-    assert_clean(&img, "after writes at the largest offsets");
+    assert_fsck_clean(&img.path);
 }
