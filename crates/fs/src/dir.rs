@@ -78,8 +78,14 @@ use htree::DxIndex;
 
 /// First cookie of a real entry (0, 1, 2 are ".", ".." and "after ..").
 const FIRST_COOKIE: u64 = 3;
-/// Drop other directories' states when more names than this are cached.
-const CACHE_NAME_LIMIT: usize = 4 << 20;
+/// Memory for directory states until [`DirCache::set_budget`] says otherwise.
+const DEFAULT_BUDGET: usize = 512 << 20;
+/// Estimated bytes a cached name costs beyond its own bytes: the shared key
+/// allocation, its slot in the name map and its place in the readdir order.
+const NAME_OVERHEAD: usize = 128;
+/// A directory at least this many blocks long is not loaded for a lookup when
+/// its state is not cached: the htree is probed instead ([`Inner::dx_lookup`]).
+const PROBE_MIN_BLOCKS: usize = 16;
 /// `file_type` of '.' and '..'.
 const FT_DIR: u8 = dirent::FT_DIR;
 
@@ -108,6 +114,10 @@ pub(crate) struct DirState {
     dotdot: u32,
     /// The htree index, for indexed directories.
     dx: Option<DxIndex>,
+    /// Bytes of the cached names (for [`Self::mem`]).
+    name_bytes: usize,
+    /// Second-chance bit: set by every use, cleared by an eviction sweep.
+    used: bool,
 }
 
 impl DirState {
@@ -117,23 +127,126 @@ impl DirState {
             return false;
         }
         self.order.insert((cookie_of(name), key));
+        self.name_bytes += name.len();
         true
     }
 
     fn remove_name(&mut self, name: &[u8]) -> Option<Slot> {
         let (key, slot) = self.names.remove_entry(name)?;
         self.order.remove(&(cookie_of(name), key));
+        self.name_bytes -= name.len();
         Some(slot)
+    }
+
+    /// Estimated memory of this state (the names dominate).
+    fn mem(&self) -> usize {
+        let dx = self.dx.as_ref().map_or(0, |i| {
+            (i.root.len() + i.nodes.values().map(Vec::len).sum::<usize>()) * 8 + i.nodes.len() * 64
+        });
+        std::mem::size_of::<DirState>()
+            + self.names.len() * NAME_OVERHEAD
+            + self.name_bytes
+            + self.pblocks.len() * 10
+            + dx
     }
 }
 
 /// readdir callback: `(ino, file_type, name, next_offset) -> continue?`.
 pub(crate) type ReaddirFn<'a> = dyn FnMut(u32, u8, &[u8], u64) -> bool + 'a;
 
-/// Directory states by inode, owned by this module (field `Inner::dirs`).
-#[derive(Default)]
+/// Directory states by inode, owned by this module (field `Inner::dirs`),
+/// bounded by a memory budget (docs/ARCHITECTURE.md "Memory").
 pub struct DirCache {
     map: HashMap<u32, DirState>,
+    /// Sum of [`DirState::mem`] of the states in `map` (a state is not changed
+    /// while it is in the map: `with_dir` takes it out).
+    bytes: usize,
+    budget: usize,
+    stats: DirCacheStats,
+}
+
+impl Default for DirCache {
+    fn default() -> Self {
+        DirCache {
+            map: HashMap::new(),
+            bytes: 0,
+            budget: DEFAULT_BUDGET,
+            stats: DirCacheStats::default(),
+        }
+    }
+}
+
+/// Directory-cache sizes and counters (`commitfs stats`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DirCacheStats {
+    /// Directories cached now, and their estimated bytes.
+    pub cached: usize,
+    pub bytes: usize,
+    pub budget: usize,
+    /// Directories read in whole from disk, and dropped to stay in budget.
+    pub loads: u64,
+    pub evicted: u64,
+    /// Lookups answered by probing the on-disk htree of an uncached directory.
+    pub probes: u64,
+}
+
+impl DirCache {
+    pub fn set_budget(&mut self, bytes: usize) {
+        self.budget = bytes;
+    }
+
+    pub fn stats(&self) -> DirCacheStats {
+        DirCacheStats {
+            cached: self.map.len(),
+            bytes: self.bytes,
+            budget: self.budget,
+            ..self.stats
+        }
+    }
+
+    fn take(&mut self, dir: u32) -> Option<DirState> {
+        let st = self.map.remove(&dir)?;
+        self.bytes -= st.mem();
+        Some(st)
+    }
+
+    /// Cache `st`, first dropping other directories not used since the last
+    /// sweep (second chance) until the rest fits in 3/4 of the budget. The
+    /// state being cached stays even when it alone is over budget: it is in use.
+    fn put(&mut self, dir: u32, mut st: DirState) {
+        let m = st.mem();
+        if self.bytes + m > self.budget {
+            let target = (self.budget * 3 / 4).saturating_sub(m);
+            for _pass in 0..2 {
+                let DirCache {
+                    map, bytes, stats, ..
+                } = self;
+                map.retain(|_, s| {
+                    if *bytes <= target {
+                        return true;
+                    }
+                    if std::mem::take(&mut s.used) {
+                        return true;
+                    }
+                    *bytes -= s.mem();
+                    stats.evicted += 1;
+                    false
+                });
+                if self.bytes <= target {
+                    break;
+                }
+            }
+        }
+        st.used = true;
+        self.bytes += m;
+        if let Some(old) = self.map.insert(dir, st) {
+            self.bytes -= old.mem();
+        }
+    }
+
+    fn remove(&mut self, dir: u32) {
+        let _ = self.take(dir);
+    }
 }
 
 /// readdir cookie of a name (module docs): a 64-bit mix of the bytes, shifted to 63
@@ -188,9 +301,13 @@ impl Inner {
         dir: u32,
         f: impl FnOnce(&mut Inner, &mut DirState) -> Result<R>,
     ) -> Result<R> {
-        let mut st = match self.dirs.map.remove(&dir) {
+        let mut st = match self.dirs.take(dir) {
             Some(s) => s,
-            None => self.load_dir(dir)?,
+            None => {
+                let st = self.load_dir(dir)?;
+                self.dirs.stats.loads += 1;
+                st
+            }
         };
         let r = f(self, &mut st);
         match &r {
@@ -201,11 +318,7 @@ impl Inner {
     }
 
     fn cache_dir(&mut self, dir: u32, st: DirState) {
-        let total: usize = self.dirs.map.values().map(|s| s.names.len()).sum();
-        if total + st.names.len() > CACHE_NAME_LIMIT {
-            self.dirs.map.clear();
-        }
-        self.dirs.map.insert(dir, st);
+        self.dirs.put(dir, st);
     }
 
     // ---- loading -----------------------------------------------------------------
@@ -265,6 +378,8 @@ impl Inner {
             dot: dir,
             dotdot: 0,
             dx: None,
+            name_bytes: 0,
+            used: true,
         };
         let mut is_leaf = vec![true; nblocks];
         if inode.has_flag(FL_INDEX) {
@@ -456,8 +571,26 @@ impl Inner {
 
     // ---- public operations ----------------------------------------------------------
 
-    /// Look `name` up in `dir`.
+    /// Look `name` up in `dir`. A large indexed directory whose state is not
+    /// cached is probed on disk instead of loaded whole (so a lookup stays a
+    /// few block reads after the state was evicted).
     pub fn dir_lookup(&mut self, dir: u32, name: &[u8]) -> Result<Option<(u32, u8)>> {
+        if name != b"." && name != b".." && !self.dirs.map.contains_key(&dir) {
+            let inode = self.read_inode(dir)?;
+            let blocks = inode.size / self.bs64();
+            if inode.is_dir()
+                && inode.has_flag(FL_INDEX)
+                && !inode.has_flag(FL_INLINE_DATA)
+                && inode.size % self.bs64() == 0
+                && blocks >= PROBE_MIN_BLOCKS as u64
+                && blocks <= u32::MAX as u64 / 2
+            {
+                if let Some(found) = self.dx_lookup(dir, &inode, name)? {
+                    self.dirs.stats.probes += 1;
+                    return Ok(found);
+                }
+            }
+        }
         self.with_dir(dir, |_, st| {
             Ok(match name {
                 b"." => Some((st.dot, FT_DIR)),
@@ -611,6 +744,8 @@ impl Inner {
             dot: dir,
             dotdot: parent,
             dx: None,
+            name_bytes: 0,
+            used: true,
         };
         self.cache_dir(dir, st);
         Ok(())
@@ -678,7 +813,7 @@ impl Inner {
 
     /// Forget the in-memory state of `dir` (after rmdir, or to save memory).
     pub fn dir_forget(&mut self, dir: u32) {
-        self.dirs.map.remove(&dir);
+        self.dirs.remove(dir);
     }
 
     // ---- htree entry points (bodies in dir/htree.rs) ----------------------------------
@@ -697,6 +832,88 @@ impl Inner {
         } else {
             dirhash::DX_HASH_HALF_MD4
         }
+    }
+
+    /// Look `name` up in an indexed directory without its state, as the
+    /// kernel's `ext4_dx_find_entry`: the root, the interior node on the path
+    /// and one leaf, each checksum-verified. `None` when the probe cannot tell:
+    /// the name's hash may continue into a leaf the path does not reach (a
+    /// continuation entry follows, or the leaf is the last of its node); the
+    /// caller then loads the directory.
+    fn dx_lookup(
+        &mut self,
+        dir: u32,
+        inode: &Inode,
+        name: &[u8],
+    ) -> Result<Option<Option<(u32, u8)>>> {
+        let nblocks = (inode.size / self.bs64()) as u32;
+        let seed = self.csum.inode_seed(dir, inode.generation);
+        let geo = self.dx_geo();
+        let csum = self.csum.enabled;
+        let block = |me: &mut Inner, l: u32| -> Result<(u64, Vec<u8>)> {
+            let m = if l < nblocks {
+                me.ext_map(dir, inode, l)?
+            } else {
+                None
+            };
+            let pblk = match m {
+                Some(m) if !m.unwritten => m.pblk,
+                _ => {
+                    return Err(FsError::corrupt(format!(
+                        "directory {dir}: htree block {l} of {nblocks} is not mapped"
+                    )))
+                }
+            };
+            Ok((pblk, me.read_meta(pblk)?.data().to_vec()))
+        };
+        let (p0, b0) = block(self, 0)?;
+        if csum {
+            dx::verify_csum(&b0, dx::ROOT_COUNT_OFFSET, seed, p0)?;
+        }
+        let root = dx::parse_root(&b0, &geo, p0)?;
+        let eff = self.sb.effective_hash_version(root.hash_version);
+        let (hash, _) = dirhash::dx_hash(name, eff, &self.sb.hash_seed());
+        let mut entries = root.entries;
+        for level in 0..=root.indirect_levels {
+            if entries.is_empty() {
+                return Err(FsError::corrupt(format!(
+                    "directory {dir}: empty htree node"
+                )));
+            }
+            let i = dx::lookup(&entries, hash);
+            let child = entries[i].block;
+            if child == 0 || child >= nblocks {
+                return Err(FsError::corrupt(format!(
+                    "directory {dir}: htree points at block {child} of {nblocks}"
+                )));
+            }
+            if level < root.indirect_levels {
+                let (p, d) = block(self, child)?;
+                if csum {
+                    dx::verify_csum(&d, dx::NODE_COUNT_OFFSET, seed, p)?;
+                }
+                entries = dx::parse_node(&d, &geo, p)?.entries;
+                continue;
+            }
+            let (p, d) = block(self, child)?;
+            if csum {
+                dirent::verify_leaf_csum(&d, seed, p)?;
+            }
+            for e in dirent::iter(&d, self.leaf_geo(), p) {
+                let e = e?;
+                if e.inode != 0 && e.name == name {
+                    return Ok(Some(Some((e.inode, e.file_type))));
+                }
+            }
+            let continues = match entries.get(i + 1) {
+                Some(next) => next.hash & dx::HASH_CONTINUATION != 0 && next.hash & !1 == hash,
+                None => root.indirect_levels > 0,
+            };
+            return Ok(if continues { None } else { Some(None) });
+        }
+        Err(FsError::corrupt(format!(
+            "directory {dir}: htree probe fell off the tree"
+        )))
     }
 
     /// Read the dx root (and interior nodes) of an indexed directory.

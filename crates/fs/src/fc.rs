@@ -193,7 +193,14 @@ pub struct FcTracker {
     pub durable_upto: u64,
     pub stats: FcStats,
     protect: FcProtect,
+    /// Tracked entries past which tracking prunes what full commits made
+    /// durable (without fsyncs nothing else would: memory, and the linear
+    /// scans of `dentries`); doubles with what survives a prune.
+    prune_at: usize,
 }
+
+/// The first [`FcTracker::prune_at`].
+const PRUNE_MIN: usize = 4096;
 
 /// `fc_data_csum`: file blocks named by DATA_CSUM records of the fast commit that
 /// is (or is about to become) the last one in the log. Recovery checks that
@@ -279,6 +286,7 @@ impl Inner {
         if !self.fc_enabled {
             return;
         }
+        self.fc_prune_if_large();
         let v = self.fc.bump();
         let e = self.fc.inodes.entry(ino).or_insert(Tracked {
             tid,
@@ -299,6 +307,7 @@ impl Inner {
         if !self.fc_enabled {
             return;
         }
+        self.fc_prune_if_large();
         self.fc.bump();
         self.fc.dentries.push((tid, op));
     }
@@ -311,6 +320,19 @@ impl Inner {
             .dentries
             .iter()
             .any(|(t, d)| *t == tid && matches!(d, DentryOp::Creat { ino: i, .. } if *i == ino))
+    }
+
+    /// Inode and dentry changes tracked now (`commitfs stats`, memory tests).
+    pub fn fc_tracked(&self) -> usize {
+        self.fc.inodes.len() + self.fc.dentries.len()
+    }
+
+    fn fc_prune_if_large(&mut self) {
+        let n = self.fc.inodes.len() + self.fc.dentries.len();
+        if n >= self.fc.prune_at.max(PRUNE_MIN) {
+            self.fc_prune();
+            self.fc.prune_at = 2 * (self.fc.inodes.len() + self.fc.dentries.len());
+        }
     }
 
     /// Drop what committed transactions made durable.

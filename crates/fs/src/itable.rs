@@ -14,14 +14,25 @@ use std::collections::{HashMap, HashSet};
 use commitfs_format::inode::Inode;
 use parking_lot::Mutex;
 
-/// Cached inodes kept at most (beyond it the cache is emptied, keeping the
-/// inodes whose lazytime atime lives only here).
-const CACHE_MAX: usize = 1 << 20;
+/// Cached inodes kept at most until [`InodeTable::set_budget`] says otherwise.
+const DEFAULT_CAP: usize = 1 << 20;
 
-#[derive(Default)]
+/// A cached inode and its second-chance bit (set by every use, cleared by an
+/// eviction sweep that spares it once).
+struct Entry {
+    inode: Inode,
+    used: bool,
+}
+
 struct State {
-    /// Cached decoded inodes.
-    inodes: HashMap<u32, Inode>,
+    /// Cached decoded inodes. Only a cache: every inode here is also in its
+    /// inode-table buffer, except a pending lazytime atime (`lazy`), which
+    /// eviction keeps.
+    inodes: HashMap<u32, Entry>,
+    /// Inodes cached at most; a sweep brings the cache down to 3/4 of it.
+    cap: usize,
+    /// Inodes dropped by sweeps (`commitfs stats`).
+    evicted: u64,
     /// Open file handles per inode (open-unlinked files stay until the last close).
     open: HashMap<u32, u32>,
     /// Inodes with no links left that are still open; freed at the last close.
@@ -33,6 +44,78 @@ struct State {
     lazy_oldest: Option<u64>,
 }
 
+impl Default for State {
+    fn default() -> Self {
+        State {
+            inodes: HashMap::new(),
+            cap: DEFAULT_CAP,
+            evicted: 0,
+            open: HashMap::new(),
+            unlinked_open: HashSet::new(),
+            lazy: HashMap::new(),
+            lazy_oldest: None,
+        }
+    }
+}
+
+impl State {
+    fn put(&mut self, ino: u32, inode: Inode) {
+        if let Some(e) = self.inodes.get_mut(&ino) {
+            *e = Entry { inode, used: true };
+            return;
+        }
+        self.make_room();
+        self.inodes.insert(ino, Entry { inode, used: true });
+    }
+
+    fn touch(&mut self, ino: u32) -> Option<&Inode> {
+        let e = self.inodes.get_mut(&ino)?;
+        e.used = true;
+        Some(&e.inode)
+    }
+
+    /// Make room for one more inode: past the cap, drop entries not used since
+    /// the last sweep (second chance, an approximation of LRU at O(1) amortised
+    /// cost: a sweep frees a quarter of the cap), never a pending lazytime atime.
+    fn make_room(&mut self) {
+        if self.inodes.len() < self.cap {
+            return;
+        }
+        let target = self.cap * 3 / 4;
+        let State {
+            inodes,
+            lazy,
+            evicted,
+            ..
+        } = self;
+        for _pass in 0..2 {
+            let mut excess = inodes.len().saturating_sub(target);
+            inodes.retain(|ino, e| {
+                if excess == 0 || lazy.contains_key(ino) {
+                    return true;
+                }
+                if std::mem::take(&mut e.used) {
+                    return true;
+                }
+                excess -= 1;
+                *evicted += 1;
+                false
+            });
+            if inodes.len() <= target {
+                break;
+            }
+        }
+    }
+}
+
+/// Inode-cache sizes and counters (`commitfs stats`).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct InodeCacheStats {
+    pub cached: usize,
+    pub cap: usize,
+    pub evicted: u64,
+}
+
 #[derive(Default)]
 pub(crate) struct InodeTable {
     st: Mutex<State>,
@@ -41,18 +124,35 @@ pub(crate) struct InodeTable {
 impl InodeTable {
     // ---- cache ----------------------------------------------------------------
 
+    /// Bound the cache to about `bytes` of memory for inodes of `inode_size`
+    /// bytes on disk (the decoded struct, its variable parts and the map's
+    /// share; at least 1,024 inodes).
+    pub fn set_budget(&self, bytes: usize, inode_size: usize) {
+        let per = std::mem::size_of::<(u32, Entry)>() + inode_size + 64;
+        self.st.lock().cap = (bytes / per).max(1024);
+    }
+
+    pub fn cache_stats(&self) -> InodeCacheStats {
+        let st = self.st.lock();
+        InodeCacheStats {
+            cached: st.inodes.len(),
+            cap: st.cap,
+            evicted: st.evicted,
+        }
+    }
+
     /// A copy of the cached inode.
     pub fn get(&self, ino: u32) -> Option<Inode> {
-        self.st.lock().inodes.get(&ino).cloned()
+        self.st.lock().touch(ino).cloned()
     }
 
     /// The attributes of a cached inode that is live (links, or open), without
     /// `Inner`: `None` when it is not cached (the caller asks `Inner`),
     /// `Some(Err(NotFound))` when it is freed or unlinked and closed.
     pub fn cached_attr(&self, ino: u32, bs: usize) -> Option<crate::Result<crate::Attr>> {
-        let st = self.st.lock();
-        let i = st.inodes.get(&ino)?;
+        let mut st = self.st.lock();
         let open = st.open.get(&ino).is_some_and(|&c| c > 0);
+        let i = st.touch(ino)?;
         if i.mode == 0 || (i.links_count == 0 && !open) {
             return Some(Err(crate::FsError::NotFound));
         }
@@ -61,25 +161,19 @@ impl InodeTable {
 
     /// `f` of the cached inode, without copying it.
     pub fn with<R>(&self, ino: u32, f: impl FnOnce(&Inode) -> R) -> Option<R> {
-        self.st.lock().inodes.get(&ino).map(f)
+        self.st.lock().touch(ino).map(f)
     }
 
     /// Cache an inode read from its table.
     pub fn insert(&self, ino: u32, inode: Inode) {
-        let mut st = self.st.lock();
-        if st.inodes.len() > CACHE_MAX {
-            // Lazytime atimes live only in the cache until written: keep them.
-            let State { inodes, lazy, .. } = &mut *st;
-            inodes.retain(|i, _| lazy.contains_key(i));
-        }
-        st.inodes.insert(ino, inode);
+        self.st.lock().put(ino, inode);
     }
 
     /// Cache an inode just written to its table buffer (which now holds
     /// whatever atime the cache had).
     pub fn store_written(&self, ino: u32, inode: Inode) {
         let mut st = self.st.lock();
-        st.inodes.insert(ino, inode);
+        st.put(ino, inode);
         if !st.lazy.is_empty() {
             st.lazy.remove(&ino);
         }
@@ -149,7 +243,7 @@ impl InodeTable {
     /// (kept if older); returns the oldest such time.
     pub fn lazy_note(&self, ino: u32, inode: Inode, secs: u64) -> u64 {
         let mut st = self.st.lock();
-        st.inodes.insert(ino, inode);
+        st.put(ino, inode);
         st.lazy.entry(ino).or_insert(secs);
         *st.lazy_oldest.get_or_insert(secs)
     }

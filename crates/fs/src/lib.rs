@@ -37,9 +37,11 @@ use commitfs_format::superblock::Superblock;
 use parking_lot::Mutex;
 
 pub use acl::{Acl, AclEntry, AclKind};
+pub use dir::DirCacheStats;
 pub use error::{FsError, Result};
 pub use fc::{FcReason, FcStats};
 pub use fc_replay::FcReplayReport;
+pub use itable::InodeCacheStats;
 pub use pagecache::CacheStats;
 pub use types::*;
 
@@ -94,6 +96,18 @@ pub struct Stats {
     /// fdatasyncs that only had to make file data durable (no commit: the
     /// inode's size and mapping were durable already, C.5).
     pub fdatasyncs_data_only: u64,
+}
+
+/// The metadata caches now ([`Fs::meta_cache_stats`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct MetaCacheStats {
+    /// Metadata buffers cached (each one block).
+    pub buffers: usize,
+    pub inodes: InodeCacheStats,
+    pub dirs: DirCacheStats,
+    /// Changes the fast-commit tracker holds (not a cache, but it grew with
+    /// every change until an fsync before it was bounded).
+    pub fc_tracked: usize,
 }
 
 /// What the recovery at mount replayed after a crash: the JBD2 log, then the
@@ -279,19 +293,16 @@ impl Fs {
         let pipeline = opts.pipeline;
         let (page_cache, cache_mb) = (opts.page_cache, opts.cache_mb);
         let mut inner = Inner::mount(dev.clone(), opts)?;
-        let pc = (page_cache && !inner.read_only && inner.journal.has_log()).then(|| {
-            Arc::new(pagecache::PageCache::new(
-                inner.bs,
-                cache_mb as usize * (1 << 20),
-            ))
-        });
+        // Every cache is bounded, together by `cache_size=` (CacheBudget).
+        let budget = CacheBudget::of_mib(cache_mb);
+        let pc = (page_cache && !inner.read_only && inner.journal.has_log())
+            .then(|| Arc::new(pagecache::PageCache::new(inner.bs, budget.pages)));
         inner.pc = pc.clone();
-        if pc.is_some() {
-            // Metadata buffers get as much memory as file data (`cache_size=`).
-            inner
-                .journal
-                .set_cache_limit(cache_mb as usize * (1 << 20) / inner.bs);
-        }
+        inner.journal.set_cache_limit(budget.buffers / inner.bs);
+        inner
+            .itable
+            .set_budget(budget.inodes, inner.sb.inode_size() as usize);
+        inner.dirs.set_budget(budget.dirs);
         // e2fsck 1.47 replays fast commits over a stale copy of this block unless
         // it is home (fc.rs, FcReason::JournalInodeBlock).
         inner.journal.keep_home(inner.fc_journal_inode_block());
@@ -645,6 +656,18 @@ impl Fs {
             fdatasyncs_data_only: self
                 .fdatasyncs_data_only
                 .load(std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+
+    /// Sizes and counters of the metadata caches (buffers, inodes,
+    /// directories), for `commitfs stats` and the memory tests.
+    pub fn meta_cache_stats(&self) -> MetaCacheStats {
+        let g = self.inner.lock();
+        MetaCacheStats {
+            buffers: g.journal.cached_buffers(),
+            inodes: g.itable.cache_stats(),
+            dirs: g.dirs.stats(),
+            fc_tracked: g.fc_tracked(),
         }
     }
 

@@ -183,8 +183,33 @@ pub struct MountOptions {
     /// off: writes go to the device at `write()` time). Only on journaled
     /// read-write mounts.
     pub page_cache: bool,
-    /// `-o cache_size=MiB`: memory for cached file data.
+    /// `-o cache_size=MiB`: memory for every cache of the mount together
+    /// (file data, metadata buffers, inodes, directories; [`CacheBudget`]).
     pub cache_mb: u32,
+}
+
+/// How `cache_size=` is shared among the caches (docs/ARCHITECTURE.md
+/// "Memory"): file-data pages half, metadata buffers a quarter, decoded inodes
+/// and directory indexes an eighth each. Fixed shares keep every cache bounded
+/// on its own, whatever the workload, and their sum under the cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheBudget {
+    pub pages: usize,
+    pub buffers: usize,
+    pub inodes: usize,
+    pub dirs: usize,
+}
+
+impl CacheBudget {
+    pub fn of_mib(mib: u32) -> CacheBudget {
+        let total = (mib as usize).max(1) << 20;
+        CacheBudget {
+            pages: total / 2,
+            buffers: total / 4,
+            inodes: total / 8,
+            dirs: total / 8,
+        }
+    }
 }
 
 /// `errors=` (ext4 semantics, see docs/ARCHITECTURE.md "Device errors"). In every

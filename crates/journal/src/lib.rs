@@ -129,6 +129,9 @@ pub struct Buffer {
     /// Frozen and committed versions (a leaf lock: nothing else is taken while
     /// it is held).
     vers: Mutex<Versions>,
+    /// Second-chance bit of the buffer cache: set by every cache hit, cleared
+    /// by an eviction sweep that spares the buffer once.
+    used: AtomicBool,
 }
 
 impl Buffer {
@@ -138,6 +141,7 @@ impl Buffer {
             data: RwLock::new(data),
             dirty: AtomicBool::new(false),
             vers: Mutex::new(Versions::default()),
+            used: AtomicBool::new(false),
         }
     }
     pub fn blocknr(&self) -> u64 {
@@ -603,8 +607,14 @@ impl Core {
         }
     }
 
+    /// Metadata buffers cached now (`commitfs stats`).
+    pub fn cached_buffers(&self) -> usize {
+        self.cache.lock().len()
+    }
+
     /// Bound the metadata buffer cache to `buffers` (at least 1,024): past it,
-    /// clean buffers nobody holds are dropped.
+    /// clean buffers nobody holds are dropped, those not used since the last
+    /// sweep first.
     pub fn set_cache_limit(&self, buffers: usize) {
         self.cache_limit.store(buffers.max(1024), Ordering::Relaxed);
     }
@@ -735,6 +745,9 @@ impl Core {
     /// Read a metadata block through the cache.
     pub fn bread(&self, blocknr: u64) -> Result<Arc<Buffer>> {
         if let Some(b) = self.cache.lock().get(&blocknr) {
+            if !b.used.load(Ordering::Relaxed) {
+                b.used.store(true, Ordering::Relaxed);
+            }
             return Ok(b.clone());
         }
         if blocknr >= self.blocks {
@@ -749,8 +762,22 @@ impl Core {
         let mut cache = self.cache.lock();
         let lim = self.cache_limit.load(Ordering::Relaxed);
         if cache.len() >= lim.max(self.cache_next.load(Ordering::Relaxed)) {
-            // Drop clean buffers nobody holds; dirty ones stay until written home.
-            cache.retain(|_, b| b.is_dirty() || Arc::strong_count(b) > 1);
+            // Drop clean buffers nobody holds and nobody used since the last
+            // sweep (second chance); if that is not enough, every clean
+            // unheld one. Dirty ones stay until written home.
+            cache.retain(|_, b| {
+                b.is_dirty() || Arc::strong_count(b) > 1 || b.used.swap(false, Ordering::Relaxed)
+            });
+            let mut excess = cache.len().saturating_sub(lim);
+            if excess > 0 {
+                cache.retain(|_, b| {
+                    if excess == 0 || b.is_dirty() || Arc::strong_count(b) > 1 {
+                        return true;
+                    }
+                    excess -= 1;
+                    false
+                });
+            }
             self.cache_next
                 .store(cache.len() + lim / 8, Ordering::Relaxed);
         }
@@ -1649,17 +1676,21 @@ mod log_tests {
     const JLEN: u32 = 64;
 
     fn fresh_device() -> Arc<MemDevice> {
-        let dev = Arc::new(MemDevice::new(400 * BS));
+        device_with_log(400, JSTART, JLEN)
+    }
+
+    fn device_with_log(blocks: usize, jstart: u64, jlen: u32) -> Arc<MemDevice> {
+        let dev = Arc::new(MemDevice::new(blocks * BS));
         let mut sb = vec![0u8; BS];
         put_be32(&mut sb, jbd2::H_MAGIC, jbd2::JBD2_MAGIC);
         put_be32(&mut sb, jbd2::H_BLOCKTYPE, jbd2::BLOCKTYPE_SUPERBLOCK_V2);
         put_be32(&mut sb, jbd2::S_BLOCKSIZE, BS as u32);
-        put_be32(&mut sb, jbd2::S_MAXLEN, JLEN);
+        put_be32(&mut sb, jbd2::S_MAXLEN, jlen);
         put_be32(&mut sb, jbd2::S_FIRST, 1);
         put_be32(&mut sb, jbd2::S_SEQUENCE, 1);
         put_be32(&mut sb, jbd2::S_NR_USERS, 1);
         sb[jbd2::S_UUID..jbd2::S_UUID + 16].copy_from_slice(&[7u8; 16]);
-        dev.write_at(JSTART * BS as u64, &sb, IoCategory::Journal, false)
+        dev.write_at(jstart * BS as u64, &sb, IoCategory::Journal, false)
             .unwrap();
         dev
     }
@@ -1821,6 +1852,47 @@ mod log_tests {
         let crash = MemDevice::from_vec(dev.contents());
         recover(&crash, &map, BS, false).unwrap();
         assert_eq!(home(&crash, 40), 9);
+    }
+
+    /// Memory bound (docs/ARCHITECTURE.md "Memory"): committed buffers wait on
+    /// the checkpoint list, where they cannot be evicted; once a commit would
+    /// take the list past the cache bound it checkpoints first, though the log
+    /// has room. The cache then stays near the bound, the blocks are home, and
+    /// everything still reads back.
+    #[test]
+    fn committed_buffers_are_checkpointed_past_the_cache_bound() {
+        const LOG: u32 = 4096;
+        let dev = device_with_log(8192, 4096, LOG);
+        let map = JournalMap::contiguous(4096, LOG);
+        for bounded in [false, true] {
+            let j = Journal::open_log(dev.clone(), BS, map.clone(), opts()).unwrap();
+            if bounded {
+                j.set_cache_limit(1024);
+            }
+            let before = j.stats().checkpoints;
+            let v0 = if bounded { 21 } else { 1 };
+            // 10 commits of 250 blocks: 2,500 committed buffers, a log of 4,096.
+            for t in 0..10u64 {
+                let blocks: Vec<(u64, u8)> = (0..250)
+                    .map(|i| (100 + t * 250 + i, v0 + t as u8))
+                    .collect();
+                write_tx(&j, &blocks);
+                j.commit().unwrap();
+            }
+            let checkpoints = j.stats().checkpoints - before;
+            if bounded {
+                assert!(checkpoints >= 2, "{checkpoints} checkpoints");
+                assert!(j.cached_buffers() <= 1024 + 250, "{}", j.cached_buffers());
+                assert_eq!(home(&dev, 100), v0, "checkpointed home");
+            } else {
+                assert_eq!(checkpoints, 0, "the log had room");
+                assert!(j.cached_buffers() >= 2500, "{}", j.cached_buffers());
+            }
+            for t in 0..10u64 {
+                assert_eq!(j.bread(100 + t * 250).unwrap().data()[0], v0 + t as u8);
+            }
+            j.checkpoint().unwrap();
+        }
     }
 
     fn verify() -> RecoverOptions {

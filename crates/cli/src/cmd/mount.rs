@@ -64,7 +64,7 @@ pub struct MountCmdOptions {
     pub fsync_threads: Option<usize>,
     /// `nocache`: no page cache in the daemon (file data written at `write()`).
     pub nocache: bool,
-    /// `cache_size=MiB`: memory for the daemon's page cache.
+    /// `cache_size=MiB`: memory for all of the daemon's caches together.
     pub cache_mb: u32,
 }
 

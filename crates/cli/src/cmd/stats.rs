@@ -53,6 +53,7 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
     }
     let j = s.journal;
     let fc_commits = fc.commits.max(1) as f64;
+    let m = fs.meta_cache_stats();
     json!({
         "journal_mode": s.journal_mode,
         "device": dev,
@@ -104,6 +105,18 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
             "dropped_dirty": c.dropped_dirty,
             "evicted": c.evicted,
         })),
+        "metadata_caches": json!({
+                "buffers": m.buffers,
+                "inodes": m.inodes.cached,
+                "inode_cap": m.inodes.cap,
+                "inodes_evicted": m.inodes.evicted,
+                "dirs": m.dirs.cached,
+                "dir_bytes": m.dirs.bytes,
+                "dir_budget": m.dirs.budget,
+                "dir_loads": m.dirs.loads,
+                "dirs_evicted": m.dirs.evicted,
+                "dir_probes": m.dirs.probes,
+            }),
     })
 }
 
@@ -234,6 +247,23 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
         );
     } else {
         println!("page cache: off (-o nocache)");
+    }
+    let m = &v["metadata_caches"];
+    if m.is_object() {
+        println!(
+            "metadata caches: {} buffers; {} inodes (cap {}, {} evicted); {} directories, {} B \
+             (budget {} B; {} loaded, {} evicted, {} lookups by htree probe)",
+            m["buffers"],
+            m["inodes"],
+            m["inode_cap"],
+            m["inodes_evicted"],
+            m["dirs"],
+            m["dir_bytes"],
+            m["dir_budget"],
+            m["dir_loads"],
+            m["dirs_evicted"],
+            m["dir_probes"]
+        );
     }
     if let Some(m) = v["fuse_requests"].as_object().filter(|m| !m.is_empty()) {
         let mut rows: Vec<_> = m.iter().collect();

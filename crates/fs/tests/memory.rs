@@ -1,0 +1,218 @@
+//! Every cache is bounded (issue #11, acceptance 2; docs/ARCHITECTURE.md
+//! "Memory"): metadata buffers, decoded inodes and directory states stay
+//! within their share of `cache_size=` while far more files than fit are
+//! created, written, looked up and listed; what eviction drops is read back
+//! correctly; a lookup in a large directory whose state was evicted probes the
+//! on-disk htree instead of loading the directory again.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use commitfs_device::{DeviceRef, FileDevice};
+use commitfs_fs::testutil::{assert_fsck_clean, mkfs, read_all, TempImage};
+use commitfs_fs::*;
+
+/// `cache_size=1` (MiB): 512 KiB of pages, 1,024 buffers (the floor),
+/// 1,024 inodes (the floor) and 128 KiB of directory states.
+fn small(img: &TempImage) -> Fs {
+    let dev: DeviceRef = Arc::new(FileDevice::open(&img.path, false).unwrap());
+    Fs::open(
+        dev,
+        MountOptions {
+            commit_interval: 0,
+            cache_mb: 1,
+            fast_commit: true,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+fn content(d: usize, f: usize) -> Vec<u8> {
+    format!("dir {d} file {f} ")
+        .repeat(1 + (d * 7 + f) % 40)
+        .into_bytes()
+}
+
+/// Peaks of the metadata caches, checked after every operation batch.
+#[derive(Default)]
+struct Peaks {
+    inodes: usize,
+    dir_bytes: usize,
+    buffers: usize,
+    fc_tracked: usize,
+}
+
+impl Peaks {
+    fn note(&mut self, fs: &Fs) {
+        let s = fs.meta_cache_stats();
+        self.inodes = self.inodes.max(s.inodes.cached);
+        self.dir_bytes = self.dir_bytes.max(s.dirs.bytes);
+        self.buffers = self.buffers.max(s.buffers);
+        self.fc_tracked = self.fc_tracked.max(s.fc_tracked);
+        assert!(
+            s.inodes.cached <= s.inodes.cap,
+            "inode cache over its cap: {s:?}"
+        );
+        assert!(
+            s.dirs.bytes <= s.dirs.budget,
+            "directory cache over its budget: {s:?}"
+        );
+    }
+}
+
+/// 120 directories of 60 files each (7,200 inodes against a cap of 1,024,
+/// about 1 MiB of names against 128 KiB), written, then every file looked up,
+/// stat'ed, read and every directory listed: the caches stay in bounds and
+/// evict, and every answer is right, before and after a remount; e2fsck clean.
+#[test]
+fn metadata_caches_stay_within_their_budget() {
+    let img = mkfs(
+        "mem-bound",
+        128,
+        &["-b", "4096", "-N", "16384", "-O", "fast_commit"],
+    );
+    const DIRS: usize = 120;
+    const FILES: usize = 60;
+    let mut peaks = Peaks::default();
+    let mut model: BTreeMap<(usize, usize), Vec<u8>> = BTreeMap::new();
+    {
+        let fs = small(&img);
+        let budget = fs.meta_cache_stats();
+        assert_eq!(budget.inodes.cap, 1024);
+        assert_eq!(budget.dirs.budget, 128 << 10);
+        for d in 0..DIRS {
+            let dir = fs
+                .mkdir(ROOT_INO, format!("d{d}").as_bytes(), 0o755, 0, 0)
+                .unwrap()
+                .ino;
+            for f in 0..FILES {
+                let a = fs
+                    .create(dir, format!("file-{f:04}").as_bytes(), 0o644, 0, 0)
+                    .unwrap();
+                let c = content(d, f);
+                assert_eq!(fs.write(a.ino, 0, &c).unwrap(), c.len());
+                fs.release(a.ino).unwrap();
+                model.insert((d, f), c);
+            }
+            if d % 10 == 9 {
+                fs.sync().unwrap();
+            }
+            peaks.note(&fs);
+        }
+        let s = fs.meta_cache_stats();
+        assert!(s.inodes.evicted > 0, "no inode was evicted: {s:?}");
+        // Fast-commit tracking forgets what the syncs' full commits made
+        // durable (14,400 changes were tracked, 1,200 between syncs).
+        assert!(
+            peaks.fc_tracked < 8192,
+            "fc tracker peak {}",
+            peaks.fc_tracked
+        );
+        assert!(s.dirs.evicted > 0, "no directory was evicted: {s:?}");
+        check_tree(&fs, &model, &mut peaks);
+        // Buffers: at most the limit once the dirty ones are home.
+        fs.sync().unwrap();
+        assert!(
+            fs.meta_cache_stats().buffers <= 1024 + 1024 / 8,
+            "{:?}",
+            fs.meta_cache_stats()
+        );
+        fs.unmount().unwrap();
+    }
+    assert_fsck_clean(&img.path);
+    let fs = small(&img);
+    check_tree(&fs, &model, &mut peaks);
+    fs.unmount().unwrap();
+    assert!(peaks.inodes <= 1024, "inode peak {}", peaks.inodes);
+    assert!(peaks.dir_bytes <= 128 << 10, "dir peak {}", peaks.dir_bytes);
+}
+
+fn check_tree(fs: &Fs, model: &BTreeMap<(usize, usize), Vec<u8>>, peaks: &mut Peaks) {
+    let dirs = model.keys().map(|k| k.0).max().unwrap() + 1;
+    for d in 0..dirs {
+        let dir = fs.lookup(ROOT_INO, format!("d{d}").as_bytes()).unwrap().ino;
+        let mut listed = Vec::new();
+        fs.readdir(dir, 0, |e| {
+            listed.push(e.name.to_vec());
+            true
+        })
+        .unwrap();
+        listed.retain(|n| n != b"." && n != b"..");
+        listed.sort();
+        let want: Vec<Vec<u8>> = model
+            .range((d, 0)..(d + 1, 0))
+            .map(|((_, f), _)| format!("file-{f:04}").into_bytes())
+            .collect();
+        assert_eq!(listed, want, "listing of d{d}");
+        for ((_, f), c) in model.range((d, 0)..(d + 1, 0)) {
+            let a = fs.lookup(dir, format!("file-{f:04}").as_bytes()).unwrap();
+            assert_eq!(a.size, c.len() as u64);
+            assert_eq!(fs.getattr(a.ino).unwrap().size, c.len() as u64);
+            assert_eq!(&read_all(fs, a.ino), c, "content of d{d}/file-{f:04}");
+        }
+        assert!(matches!(fs.lookup(dir, b"absent"), Err(FsError::NotFound)));
+        peaks.note(fs);
+    }
+}
+
+/// A directory of 6,000 names (an htree of some 60 leaves) is evicted by work
+/// in other directories; looking its names up afterwards probes the index on
+/// disk (a few block reads) instead of reading all of it back: the number of
+/// directory loads does not move, and present, absent and just-removed names
+/// are answered right.
+#[test]
+fn lookups_in_an_evicted_large_directory_probe_the_htree() {
+    let img = mkfs("mem-probe", 128, &["-b", "4096", "-N", "16384"]);
+    let fs = small(&img);
+    let big = fs.mkdir(ROOT_INO, b"big", 0o755, 0, 0).unwrap().ino;
+    const N: usize = 6000;
+    let mut inos = Vec::with_capacity(N);
+    for i in 0..N {
+        let a = fs
+            .create(
+                big,
+                format!("entry-with-a-longer-name-{i}").as_bytes(),
+                0o644,
+                0,
+                0,
+            )
+            .unwrap();
+        fs.release(a.ino).unwrap();
+        inos.push(a.ino);
+    }
+    fs.unlink(big, b"entry-with-a-longer-name-17").unwrap();
+    // Work elsewhere until the big directory's state is gone.
+    let other = fs.mkdir(ROOT_INO, b"other", 0o755, 0, 0).unwrap().ino;
+    let a = fs.create(other, b"x", 0o644, 0, 0).unwrap();
+    fs.release(a.ino).unwrap();
+    let before = fs.meta_cache_stats().dirs;
+    assert!(before.evicted > 0, "{before:?}");
+    for i in (0..N).step_by(7) {
+        let name = format!("entry-with-a-longer-name-{i}");
+        match fs.lookup(big, name.as_bytes()) {
+            Ok(a) => {
+                assert_ne!(i, 17);
+                assert_eq!(a.ino, inos[i], "{name}");
+            }
+            Err(FsError::NotFound) => assert_eq!(i, 17, "{name} not found"),
+            Err(e) => panic!("{name}: {e}"),
+        }
+        assert!(matches!(
+            fs.lookup(big, format!("missing-{i}").as_bytes()),
+            Err(FsError::NotFound)
+        ));
+    }
+    let after = fs.meta_cache_stats().dirs;
+    assert_eq!(
+        after.loads, before.loads,
+        "a lookup loaded a directory: {before:?} -> {after:?}"
+    );
+    assert!(after.probes >= 2 * (N as u64 / 7), "{after:?}");
+    // A change loads it again, and it stays right.
+    let a = fs.create(big, b"late", 0o644, 0, 0).unwrap();
+    fs.release(a.ino).unwrap();
+    assert_eq!(fs.lookup(big, b"late").unwrap().ino, a.ino);
+    fs.unmount().unwrap();
+    assert_fsck_clean(&img.path);
+}
