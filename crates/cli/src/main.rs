@@ -10,6 +10,11 @@ use commitfs::cmd::{demo, helper, info, mkfs, mount, size, stats, umount};
 use commitfs_bench as bench;
 mod crashtest_cmd;
 
+/// Memory freed by the page cache's evictions goes back to the system
+/// (docs/ARCHITECTURE.md "Memory").
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "commitfs",

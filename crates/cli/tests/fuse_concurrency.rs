@@ -58,7 +58,7 @@ fn mkfs(dev: &Path, fast_commit: bool) {
 /// The bytes thread `t` writes in round `r`.
 fn payload(t: usize, r: usize) -> Vec<u8> {
     let mut v = vec![0u8; 4096];
-    let mut x = ((t as u64 + 1) * 0x9e37_79b9_7f4a_7c15) ^ r as u64;
+    let mut x = (t as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ r as u64;
     for b in v.iter_mut() {
         x ^= x << 13;
         x ^= x >> 7;

@@ -671,7 +671,14 @@ fn write_run<'a>(
         let b = bufs.next().expect("one block");
         dev.write_at(at, b, cat, false)?;
     } else {
-        let run: Vec<u8> = bufs.flat_map(|b| b.iter().copied()).collect();
+        let n = bufs.len();
+        let mut run: Vec<u8> = Vec::new();
+        for b in bufs {
+            if run.is_empty() {
+                run.reserve_exact(b.len() * n);
+            }
+            run.extend_from_slice(b);
+        }
         dev.write_at(at, &run, cat, false)?;
     }
     Ok(())
