@@ -612,15 +612,22 @@ impl Core {
         self.cache.lock().len()
     }
 
-    /// Bound the metadata buffer cache to `buffers` (at least 1,024): past it,
-    /// clean buffers nobody holds are dropped, those not used since the last
-    /// sweep first.
+    /// Bound the journal's metadata memory to about `buffers` blocks (at
+    /// least 1,024; docs/ARCHITECTURE.md "Memory"): the cache holds at most
+    /// 2/3 of it (past that, clean buffers nobody holds are dropped, those not
+    /// used since the last sweep first), committed buffers waiting for a
+    /// checkpoint (each also holds its committed copy) at most 1/3, and a
+    /// running transaction is committed at 1/6 (its frozen copies).
     pub fn set_cache_limit(&self, buffers: usize) {
-        self.cache_limit.store(buffers.max(1024), Ordering::Relaxed);
+        let b = buffers.max(1024);
+        self.cache_limit.store(b * 2 / 3, Ordering::Relaxed);
+        let _ = self
+            .max_tx_blocks
+            .fetch_min((b / 6).max(256) as u64, Ordering::Relaxed);
     }
 
     /// Blocks a running transaction may log before it is committed (a quarter
-    /// of the log).
+    /// of the log, and a share of the memory bound).
     pub fn max_transaction_blocks(&self) -> u64 {
         self.max_tx_blocks.load(Ordering::Relaxed)
     }

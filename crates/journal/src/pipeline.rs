@@ -336,14 +336,15 @@ impl Core {
         let revoke_list: Vec<u64> = revokes.iter().copied().collect();
         // Log space: a checkpoint first if it is short; that restarts the log, so
         // every earlier transaction must be durable (drain). Memory too: the
-        // buffers waiting for a checkpoint cannot be evicted, so once they
-        // would pass the metadata cache's bound they are written home first
+        // buffers waiting for a checkpoint cannot be evicted and hold a second
+        // copy, so once they would pass half the cache's bound (a third of the
+        // memory bound, `Journal::set_cache_limit`) they are written home first
         // (the kernel's flusher writes committed metadata back on its own).
         // Once per commit: a checkpoint may leave blocks on the list (those
         // freed by a transaction not committed yet), so the test could stay true.
         let waiting = log.lock().checkpoint_list().lock().len();
         let mut over_memory =
-            waiting > 0 && waiting + frozen.len() > self.cache_limit.load(Ordering::Relaxed);
+            waiting > 0 && waiting + frozen.len() > self.cache_limit.load(Ordering::Relaxed) / 2;
         loop {
             if !std::mem::take(&mut over_memory)
                 && !log.lock().needs_checkpoint(frozen.len(), &revoke_list)?
