@@ -53,7 +53,9 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',')]
     pub systems: Vec<String>,
     /// Workloads (comma-separated): fc-micro, varmail-shared, varmail-split,
-    /// fsmark, dbench, postmark, nfs-async, nfs-sync. Default: all.
+    /// fsmark, dbench, postmark, nfs-async, nfs-sync, seq-write, seq-read.
+    /// Default: all but seq-write and seq-read (they need --size 3G, 6G
+    /// without --quick).
     #[arg(long, value_delimiter = ',')]
     pub workloads: Vec<String>,
     /// loop (a loop device over an image file) or emulated:PROFILE
@@ -123,7 +125,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         v
     };
     let wl: Vec<String> = if a.workloads.is_empty() {
-        workloads::ALL.iter().map(|s| s.to_string()).collect()
+        workloads::default_set()
     } else {
         for w in &a.workloads {
             if !workloads::ALL.contains(&w.as_str()) {

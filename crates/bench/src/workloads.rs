@@ -18,6 +18,15 @@ use super::measure::{self, LatSummary};
 use super::ops::Api;
 use super::sys;
 
+/// Workloads run when none are named: all but the sequential ones, which need
+/// a device larger than the default.
+pub fn default_set() -> Vec<String> {
+    ALL.iter()
+        .filter(|w| !w.starts_with("seq-"))
+        .map(|s| s.to_string())
+        .collect()
+}
+
 /// Every workload id, in report order.
 pub const ALL: &[&str] = &[
     "fc-micro",
@@ -28,13 +37,21 @@ pub const ALL: &[&str] = &[
     "postmark",
     "nfs-async",
     "nfs-sync",
+    "seq-write",
+    "seq-read",
 ];
 
 /// Workloads that run on the library too (our own code, no external tool).
 pub fn builtin(id: &str) -> bool {
     matches!(
         id,
-        "fc-micro" | "varmail-shared" | "varmail-split" | "nfs-async" | "nfs-sync"
+        "fc-micro"
+            | "varmail-shared"
+            | "varmail-split"
+            | "nfs-async"
+            | "nfs-sync"
+            | "seq-write"
+            | "seq-read"
     ) || id == "postmark-lite"
 }
 
@@ -48,6 +65,8 @@ pub fn describe(id: &str) -> &'static str {
         "postmark" => "postmark (NetApp): small-file create/delete/read/append, no fsync",
         "nfs-async" => "postmark-like transactions, fsync on every close of a written file (NFS async COMMIT on close)",
         "nfs-sync" => "postmark-like transactions, fsync after every write and every metadata op (NFS sync export)",
+        "seq-write" => "one file written sequentially in 1 MiB writes, then fsync (1 GiB; 4 GiB without --quick: give --size 6G)",
+        "seq-read" => "the same file read back sequentially in 1 MiB reads, the kernel's caches dropped first",
         _ => "",
     }
 }
@@ -145,6 +164,11 @@ pub fn plan(id: &str, s: Scale) -> Vec<Point> {
             let files = if s.quick { 300 } else { 1000 };
             vec![p("t=4".into(), 4.0, 4, 0, files, s.secs())]
         }
+        "seq-write" | "seq-read" => {
+            // n: the file's size in MiB.
+            let mib = if s.quick { 1024 } else { 4096 };
+            vec![p(format!("{mib}MiB"), mib as f64, 1, mib, 1, 0.0)]
+        }
         _ => Vec::new(),
     }
 }
@@ -217,7 +241,12 @@ pub fn prepare(api: &dyn Api, p: &Point, tag: &str) -> Result<Prepared> {
     ctx(api.mkdir(&dir), "mkdir")?;
     let mut sets = Vec::new();
     match p.workload.as_str() {
-        "fc-micro" => sets.push((dir.clone(), Vec::new(), Vec::new())),
+        "fc-micro" | "seq-write" => sets.push((dir.clone(), Vec::new(), Vec::new())),
+        "seq-read" => {
+            let name = format!("{dir}/seq");
+            seq_write_file(api, &name, p.n)?;
+            sets.push((dir.clone(), vec![name], vec![true]));
+        }
         "varmail-shared" | "varmail-split" | "nfs-async" | "nfs-sync" | "postmark-lite" => {
             let t = p.threads.max(1);
             let split = p.workload != "varmail-shared";
@@ -262,8 +291,57 @@ pub fn execute(api: &dyn Api, p: &Point, prep: Prepared) -> Result<WorkResult> {
         "nfs-async" => postmark_like(api, p, prep, Policy::Close),
         "nfs-sync" => postmark_like(api, p, prep, Policy::Sync),
         "postmark-lite" => postmark_like(api, p, prep, Policy::None),
+        "seq-write" => seq_write(api, p, &prep),
+        "seq-read" => seq_read(api, p, &prep),
         w => bail!("{w} is not a built-in workload"),
     }
+}
+
+/// Write `mib` MiB to a new file `name` in 1 MiB writes, then fsync.
+fn seq_write_file(api: &dyn Api, name: &str, mib: usize) -> Result<()> {
+    let chunk = vec![0x5au8; 1 << 20];
+    let mut f = ctx(api.create(name), "create")?;
+    for _ in 0..mib {
+        ctx(api.append(&mut f, &chunk), "write")?;
+    }
+    ctx(api.fsync(&mut f), "fsync")?;
+    ctx(api.close(f), "close")
+}
+
+fn mib_result(mib: usize, secs: f64, fsyncs: u64) -> WorkResult {
+    WorkResult {
+        ops: mib as u64,
+        secs,
+        throughput: mib as f64 / secs,
+        unit: "MiB/s".into(),
+        fsyncs,
+        ..Default::default()
+    }
+}
+
+/// Sequential write with the fsync that makes it durable (as `dd conv=fsync`):
+/// what reaches the device is timed, not only what the page cache absorbs.
+fn seq_write(api: &dyn Api, p: &Point, prep: &Prepared) -> Result<WorkResult> {
+    let t = Instant::now();
+    seq_write_file(api, &format!("{}/seq", prep.dir), p.n)?;
+    Ok(mib_result(p.n, t.elapsed().as_secs_f64(), 1))
+}
+
+/// Sequential read of the file `prepare` wrote, after the kernel's caches are
+/// dropped (commitfs's own page cache keeps what it holds: at most its cap).
+fn seq_read(api: &dyn Api, p: &Point, prep: &Prepared) -> Result<WorkResult> {
+    let name = &prep.sets[0].1[0];
+    let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
+    let mut buf = vec![0u8; 1 << 20];
+    let t = Instant::now();
+    let mut f = ctx(api.open(name, false), "open")?;
+    let got = ctx(api.read_all(&mut f, &mut buf), "read")?;
+    ctx(api.close(f), "close")?;
+    let secs = t.elapsed().as_secs_f64();
+    if got != (p.n as u64) << 20 {
+        bail!("read {got} bytes of {} MiB", p.n);
+    }
+    Ok(mib_result(p.n, secs, 0))
 }
 
 fn fc_micro(api: &dyn Api, p: &Point, prep: &Prepared) -> Result<WorkResult> {
