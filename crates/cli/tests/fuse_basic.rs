@@ -1157,3 +1157,44 @@ fn mmap_write_read_truncate_punch_through_the_cache() {
         "the image after unmount"
     );
 }
+
+/// The mount's readahead (`/sys/class/bdi/MAJ:MIN/read_ahead_kb`) is raised to
+/// 1 MiB once the kernel has taken the FUSE INIT reply (which would lower it
+/// again), so a sequential read is a request per MiB, not per 128 KiB;
+/// `read_ahead_kb=0` leaves the kernel's value and `read_ahead_kb=N` sets N.
+#[test]
+fn readahead_of_the_mount_is_raised() {
+    use std::os::unix::fs::MetadataExt;
+    let knob = |dir: &Path, wait: Duration| {
+        let dev = fs::metadata(dir).unwrap().dev();
+        let p = format!(
+            "/sys/class/bdi/{}:{}/read_ahead_kb",
+            libc::major(dev),
+            libc::minor(dev)
+        );
+        // Written by the daemon once INIT is done: poll briefly.
+        let deadline = std::time::Instant::now() + wait;
+        let mut last = String::new();
+        while std::time::Instant::now() < deadline {
+            last = fs::read_to_string(&p).unwrap().trim().to_string();
+            if last != "128" {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        last
+    };
+    let img = mkfs("fuse-ra", 64, &["-b", "4096"]);
+    for (opts, want) in [
+        (&[][..], "1024"),
+        (&["-o", "read_ahead_kb=2048"][..], "2048"),
+        (&["-o", "read_ahead_kb=0"][..], "128"),
+    ] {
+        let mut m = Mount::new(&img.path, opts);
+        // The kernel's own value: give the daemon time it would have used.
+        let wait = Duration::from_millis(if want == "128" { 500 } else { 5000 });
+        assert_eq!(knob(&m.dir, wait), want, "mount options {opts:?}");
+        m.unmount();
+    }
+    assert_fsck_clean(&img.path);
+}

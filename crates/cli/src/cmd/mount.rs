@@ -66,7 +66,16 @@ pub struct MountCmdOptions {
     pub nocache: bool,
     /// `cache_size=MiB`: memory for all of the daemon's caches together.
     pub cache_mb: u32,
+    /// `read_ahead_kb=N`: the kernel's readahead on this mount (root only;
+    /// default 1024, 0 keeps the kernel's 128).
+    pub read_ahead_kb: u32,
 }
+
+/// `read_ahead_kb` unless told otherwise: a FUSE read request carries at most
+/// 1 MiB (the kernel's `max_pages_limit`), and the 128 KiB the kernel grants a
+/// FUSE mount makes every sequential read a round trip per 128 KiB (measured:
+/// 306 MB/s reading a 1 GiB file, 1.8 GB/s at 1024).
+pub const DEFAULT_READ_AHEAD_KB: u32 = 1024;
 
 impl Default for MountCmdOptions {
     fn default() -> Self {
@@ -93,6 +102,7 @@ impl Default for MountCmdOptions {
             fsync_threads: None,
             nocache: false,
             cache_mb: MountOptions::default().cache_mb,
+            read_ahead_kb: DEFAULT_READ_AHEAD_KB,
         }
     }
 }
@@ -183,6 +193,11 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                         Ok(n) if (1..=1 << 20).contains(&n) => n,
                         _ => bail!("bad mount option {opt:?}: cache_size=MiB (1 to 1048576)"),
                     };
+                } else if let Some(v) = opt.strip_prefix("read_ahead_kb=") {
+                    o.read_ahead_kb = match v.parse::<u32>() {
+                        Ok(n) if n <= 1 << 20 => n,
+                        _ => bail!("bad mount option {opt:?}: read_ahead_kb=KiB (0 to 1048576)"),
+                    };
                 } else if let Some(v) = opt.strip_prefix("threads=") {
                     o.threads = Some(thread_count(opt, v)?);
                 } else if let Some(v) = opt.strip_prefix("fsync_threads=") {
@@ -205,7 +220,7 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                          errors=continue|remount-ro|panic, acl, noacl, strictatime, relatime, \
                          noatime, nodiratime, lazytime, dev, nodev, suid, nosuid, \
                          keep_privileges, sandbox_user=USER, threads=N, fsync_threads=N, \
-                         cache, nocache, cache_size=MiB, \
+                         cache, nocache, cache_size=MiB, read_ahead_kb=N, \
                          max_inflight=N, max_versions=N, min_batch_time=US, max_batch_time=US, \
                          and from ext4 fstab lines user_xattr, data=ordered, barrier, discard)"
                     );
@@ -281,6 +296,63 @@ pub fn run(req: &MountRequest) -> Result<()> {
         serve(&req, |_| Ok(()))
     } else {
         spawn_daemon(&req)
+    }
+}
+
+/// The kernel's readahead knob of a mount (`/sys/class/bdi/MAJ:MIN/read_ahead_kb`),
+/// opened before the sandbox (root only) and written once the kernel processed
+/// the FUSE INIT reply, which lowers readahead to the `max_readahead` it carries.
+struct ReadAhead {
+    file: std::fs::File,
+    knob: String,
+    kb: u32,
+    dir: PathBuf,
+}
+
+impl ReadAhead {
+    /// Best effort: `None` when `kb` is 0 or the knob cannot be opened.
+    fn open(dir: &Path, kb: u32) -> Option<ReadAhead> {
+        if kb == 0 {
+            return None;
+        }
+        let dev = super::umount::find_mount(dir).ok()??.dev;
+        let knob = format!("/sys/class/bdi/{dev}/read_ahead_kb");
+        match std::fs::OpenOptions::new().write(true).open(&knob) {
+            Ok(file) => Some(ReadAhead {
+                file,
+                knob,
+                kb,
+                dir: dir.to_path_buf(),
+            }),
+            Err(e) => {
+                tracing::debug!("{knob}: {e}; readahead stays the kernel's");
+                None
+            }
+        }
+    }
+
+    /// Write the knob on a thread once a stat of the mount point returns (the
+    /// kernel holds requests until INIT is done). Start it only once the
+    /// sandbox is entered: a thread waiting for a FUSE answer cannot take the
+    /// signal glibc's setresuid sends every thread, and the answer would need
+    /// the event loops that start after it.
+    fn start(self) {
+        let _ = std::thread::Builder::new()
+            .name("commitfs-ra".into())
+            .spawn(move || {
+                use std::io::Write;
+                let ReadAhead {
+                    mut file,
+                    knob,
+                    kb,
+                    dir,
+                } = self;
+                let _ = std::fs::metadata(&dir);
+                match file.write_all(format!("{kb}\n").as_bytes()) {
+                    Ok(()) => tracing::info!("readahead {kb} KiB ({knob})"),
+                    Err(e) => tracing::warn!("{knob}: {e}; readahead stays the kernel's"),
+                }
+            });
     }
 }
 
@@ -397,13 +469,25 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
     let _stats = super::stats::serve(fs.clone(), Some(session.stats()), &req.dir)
         .map_err(|e| tracing::warn!("stats socket unavailable: {e:#}"))
         .ok();
+    let read_ahead = ReadAhead::open(&req.dir, req.options.read_ahead_kb);
     crate::sandbox::notify_mounted();
     on_mounted(req)?;
     // fuser clones its /dev/fuse descriptors when the session starts, which the
     // sandbox forbids: enter it once they are cloned, before any request is served.
     let r = match sandbox {
-        Some(id) => session.run_with(|| crate::sandbox::enter(id).map_err(|e| format!("{e:#}"))),
-        None => session.run(),
+        Some(id) => session.run_with(|| {
+            crate::sandbox::enter(id).map_err(|e| format!("{e:#}"))?;
+            if let Some(ra) = read_ahead {
+                ra.start();
+            }
+            Ok::<(), String>(())
+        }),
+        None => {
+            if let Some(ra) = read_ahead {
+                ra.start();
+            }
+            session.run()
+        }
     };
     let stats = fs.io_stats();
     tracing::info!(

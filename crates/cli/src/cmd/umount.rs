@@ -43,6 +43,8 @@ pub struct MountEntry {
     pub mount_point: PathBuf,
     pub fstype: String,
     pub source: String,
+    /// `MAJ:MIN` of the mounted device (field 3).
+    pub dev: String,
 }
 
 /// Parse mountinfo text (proc(5)): field 5 is the mount point; after the " - "
@@ -52,6 +54,7 @@ pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
         .filter_map(|l| {
             let (a, b) = l.split_once(" - ")?;
             let mp = a.split(' ').nth(4)?;
+            let dev = a.split(' ').nth(2)?;
             let mut rest = b.split(' ');
             let fstype = rest.next()?;
             let source = rest.next()?;
@@ -59,6 +62,7 @@ pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
                 mount_point: PathBuf::from(unescape(mp)),
                 fstype: fstype.to_string(),
                 source: unescape(source),
+                dev: dev.to_string(),
             })
         })
         .collect()
