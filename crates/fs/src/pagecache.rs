@@ -32,6 +32,11 @@ struct Page {
     /// The block was a hole when the page was made (counted in `st_blocks`
     /// until it is allocated, as ext4 counts reserved delayed blocks).
     delayed: bool,
+    /// Second-chance bit: set by a read that finds the page, cleared by an
+    /// eviction pass that spares it (docs/ARCHITECTURE.md "Memory"). Writes do
+    /// not set it: as in the kernel's use-once rule, data only written (a
+    /// stream being saved) goes before data read again.
+    used: bool,
 }
 
 /// One file's cached state.
@@ -470,6 +475,7 @@ impl PageCache {
                     dirty: false,
                     writing: false,
                     delayed: false,
+                    used: false,
                 }
             });
             if created {
@@ -509,8 +515,8 @@ impl PageCache {
     /// it came from the cache. `None`: the cache does not know the file.
     pub fn read(&self, ino: u32, off: u64, buf: &mut [u8]) -> Option<(usize, Vec<bool>)> {
         let bs = self.bs as u64;
-        let files = self.files.lock();
-        let f = files.get(&ino)?;
+        let mut files = self.files.lock();
+        let f = files.get_mut(&ino)?;
         if off >= f.size {
             return Some((0, Vec::new()));
         }
@@ -523,9 +529,10 @@ impl PageCache {
             let lblk = (cur / bs) as u32;
             let in_blk = (cur % bs) as usize;
             let n = (bs as usize - in_blk).min(buf.len() - pos);
-            match f.pages.get(&lblk) {
+            match f.pages.get_mut(&lblk) {
                 Some(p) => {
                     buf[pos..pos + n].copy_from_slice(&p.data[in_blk..in_blk + n]);
+                    p.used = true;
                     hit.push(true);
                 }
                 None => hit.push(false),
@@ -683,22 +690,28 @@ impl PageCache {
         let mut n = self.pages.load(Ordering::Acquire);
         let mut evicted = 0u64;
         let mut empty = Vec::new();
-        for (&ino, f) in files.iter_mut() {
-            if n <= target {
-                break;
-            }
-            let before = f.pages.len();
-            f.pages.retain(|_, p| {
-                if n > target && !p.dirty && !p.writing {
+        // Clean pages not used since the last pass first (second chance,
+        // their bits cleared on the way), then any clean page.
+        for second_chance in [true, false] {
+            for (&ino, f) in files.iter_mut() {
+                if n <= target {
+                    break;
+                }
+                let before = f.pages.len();
+                f.pages.retain(|_, p| {
+                    if n <= target || p.dirty || p.writing {
+                        return true;
+                    }
+                    if second_chance && std::mem::take(&mut p.used) {
+                        return true;
+                    }
                     n -= 1;
                     false
-                } else {
-                    true
+                });
+                evicted += (before - f.pages.len()) as u64;
+                if before > 0 && f.pages.is_empty() && f.times.is_none() {
+                    empty.push(ino);
                 }
-            });
-            evicted += (before - f.pages.len()) as u64;
-            if f.pages.is_empty() && f.times.is_none() {
-                empty.push(ino);
             }
         }
         for ino in empty {

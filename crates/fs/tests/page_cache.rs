@@ -405,3 +405,44 @@ fn writes_at_the_largest_offsets() {
     drop(fs);
     assert_fsck_clean(&img.path);
 }
+
+/// Eviction spares what is read again (second chance; written-only pages go
+/// first, the kernel's use-once rule): the first 64 KiB of a file, read again
+/// between the write-backs of a 2 MiB stream appended to the same file under a
+/// 512 KiB cap, are still answered from memory at the end, though eviction
+/// walks a file from its first block and evicted the stream.
+#[test]
+fn eviction_keeps_pages_that_are_read_again() {
+    let img = mkfs("pc-lru", 32, &["-b", "4096"]);
+    let (fs, dev) = open(
+        &img,
+        MountOptions {
+            cache_mb: 1,
+            ..opts()
+        },
+    );
+    let ino = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
+    const HOT: u64 = 64 << 10;
+    let hot_data = pattern(5, HOT as usize);
+    fs.write(ino, 0, &hot_data).unwrap();
+    fs.fsync(ino, false).unwrap();
+    let chunk = pattern(6, 64 << 10);
+    let data_reads = || dev.stats().snapshot().category(IoCategory::Data).reads;
+    let read_hot = || {
+        let mut b = vec![0u8; HOT as usize];
+        assert_eq!(fs.read(ino, 0, &mut b).unwrap(), HOT as usize);
+        assert_eq!(b, hot_data);
+    };
+    for k in 0..32u64 {
+        fs.write(ino, HOT + k * (64 << 10), &chunk).unwrap();
+        fs.fsync(ino, false).unwrap();
+        read_hot();
+    }
+    let s = fs.cache_stats().unwrap();
+    assert!(s.evicted >= 256, "the stream was not evicted: {s:?}");
+    let before = data_reads();
+    read_hot();
+    assert_eq!(data_reads(), before, "the re-read range was evicted: {s:?}");
+    fs.unmount().unwrap();
+    assert_fsck_clean(&img.path);
+}
