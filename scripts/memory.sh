@@ -40,7 +40,7 @@ dd if=/dev/zero of="$mnt/big" bs=1M count=$((WRITE_GIB * 1024)) status=none
 t1=$(date +%s.%N)
 w=$(hwm)
 "$bin" umount "$mnt"
-echo "sequential write of $WRITE_GIB GiB: peak RSS $w MiB (cap $CACHE_MB MiB), $(echo "$WRITE_GIB * 1024 / ($t1 - $t0)" | bc -l | xargs printf '%.0f') MiB/s"
+echo "sequential write of $WRITE_GIB GiB: peak RSS $w MiB (cap $CACHE_MB MiB), $(awk -v n="$WRITE_GIB" -v a="$t0" -v b="$t1" 'BEGIN {printf "%.0f", n * 1024 / (b - a)}') MiB/s"
 
 mount_fresh 8 $((FILES + FILES / 5 + 1000))
 t0=$(date +%s.%N)
@@ -57,4 +57,4 @@ t1=$(date +%s.%N)
 c=$(hwm)
 "$bin" stats "$mnt" 2>/dev/null | grep '^metadata caches' || true
 "$bin" umount "$mnt"
-echo "creation of $FILES files: peak RSS $c MiB (cap $CACHE_MB MiB), $(echo "$FILES / ($t1 - $t0)" | bc -l | xargs printf '%.0f') files/s"
+echo "creation of $FILES files: peak RSS $c MiB (cap $CACHE_MB MiB), $(awk -v n="$FILES" -v a="$t0" -v b="$t1" 'BEGIN {printf "%.0f", n / (b - a)}') files/s"

@@ -442,44 +442,28 @@ impl FileDevice {
         Ok(())
     }
 
+    /// The direct handle, when a transfer of `len` bytes at `offset` may use
+    /// it: page-aligned and at least `min` long.
+    fn direct_for(&self, offset: u64, len: usize, min: usize) -> Option<&File> {
+        let d = self.direct.as_ref()?;
+        (len >= min && len.is_multiple_of(PAGE) && offset.is_multiple_of(PAGE as u64)).then_some(d)
+    }
+
     /// A large page-aligned write straight to the device (`Ok(false)`: not
     /// applicable, write through the page cache).
     fn write_direct_large(&self, offset: u64, buf: &[u8]) -> std::io::Result<bool> {
-        let Some(d) = &self.direct else {
-            return Ok(false);
-        };
-        if buf.len() < DIRECT_MIN
-            || !buf.len().is_multiple_of(PAGE)
-            || !offset.is_multiple_of(PAGE as u64)
-        {
-            return Ok(false);
-        }
-        let r = if (buf.as_ptr() as usize).is_multiple_of(PAGE) {
-            d.write_all_at(buf, offset)
-        } else {
-            let mut a = AlignedBuf::new(buf.len());
-            a.as_mut().copy_from_slice(buf);
-            d.write_all_at(a.as_ref(), offset)
-        };
-        match r {
-            Ok(()) => Ok(true),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
-            Err(e) => Err(e),
+        match self.direct_for(offset, buf.len(), DIRECT_MIN) {
+            Some(d) => direct_done(direct_write(d, offset, buf)),
+            None => Ok(false),
         }
     }
 
     /// A large page-aligned read straight from the device (`Ok(false)`: not
     /// applicable, read through the page cache).
     fn read_direct_large(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<bool> {
-        let Some(d) = &self.direct else {
+        let Some(d) = self.direct_for(offset, buf.len(), DIRECT_READ_MIN) else {
             return Ok(false);
         };
-        if buf.len() < DIRECT_READ_MIN
-            || !buf.len().is_multiple_of(PAGE)
-            || !offset.is_multiple_of(PAGE as u64)
-        {
-            return Ok(false);
-        }
         let r = if (buf.as_ptr() as usize).is_multiple_of(PAGE) {
             d.read_exact_at(buf, offset)
         } else {
@@ -487,11 +471,7 @@ impl FileDevice {
             d.read_exact_at(a.as_mut(), offset)
                 .map(|()| buf.copy_from_slice(a.as_ref()))
         };
-        match r {
-            Ok(()) => Ok(true),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
-            Err(e) => Err(e),
-        }
+        direct_done(r)
     }
 
     /// A sector-aligned write shorter than a page, as exactly that many bytes on
@@ -507,14 +487,29 @@ impl FileDevice {
         {
             return Ok(false);
         }
-        let mut a = AlignedBuf::new(buf.len());
-        a.as_mut().copy_from_slice(buf);
-        match d.write_all_at(a.as_ref(), offset) {
-            Ok(()) => Ok(true),
-            // A device with larger logical sectors refuses it: use the page cache.
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
-            Err(e) => Err(e),
-        }
+        direct_done(direct_write(d, offset, buf))
+    }
+}
+
+/// Write `buf` through an `O_DIRECT` handle, from page-aligned memory (the
+/// caller's when it is, a copy otherwise).
+fn direct_write(d: &File, offset: u64, buf: &[u8]) -> std::io::Result<()> {
+    if (buf.as_ptr() as usize).is_multiple_of(PAGE) {
+        return d.write_all_at(buf, offset);
+    }
+    let mut a = AlignedBuf::new(buf.len());
+    a.as_mut().copy_from_slice(buf);
+    d.write_all_at(a.as_ref(), offset)
+}
+
+/// The outcome of a direct transfer: done, or not applicable (`Ok(false)`)
+/// when the device refuses it (EINVAL: larger logical sectors than the
+/// alignment), so the caller uses the page cache.
+fn direct_done(r: std::io::Result<()>) -> std::io::Result<bool> {
+    match r {
+        Ok(()) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+        Err(e) => Err(e),
     }
 }
 

@@ -198,12 +198,17 @@ const GATE_THREADS: usize = 8;
 
 /// One file per gated thread, `w{t}`, with 8 KiB of `pattern(t)`.
 fn gated_files(fs: &Fs) -> Vec<Ino> {
-    (0..GATE_THREADS)
+    files_of_pattern(fs, "w", GATE_THREADS, 8192)
+}
+
+/// `n` files `{prefix}{t}` in the root, each holding `len` bytes of `pattern(t)`.
+fn files_of_pattern(fs: &Fs, prefix: &str, n: usize, len: usize) -> Vec<Ino> {
+    (0..n)
         .map(|t| {
             let a = fs
-                .create(ROOT_INO, format!("w{t}").as_bytes(), 0o644, 0, 0)
+                .create(ROOT_INO, format!("{prefix}{t}").as_bytes(), 0o644, 0, 0)
                 .unwrap();
-            fs.write(a.ino, 0, &pattern(t as u64, 8192)).unwrap();
+            fs.write(a.ino, 0, &pattern(t as u64, len)).unwrap();
             a.ino
         })
         .collect()
@@ -323,15 +328,7 @@ fn data_reads_run_in_parallel() {
     let fs = Fs::open(dev.clone(), nocache_opts()).unwrap();
     let shared = fs.create(ROOT_INO, b"shared", 0o644, 0, 0).unwrap().ino;
     fs.write(shared, 0, &pattern(7, 10_000)).unwrap();
-    let own: Vec<Ino> = (0..GATE_THREADS / 2)
-        .map(|t| {
-            let a = fs
-                .create(ROOT_INO, format!("r{t}").as_bytes(), 0o644, 0, 0)
-                .unwrap();
-            fs.write(a.ino, 0, &pattern(t as u64, 5000)).unwrap();
-            a.ino
-        })
-        .collect();
+    let own = files_of_pattern(&fs, "r", GATE_THREADS / 2, 5000);
     fs.sync().unwrap();
     dev.arm(GATE_THREADS);
     std::thread::scope(|s| {

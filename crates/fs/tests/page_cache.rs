@@ -17,6 +17,14 @@ fn opts() -> MountOptions {
     }
 }
 
+/// `cache_size=1`: 512 KiB of pages (a 128 KiB dirty limit).
+fn small_cache() -> MountOptions {
+    MountOptions {
+        cache_mb: 1,
+        ..opts()
+    }
+}
+
 fn open(img: &TempImage, o: MountOptions) -> (Fs, DeviceRef) {
     let dev: DeviceRef = Arc::new(FileDevice::open(&img.path, false).unwrap());
     (Fs::open(dev.clone(), o).unwrap(), dev)
@@ -209,13 +217,7 @@ fn enospc_at_write_time_and_nothing_acknowledged_is_lost() {
 #[test]
 fn memory_cap_bounds_a_large_sequential_write() {
     let img = mkfs("pc-cap", 64, &["-b", "4096"]);
-    let (fs, _) = open(
-        &img,
-        MountOptions {
-            cache_mb: 1,
-            ..opts()
-        },
-    );
+    let (fs, _) = open(&img, small_cache());
     let f = fs.create(ROOT_INO, b"big", 0o644, 0, 0).unwrap().ino;
     let piece = 128 * 1024;
     let total = 24 << 20;
@@ -414,13 +416,7 @@ fn writes_at_the_largest_offsets() {
 #[test]
 fn eviction_keeps_pages_that_are_read_again() {
     let img = mkfs("pc-lru", 32, &["-b", "4096"]);
-    let (fs, dev) = open(
-        &img,
-        MountOptions {
-            cache_mb: 1,
-            ..opts()
-        },
-    );
+    let (fs, dev) = open(&img, small_cache());
     let ino = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
     const HOT: u64 = 64 << 10;
     let hot_data = pattern(5, HOT as usize);
