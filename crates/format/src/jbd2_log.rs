@@ -26,6 +26,9 @@ pub const REVOKE_HEADER_SIZE: usize = 16;
 const COMMIT_SEC: usize = 0x30;
 const COMMIT_NSEC: usize = 0x38;
 const COMMIT_CSUM: usize = 0x10;
+/// `sizeof(struct commit_header)`: the bytes of a commit block that carry
+/// anything (§8.8); the rest of a plain commit block is zero.
+pub const COMMIT_HEADER_SIZE: usize = 0x3C;
 
 /// The journal features that shape log blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -343,25 +346,46 @@ pub struct Commit {
     pub nsec: u32,
     /// Checksum verifies (always true without csums).
     pub checksum_ok: bool,
+    /// The stored checksum is that of the commit header followed by zeros: a
+    /// plain commit block whose later sectors were not written (a torn write).
+    /// The kernel accepts such a block as a complete commit
+    /// (`jbd2_commit_block_csum_verify_partial`, "Find incomplete commit block"):
+    /// its header sector alone proves the commit, since the block was issued only
+    /// after the transaction's log blocks were durable. Always true with
+    /// `checksum_ok`, false with a commit-block extension.
+    pub header_ok: bool,
 }
 
 pub fn parse_commit(b: &[u8], f: &LogFormat) -> Option<Commit> {
     if b.len() != f.block_size || parse_header(b)?.0 != BLOCKTYPE_COMMIT {
         return None;
     }
-    let checksum_ok = if f.has_csum() {
+    let (checksum_ok, header_ok) = if f.has_csum() {
         let stored = be32(b, COMMIT_CSUM);
-        let mut c = crc32c_raw(f.seed, &b[..COMMIT_CSUM]);
-        c = crc32c_raw(c, &[0; 4]);
-        c = crc32c_raw(c, &b[COMMIT_CSUM + 4..]);
-        stored == c
+        let mut head = crc32c_raw(f.seed, &b[..COMMIT_CSUM]);
+        head = crc32c_raw(head, &[0; 4]);
+        let full = crc32c_raw(head, &b[COMMIT_CSUM + 4..]);
+        let ok = stored == full;
+        let header_ok = ok || {
+            let mut c = crc32c_raw(head, &b[COMMIT_CSUM + 4..COMMIT_HEADER_SIZE]);
+            const ZEROS: [u8; 512] = [0; 512];
+            let mut left = b.len() - COMMIT_HEADER_SIZE;
+            while left > 0 {
+                let n = left.min(ZEROS.len());
+                c = crc32c_raw(c, &ZEROS[..n]);
+                left -= n;
+            }
+            stored == c
+        };
+        (ok, header_ok)
     } else {
-        true
+        (true, true)
     };
     Some(Commit {
         sec: be64(b, COMMIT_SEC),
         nsec: be32(b, COMMIT_NSEC),
         checksum_ok,
+        header_ok,
     })
 }
 
@@ -491,7 +515,20 @@ mod tests {
         assert_eq!((p.sec, p.nsec), (1_700_000_000, 5));
         let mut bad = c.clone();
         bad[0x40] = 1;
-        assert!(!parse_commit(&bad, &f).unwrap().checksum_ok);
+        let p = parse_commit(&bad, &f).unwrap();
+        // Bytes past the header torn: the full checksum fails, the header's holds.
+        assert!(!p.checksum_ok && p.header_ok);
+        bad[0x20] ^= 1;
+        let p = parse_commit(&bad, &f).unwrap();
+        assert!(!p.checksum_ok && !p.header_ok);
+        // A commit block with the single-flush extension is never "header only".
+        let ext = build_commit_ext(&f, 9, 1_700_000_000, 5, &[(100, 4, 7)]).unwrap();
+        let p = parse_commit(&ext, &f).unwrap();
+        assert!(p.checksum_ok && p.header_ok);
+        let mut torn = ext.clone();
+        torn[f.block_size - 1] = 0xff;
+        let p = parse_commit(&torn, &f).unwrap();
+        assert!(!p.checksum_ok && !p.header_ok);
 
         let blocks: Vec<u64> = (0..300).map(|i| i * 3 + (1 << 33)).collect();
         let rs = build_revokes(&f, 9, &blocks);

@@ -1799,30 +1799,40 @@ mod log_tests {
         let good = dev.contents();
         write_tx(&j, &[(20, 3)]);
         j.commit().unwrap();
-        // Destroy the last commit block: that transaction must not replay.
-        let mut torn = dev.contents();
-        let jsb = &good[JSTART as usize * BS..];
-        let _ = jsb;
-        // Find the commit block of tid 3 (the last commit) by scanning the log.
-        let mut found = false;
-        for jb in 1..JLEN as usize {
-            let off = (JSTART as usize + jb) * BS;
-            let blk = &torn[off..off + BS];
-            if let Some((t, seq)) = commitfs_format::jbd2_log::parse_header(blk) {
-                if t == jbd2::BLOCKTYPE_COMMIT && seq == j.running_tid() - 1 {
-                    torn[off + 0x40] ^= 0xFF;
-                    found = true;
-                }
-            }
-        }
-        assert!(found);
+        let _ = good;
+        // The log block holding the commit block of the last transaction.
+        let last = j.running_tid() - 1;
+        let after = dev.contents();
+        let off = (1..JLEN as usize)
+            .map(|jb| (JSTART as usize + jb) * BS)
+            .find(|&off| {
+                commitfs_format::jbd2_log::parse_header(&after[off..off + BS])
+                    == Some((jbd2::BLOCKTYPE_COMMIT, last))
+            })
+            .expect("the last commit block is in the log");
+        // Damage inside the commit header: that transaction must not replay.
+        let mut torn = after.clone();
+        torn[off + 0x20] ^= 0xFF;
         let d = MemDevice::from_vec(torn);
         let r = recover(&d, &map, BS, false).unwrap();
         assert!(r.stopped_at.is_some(), "{r:?}");
+        assert_eq!(r.torn_commits, 0);
         assert_eq!(home(&d, 20), 1, "torn transaction must not be applied");
         assert_eq!(home(&d, 22), 2);
         assert_eq!(home(&d, 21), 0, "revoked block must not be replayed");
         assert!(r.blocks_revoked >= 1);
+
+        // Only the sectors after the header lost (stale bytes there): the
+        // header proves the commit, as the kernel decides
+        // (`jbd2_commit_block_csum_verify_partial`), so it replays.
+        let mut torn = after;
+        torn[off + 512..off + BS].fill(0xA5);
+        let d = MemDevice::from_vec(torn);
+        let r = recover(&d, &map, BS, false).unwrap();
+        assert!(r.stopped_at.is_none(), "{r:?}");
+        assert_eq!(r.torn_commits, 1);
+        assert_eq!(home(&d, 20), 3, "a commit torn after its header replays");
+        assert_eq!(home(&d, 21), 0, "revoked block must not be replayed");
     }
 
     /// A block freed by the running transaction is still in use on disk until that

@@ -29,6 +29,9 @@ pub struct RecoveryReport {
     pub blocks_revoked: u64,
     /// Why the scan stopped, when it stopped early on a damaged transaction.
     pub stopped_at: Option<String>,
+    /// Commit blocks accepted on their header alone (the rest of the block was
+    /// torn), as the kernel accepts them ([`jbd2_log::Commit::header_ok`]).
+    pub torn_commits: u32,
 }
 
 /// How to recover a journal.
@@ -197,7 +200,14 @@ fn scan_log(
                     }
                     break;
                 }
-                if !c.checksum_ok {
+                if !c.checksum_ok && c.header_ok {
+                    // The kernel's rule (recovery.c, "Find incomplete commit
+                    // block"): the header sector is the commit.
+                    tracing::info!(
+                        "transaction {tid}: commit block torn after its header, accepted"
+                    );
+                    report.torn_commits += 1;
+                } else if !c.checksum_ok {
                     if c.sec >= last_commit_time {
                         report.stopped_at =
                             Some(format!("transaction {tid}: commit block checksum mismatch"));

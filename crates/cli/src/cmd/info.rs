@@ -159,7 +159,14 @@ pub fn inspect(path: &Path) -> Result<ImageInfo> {
             Ok(Some((_, report, _))) => {
                 j.live_transactions = Some(report.transactions);
                 j.live_tids = Some((report.start_tid, report.end_tid));
-                j.log_damage = report.stopped_at;
+                j.log_damage = report.stopped_at.or_else(|| {
+                    (report.torn_commits > 0).then(|| {
+                        format!(
+                            "{} commit block(s) torn after the header, accepted as the kernel does",
+                            report.torn_commits
+                        )
+                    })
+                });
             }
             Ok(None) => {}
             Err(e) => j.log_damage = Some(format!("scan failed: {e}")),
