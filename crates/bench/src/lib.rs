@@ -53,7 +53,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',')]
     pub systems: Vec<String>,
     /// Workloads (comma-separated): fc-micro, varmail-shared, varmail-split,
-    /// fsmark, dbench, postmark, nfs-async, nfs-sync, seq-write, seq-read.
+    /// fsmark, dbench, postmark, postmark-lite, nfs-async, nfs-sync, seq-write, seq-read.
     /// Default: all but seq-write and seq-read (they need --size 3G, 6G
     /// without --quick).
     #[arg(long, value_delimiter = ',')]

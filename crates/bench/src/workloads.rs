@@ -35,6 +35,7 @@ pub const ALL: &[&str] = &[
     "fsmark",
     "dbench",
     "postmark",
+    "postmark-lite",
     "nfs-async",
     "nfs-sync",
     "seq-write",
@@ -63,6 +64,7 @@ pub fn describe(id: &str) -> &'static str {
         "fsmark" => "fs_mark -S 1 (fsync before close), 4 KiB files",
         "dbench" => "dbench with the client.txt load (Flush = fsync)",
         "postmark" => "postmark (NetApp): small-file create/delete/read/append, no fsync",
+        "postmark-lite" => "built-in postmark-like transactions (read or append, create or delete), no fsync; runs on the library too",
         "nfs-async" => "postmark-like transactions, fsync on every close of a written file (NFS async COMMIT on close)",
         "nfs-sync" => "postmark-like transactions, fsync after every write and every metadata op (NFS sync export)",
         "seq-write" => "one file written sequentially in 1 MiB writes, then fsync (1 GiB; 4 GiB without --quick: give --size 6G)",
@@ -159,6 +161,10 @@ pub fn plan(id: &str, s: Scale) -> Vec<Point> {
         "postmark" => {
             let (files, tx) = if s.quick { (500, 2000) } else { (2000, 10000) };
             vec![p("t=1".into(), 1.0, 1, tx, files, 0.0)]
+        }
+        "postmark-lite" => {
+            let files = if s.quick { 500 } else { 2000 };
+            vec![p("t=1".into(), 1.0, 1, 0, files, s.secs())]
         }
         "nfs-async" | "nfs-sync" => {
             let files = if s.quick { 300 } else { 1000 };

@@ -250,6 +250,41 @@ impl Inner {
         }
     }
 
+    /// Free inodes of group `g` that may be allocated now (not pending).
+    fn usable_inodes(&self, g: u32) -> u32 {
+        let pending = self
+            .pending_free_inodes_in_group
+            .get(g as usize)
+            .copied()
+            .unwrap_or(0);
+        self.gds[g as usize]
+            .free_inodes_count
+            .saturating_sub(pending)
+    }
+
+    /// Make inode numbers whose freeing transactions are durable reusable, and
+    /// move their groups' hints back to them.
+    fn prune_pending_free_inodes(&mut self) {
+        while let Some(&(tid, ino)) = self.pending_free_inodes_order.front() {
+            if !self.journal.is_committed(tid) {
+                break;
+            }
+            self.pending_free_inodes_order.pop_front();
+            // Unless a later free of the same number replaced it.
+            if self.pending_free_inodes.get(&ino) == Some(&tid) {
+                self.pending_free_inodes.remove(&ino);
+                let g = self.inode_group(ino) as usize;
+                let bit = (ino - 1) % self.ipg;
+                if let Some(hint) = self.inode_hint.get_mut(g) {
+                    *hint = (*hint).min(bit);
+                }
+                if let Some(n) = self.pending_free_inodes_in_group.get_mut(g) {
+                    *n = n.saturating_sub(1);
+                }
+            }
+        }
+    }
+
     /// Forget pending frees whose transactions are now durable.
     pub fn prune_pending_free(&mut self) {
         while let Some(&(tid, start)) = self.pending_free_order.front() {
@@ -320,7 +355,7 @@ impl Inner {
     /// above-average free space (a light Orlov), files stay near their parent.
     fn pick_inode_group(&self, parent: u32, is_dir: bool) -> Option<u32> {
         let pg = self.inode_group(parent);
-        let ok = |g: u32| self.gds[g as usize].free_inodes_count > 0;
+        let ok = |g: u32| self.usable_inodes(g) > 0;
         if is_dir && parent == crate::types::ROOT_INO && self.groups > 1 {
             let avg_free_inodes: u64 = self
                 .gds
@@ -354,17 +389,13 @@ impl Inner {
 
     /// Allocate an inode number for a new inode of `parent` (§4.10 step 1).
     pub fn alloc_inode(&mut self, h: &Handle, parent: u32, is_dir: bool) -> Result<u32> {
+        self.prune_pending_free_inodes();
         let Some(start_g) = self.pick_inode_group(parent, is_dir) else {
             return Err(FsError::NoSpace);
         };
-        if !self.pending_free_inodes.is_empty() {
-            let j = self.journal.clone();
-            self.pending_free_inodes
-                .retain(|_, tid| !j.is_committed(*tid));
-        }
         for i in 0..self.groups {
             let g = (start_g + i) % self.groups;
-            if self.gds[g as usize].free_inodes_count == 0 {
+            if self.usable_inodes(g) == 0 {
                 continue;
             }
             self.init_inode_bitmap(h, g)?;
@@ -454,10 +485,14 @@ impl Inner {
             gdm.inode_bitmap_csum = new_csum;
         }
         self.write_gd(h, g)?;
-        if (bit as u32) < self.inode_hint[g as usize] {
-            self.inode_hint[g as usize] = bit as u32;
+        // The hint goes back to this number only once it may be reused
+        // (`prune_pending_free_inodes`).
+        if self.pending_free_inodes.insert(ino, h.tid()).is_none() {
+            if let Some(n) = self.pending_free_inodes_in_group.get_mut(g as usize) {
+                *n += 1;
+            }
         }
-        self.pending_free_inodes.insert(ino, h.tid());
+        self.pending_free_inodes_order.push_back((h.tid(), ino));
         self.orphans_added.remove(&ino);
         self.itable.remove(ino);
         Ok(())

@@ -198,6 +198,11 @@ impl Inner {
         let saved_pending = std::mem::take(&mut self.pending_free);
         let saved_order = std::mem::take(&mut self.pending_free_order);
         let saved_inodes = std::mem::take(&mut self.pending_free_inodes);
+        let saved_inodes_order = std::mem::take(&mut self.pending_free_inodes_order);
+        let saved_in_group = std::mem::replace(
+            &mut self.pending_free_inodes_in_group,
+            vec![0; self.groups as usize],
+        );
         let saved_incompat = self.sb.feature_incompat();
         // Should anything write the superblock during replay, the home copy must keep
         // needs_recovery while the log is live: without it the kernel would wipe the
@@ -208,6 +213,8 @@ impl Inner {
         self.pending_free = saved_pending;
         self.pending_free_order = saved_order;
         self.pending_free_inodes = saved_inodes;
+        self.pending_free_inodes_order = saved_inodes_order;
+        self.pending_free_inodes_in_group = saved_in_group;
         self.sb.set_feature_incompat(saved_incompat);
         r
     }
