@@ -508,8 +508,13 @@ impl Bench {
             commitfs_device::FileDevice::open(&dev.dev, false)
                 .map_err(|e| anyhow!("library pass: open {}: {e}", dev.dev.display()))?,
         );
+        // The journal modes of the mount's options (COMMITFS_BENCH_MOUNT_OPTS
+        // included), so that the library pass measures the same journal.
+        let all = systems::commitfs_opts(mode.mount_opts);
+        let has = |name: &str| all.split(',').any(|o| o == name);
         let opts = commitfs_fs::MountOptions {
-            fast_commit: !mode.mount_opts.split(',').any(|o| o == "nofast_commit"),
+            fast_commit: !has("nofast_commit"),
+            fc_data_csum: has("fc_data_csum"),
             ..Default::default()
         };
         let fs = commitfs_fs::Fs::open(d, opts).map_err(|e| anyhow!("library pass: mount: {e}"))?;

@@ -496,7 +496,7 @@ fn xfs_regions(dev: &Path) -> Result<Regions> {
 /// A commitfs system's mount options, with `COMMITFS_BENCH_MOUNT_OPTS` (extra
 /// options for experiments, e.g. `writeback_cache` or `nocache`; shown in the
 /// report's mount column) appended.
-fn commitfs_opts(base: &str) -> String {
+pub(crate) fn commitfs_opts(base: &str) -> String {
     let extra = std::env::var("COMMITFS_BENCH_MOUNT_OPTS").unwrap_or_default();
     [base, extra.trim()]
         .iter()
