@@ -512,11 +512,22 @@ impl Bench {
         // included), so that the library pass measures the same journal.
         let all = systems::commitfs_opts(mode.mount_opts);
         let has = |name: &str| all.split(',').any(|o| o == name);
-        let opts = commitfs_fs::MountOptions {
+        let mut opts = commitfs_fs::MountOptions {
             fast_commit: !has("nofast_commit"),
             fc_data_csum: has("fc_data_csum"),
             ..Default::default()
         };
+        for (k, v) in all.split(',').filter_map(|o| o.split_once('=')) {
+            let Ok(n) = v.parse::<u64>() else { continue };
+            let p = &mut opts.pipeline;
+            match k {
+                "max_inflight" => p.max_inflight = n as usize,
+                "max_versions" => p.max_versions = n as usize,
+                "min_batch_time" => p.min_batch_us = n,
+                "max_batch_time" => p.max_batch_us = n,
+                _ => {}
+            }
+        }
         let fs = commitfs_fs::Fs::open(d, opts).map_err(|e| anyhow!("library pass: mount: {e}"))?;
         for w in wl.iter().filter(|w| workloads::builtin(w)) {
             for p in workloads::plan(w, self.scale) {
