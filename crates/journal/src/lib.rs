@@ -305,6 +305,26 @@ pub(crate) struct FlushGens {
     done: AtomicU64,
     /// `started` when the last file-data write completed ([`Journal::note_data_written`]).
     data: AtomicU64,
+    /// Moving average of a device flush's duration (ns, weight 1/8; 0 until
+    /// the first): the pipeline's waits for a successor are a fraction of it.
+    flush_avg_ns: AtomicU64,
+}
+
+impl FlushGens {
+    /// The average flush time, or `None` before the first flush.
+    pub(crate) fn flush_avg(&self) -> Option<std::time::Duration> {
+        match self.flush_avg_ns.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(std::time::Duration::from_nanos(n)),
+        }
+    }
+
+    fn note_flush(&self, ns: u64) {
+        let ns = ns.max(1);
+        let old = self.flush_avg_ns.load(Ordering::Relaxed);
+        let new = if old == 0 { ns } else { old - old / 8 + ns / 8 };
+        self.flush_avg_ns.store(new.max(1), Ordering::Relaxed);
+    }
 }
 
 /// The device as the journal sees it: every flush numbered ([`FlushGens`]).
@@ -336,8 +356,10 @@ impl BlockDevice for GenDevice {
     }
     fn flush(&self) -> commitfs_device::Result<()> {
         let n = self.gens.started.fetch_add(1, Ordering::AcqRel) + 1;
+        let t0 = std::time::Instant::now();
         let r = self.inner.flush();
         if r.is_ok() {
+            self.gens.note_flush(t0.elapsed().as_nanos() as u64);
             self.gens.done.fetch_max(n, Ordering::AcqRel);
         }
         r

@@ -41,15 +41,19 @@ use crate::{tid_le, Buffer, Core, InFlight, JournalError, Result, TxState, WAIT_
 /// arrivals have stopped.
 const BATCH_STEP: Duration = Duration::from_micros(100);
 
-/// How long the flush thread waits for a commit being written to join its flush.
+/// How long the flush thread waits at most for a commit being written to join
+/// its flush: about one flush of the device ([`Core::flush_batch`]), within
+/// these bounds (the upper one is a SATA SSD's flush).
+const FLUSH_BATCH_MIN: Duration = Duration::from_micros(100);
 const FLUSH_BATCH: Duration = Duration::from_micros(1500);
 
 /// How long no new commit request must come before the commit thread stops
 /// gathering after a flush.
 const GATHER_QUIET: Duration = Duration::from_micros(200);
 
-/// How long a lone commit block waits for a follower before it goes out with FUA.
-const FUA_WAIT: Duration = Duration::from_micros(500);
+/// How long a lone commit block waits for a follower before it goes out with
+/// FUA: a third of [`Core::flush_batch`] (500 µs with a 1.5 ms flush).
+const FUA_WAIT_DIV: u32 = 3;
 
 /// Pipeline settings (mount options in commitfs-fs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,6 +106,17 @@ fn run(core: &Core, step: fn(&Core) -> Result<bool>) {
 }
 
 impl Core {
+    /// The flush thread's wait for a successor commit to share its flush: one
+    /// average flush of this device, between [`FLUSH_BATCH_MIN`] and
+    /// [`FLUSH_BATCH`] (waiting longer than a flush takes would cost more
+    /// than the flush it saves; on a loop device a flush takes a fraction of a
+    /// SATA SSD's).
+    fn flush_batch(&self) -> Duration {
+        self.gens
+            .flush_avg()
+            .map_or(FLUSH_BATCH, |d| d.clamp(FLUSH_BATCH_MIN, FLUSH_BATCH))
+    }
+
     /// Whether the commit thread has a transaction to commit now.
     fn commit_wanted(&self, q: &crate::TxQueue) -> bool {
         let r = &q.running;
@@ -155,7 +170,7 @@ impl Core {
                 // requests: keep gathering while requests keep arriving (until
                 // none came for GATHER_QUIET and as many as lately have asked),
                 // less long than the flush thread waits for this log.
-                let until = std::time::Instant::now() + FLUSH_BATCH * 3 / 4;
+                let until = std::time::Instant::now() + self.flush_batch() * 3 / 4;
                 let target = q.peak_requesters.max(1);
                 let (mut seen, mut since) = (q.requesters, std::time::Instant::now());
                 loop {
@@ -417,7 +432,7 @@ impl Core {
         // The commit thread is about to write, or writing, a successor's log
         // blocks: let this flush cover them too (CJFS §4.4: one flush for
         // consecutive commits), for at most a fraction of a flush.
-        let until = std::time::Instant::now() + FLUSH_BATCH;
+        let until = std::time::Instant::now() + self.flush_batch();
         while (self.commit_wanted(&q)
             || q.running.locked
             || q.inflight.back().is_some_and(|t| {
@@ -477,7 +492,7 @@ impl Core {
                 // (a flush on devices without FUA). One thread fsyncing alone
                 // never waits: it is blocked on T, so no handle starts.
                 if last && q.running_handles_total > 0 && !self.commit_wanted(&q) {
-                    let until = std::time::Instant::now() + FUA_WAIT;
+                    let until = std::time::Instant::now() + self.flush_batch() / FUA_WAIT_DIV;
                     while !self.commit_wanted(&q) && std::time::Instant::now() < until && !q.stop {
                         self.cv.wait_until(&mut q, until);
                     }
