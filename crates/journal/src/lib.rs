@@ -1684,6 +1684,36 @@ mod tests {
         assert_eq!(j.commit().unwrap(), 0);
     }
 
+    /// The pipeline's wait for a successor commit follows the device's flush
+    /// time: a SATA SSD's 1.5 ms until a flush is measured, then the moving
+    /// average, within 100 µs..1.5 ms.
+    #[test]
+    fn flush_batch_follows_the_measured_flush_time() {
+        use std::time::Duration;
+        let dev = Arc::new(MemDevice::new(64 * 1024));
+        let j = Journal::new(dev, 1024, false);
+        let c = &j.core;
+        assert_eq!(c.flush_batch(), Duration::from_micros(1500));
+        c.gens.note_flush(20_000); // 20 µs: clamped up
+        assert_eq!(c.flush_batch(), Duration::from_micros(100));
+        for _ in 0..200 {
+            c.gens.note_flush(800_000);
+        }
+        let b = c.flush_batch();
+        assert!(
+            b > Duration::from_micros(700) && b < Duration::from_micros(900),
+            "{b:?}"
+        );
+        for _ in 0..200 {
+            c.gens.note_flush(9_000_000); // slow device: capped
+        }
+        assert_eq!(c.flush_batch(), Duration::from_micros(1500));
+        // A real flush through the journal's device is timed too.
+        let before = c.gens.flush_avg().unwrap();
+        c.dev.flush().unwrap();
+        assert!(c.gens.flush_avg().unwrap() < before);
+    }
+
     #[test]
     fn read_only_journal_refuses_handles() {
         let dev = Arc::new(MemDevice::new(8192));

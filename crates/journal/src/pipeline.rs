@@ -111,7 +111,7 @@ impl Core {
     /// [`FLUSH_BATCH`] (waiting longer than a flush takes would cost more
     /// than the flush it saves; on a loop device a flush takes a fraction of a
     /// SATA SSD's).
-    fn flush_batch(&self) -> Duration {
+    pub(crate) fn flush_batch(&self) -> Duration {
         self.gens
             .flush_avg()
             .map_or(FLUSH_BATCH, |d| d.clamp(FLUSH_BATCH_MIN, FLUSH_BATCH))
