@@ -176,6 +176,21 @@ fn measure(mode: &str, fast_commit: bool, opts: &str) -> (f64, f64) {
             "{mode}: FUSE {op} requests not timed"
         );
     }
+    // Full commits show where their time went (`commitfs stats`): to durable,
+    // and the device's flush time the pipeline's waits follow.
+    if commits > 0 {
+        let f = |path: &[&str]| path.iter().fold(&s1, |v, k| &v[*k]).as_f64().unwrap_or(0.0);
+        let ph = |k: &str| f(&["journal", "commit_phases_us", k]);
+        assert!(
+            ph("to_durable") > 0.0,
+            "{mode}: commit phases not timed: {s1}"
+        );
+        assert!(ph("log_write") > 0.0, "{mode}: log writes not timed: {s1}");
+        assert!(
+            f(&["journal", "avg_flush_us"]) > 0.0,
+            "{mode}: flush time not measured: {s1}"
+        );
+    }
     m.unmount().unwrap();
 
     // Every file, with its bytes (read through the library after the unmount).

@@ -148,6 +148,7 @@ impl Core {
         // the handles still arriving, for at least `min_batch_us` and while new
         // handles keep starting, up to the average commit time (at most
         // `max_batch_us`). One caller alone never waits.
+        let t_req = std::time::Instant::now();
         let concurrent = q.requesters > 1 || !q.inflight.is_empty();
         if concurrent && self.opts.max_batch_us > 0 {
             let t0 = std::time::Instant::now();
@@ -209,6 +210,8 @@ impl Core {
             }
         }
         q.requesters = 0;
+        let t_lock = std::time::Instant::now();
+        let batch_ns = (t_lock - t_req).as_nanos() as u64;
         // T_LOCKED: no handle starts; wait for the open ones to stop. With a
         // page cache, the file system's cut comes first and locks inside it.
         let hooks = self.hooks();
@@ -329,6 +332,11 @@ impl Core {
             handles,
             started: std::time::Instant::now(),
         });
+        {
+            let mut s = self.stats.lock();
+            s.batch_ns += batch_ns;
+            s.lock_ns += t_lock.elapsed().as_nanos() as u64;
+        }
         let n = q.inflight.len() as u64;
         self.cv.notify_all();
         drop(q);
@@ -379,9 +387,11 @@ impl Core {
             self.stats.lock().checkpoints += 1;
             self.txq.lock().running.data.protected = None;
         }
+        let t_write = std::time::Instant::now();
         let body = log
             .lock()
             .write_body(&*self.dev, tid, &frozen, &revokes, ext.as_deref())?;
+        self.stats.lock().log_write_ns += t_write.elapsed().as_nanos() as u64;
         let mut q = self.txq.lock();
         let t = q
             .inflight

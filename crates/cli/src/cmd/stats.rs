@@ -53,6 +53,13 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
     }
     let j = s.journal;
     let fc_commits = fc.commits.max(1) as f64;
+    let per_commit = |ns: u64| {
+        if j.commits == 0 {
+            0.0
+        } else {
+            ns as f64 / j.commits as f64 / 1000.0
+        }
+    };
     let m = fs.meta_cache_stats();
     json!({
         "journal_mode": s.journal_mode,
@@ -82,6 +89,13 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
             "coalescing_unlocks": j.lock_unlocks,
             "durability_waits": j.durability_waits,
             "avg_durability_wait_us": if j.durability_waits == 0 { 0.0 } else { j.durability_wait_ns as f64 / j.durability_waits as f64 / 1000.0 },
+            "commit_phases_us": {
+                "batch": per_commit(j.batch_ns),
+                "lock": per_commit(j.lock_ns),
+                "log_write": per_commit(j.log_write_ns),
+                "to_durable": per_commit(j.commit_ns),
+            },
+            "avg_flush_us": j.flush_avg_ns as f64 / 1000.0,
         },
         "fast_commit": {
             "commits": fc.commits,
@@ -218,6 +232,16 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
         j["handles_per_commit"].as_f64().unwrap_or(0.0),
         j["coalescing_unlocks"],
         j["avg_durability_wait_us"].as_f64().unwrap_or(0.0)
+    );
+    let ph = &j["commit_phases_us"];
+    let us = |x: &serde_json::Value| x.as_f64().unwrap_or(0.0);
+    println!(
+        "commit phases (avg per full commit): batching {:.0} us, locking and cut {:.0} us, log write {:.0} us, to durable {:.0} us; device flush {:.0} us",
+        us(&ph["batch"]),
+        us(&ph["lock"]),
+        us(&ph["log_write"]),
+        us(&ph["to_durable"]),
+        us(&j["avg_flush_us"])
     );
     let f = &v["fast_commit"];
     println!(
