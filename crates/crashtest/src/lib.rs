@@ -541,8 +541,38 @@ fn save_failure(
             )
         })
         .collect();
+    // Every operation on a path the failure names (its history, for a stale
+    // block: which writes and syncs came before).
+    let paths: Vec<&str> = message
+        .split_whitespace()
+        .filter(|w| w.starts_with('/') && w.len() > 1)
+        .map(|w| w.trim_end_matches([':', ',', ')']))
+        .collect();
+    let names_path = |d: &str| {
+        paths.iter().any(|p| {
+            d.match_indices(p).any(|(at, _)| {
+                !d[at + p.len()..]
+                    .chars()
+                    .next()
+                    .is_some_and(|c| c.is_alphanumeric())
+            })
+        })
+    };
+    let history: Vec<String> = rec
+        .op_desc
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| names_path(d))
+        .map(|(i, d)| {
+            format!(
+                "  op {i} (-> snapshot {}), log index {}: {d}",
+                i + 1,
+                rec.op_start[i]
+            )
+        })
+        .collect();
     let text = format!(
-        "workload {} block size {} seed {}\ncrash point k={} of {} (state seed {:#x}, keep {}/256, torn {})\nwindow: snapshots {lo}..={hi}\nfailure: {message}\noperations around the window:\n{}\n",
+        "workload {} block size {} seed {}\ncrash point k={} of {} (state seed {:#x}, keep {}/256, torn {})\nwindow: snapshots {lo}..={hi}\nfailure: {message}\noperations around the window:\n{}\noperations on {}:\n{}\n",
         rec.workload,
         rec.bs,
         rec.seed,
@@ -551,7 +581,9 @@ fn save_failure(
         spec.seed,
         spec.keep_256,
         spec.torn,
-        ops.join("\n")
+        ops.join("\n"),
+        paths.join(", "),
+        history.join("\n")
     );
     std::fs::write(dir.join(format!("{stem}.txt")), text).ok()?;
     Some(path)

@@ -812,7 +812,7 @@ impl Fs {
         let il = set.size.map(|_| self.ilocks.write(ino));
         if set.size.is_some() {
             // The on-disk size and mapping must be the whole truth first.
-            self.cache_settle(ino, set.size)?;
+            self.cache_settle(ino)?;
         }
         let a = match set.size {
             // A truncate zeroes the tail of the new last block in place.
@@ -1317,7 +1317,7 @@ impl Fs {
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
         let il = self.ilocks.write(ino);
-        self.cache_settle(ino, None)?;
+        self.cache_settle(ino)?;
         let r = self.retry_nospace_guarded(Some((ino, &span)), |g| {
             g.fallocate(ino, offset, len, flags, caller)
         });

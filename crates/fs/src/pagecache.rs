@@ -296,41 +296,6 @@ impl PageCache {
         self.durable_seq.load(Ordering::Acquire) >= seq
     }
 
-    /// Drop the pages of `ino` from file block `from` on (a truncate to below
-    /// them is coming; the caller waited for their writes): dirty data there
-    /// is gone with the truncate anyway.
-    pub fn drop_from(&self, ino: u32, from: u64) {
-        let mut files = self.files.lock();
-        let Some(f) = files.get_mut(&ino) else {
-            return;
-        };
-        let from = from.min(u32::MAX as u64 + 1);
-        let gone: Vec<u32> = f
-            .pages
-            .range(from.min(u32::MAX as u64) as u32..)
-            .filter(|(&l, _)| l as u64 >= from)
-            .map(|(&l, _)| l)
-            .collect();
-        let (mut dirty, mut counted, mut delayed) = (0u32, 0usize, 0u64);
-        for l in gone {
-            if let Some(p) = f.pages.remove(&l) {
-                dirty += p.dirty as u32;
-                counted += (p.dirty || p.writing) as usize;
-                delayed += p.delayed as u64;
-            }
-        }
-        let was = f.dirty;
-        f.dirty -= dirty;
-        f.delayed -= delayed as u32;
-        if was > 0 && f.dirty == 0 {
-            self.dirty_files.fetch_sub(1, Ordering::AcqRel);
-        }
-        drop(files);
-        self.unreserve(delayed);
-        self.dirty.fetch_sub(counted, Ordering::AcqRel);
-        self.stats.lock().dropped_dirty += dirty as u64;
-    }
-
     /// Whether more is cached than the cap allows.
     pub fn over_cap(&self) -> bool {
         self.pages.load(Ordering::Acquire) * self.bs > self.cap
