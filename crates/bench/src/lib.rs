@@ -518,15 +518,9 @@ impl Bench {
             ..Default::default()
         };
         for (k, v) in all.split(',').filter_map(|o| o.split_once('=')) {
-            let Ok(n) = v.parse::<u64>() else { continue };
-            let p = &mut opts.pipeline;
-            match k {
-                "max_inflight" => p.max_inflight = n as usize,
-                "max_versions" => p.max_versions = n as usize,
-                "min_batch_time" => p.min_batch_us = n,
-                "max_batch_time" => p.max_batch_us = n,
-                _ => {}
-            }
+            opts.pipeline
+                .set(k, v)
+                .map_err(|e| anyhow!("library pass: {e}"))?;
         }
         let fs = commitfs_fs::Fs::open(d, opts).map_err(|e| anyhow!("library pass: mount: {e}"))?;
         for w in wl.iter().filter(|w| workloads::builtin(w)) {

@@ -527,19 +527,20 @@ fn save_failure(
     let path = dir.join(format!("{stem}.img"));
     std::fs::write(&path, img).ok()?;
     let (lo, hi) = window;
+    let op_line = |(i, d): (usize, &String)| {
+        format!(
+            "  op {i} (-> snapshot {}), log index {}: {d}",
+            i + 1,
+            rec.op_start[i]
+        )
+    };
     let ops: Vec<String> = rec
         .op_desc
         .iter()
         .enumerate()
         .skip(lo.saturating_sub(3))
         .take(hi + 3 - lo.saturating_sub(3))
-        .map(|(i, d)| {
-            format!(
-                "  op {i} (-> snapshot {}), log index {}: {d}",
-                i + 1,
-                rec.op_start[i]
-            )
-        })
+        .map(op_line)
         .collect();
     // Every operation on a path the failure names (its history, for a stale
     // block: which writes and syncs came before).
@@ -563,13 +564,7 @@ fn save_failure(
         .iter()
         .enumerate()
         .filter(|(_, d)| names_path(d))
-        .map(|(i, d)| {
-            format!(
-                "  op {i} (-> snapshot {}), log index {}: {d}",
-                i + 1,
-                rec.op_start[i]
-            )
-        })
+        .map(op_line)
         .collect();
     let text = format!(
         "workload {} block size {} seed {}\ncrash point k={} of {} (state seed {:#x}, keep {}/256, torn {})\nwindow: snapshots {lo}..={hi}\nfailure: {message}\noperations around the window:\n{}\noperations on {}:\n{}\n",

@@ -77,6 +77,19 @@ impl Drop for ImageFile {
 }
 
 /// With `FC_KERNEL_SAVE=DIR`, keep a failing crash image there (before recovery).
+/// Knobs for bug hunts: `FC_KERNEL_SCALE=N` checks (up to) N times as many
+/// images per recording, `FC_KERNEL_SEED=S` shifts every recording's seed by S
+/// (with `FC_KERNEL_SAVE=DIR`, failing images are kept).
+fn hunt_knobs() -> (usize, u64) {
+    let env = |k: &str, d: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    (env("FC_KERNEL_SCALE", 1) as usize, env("FC_KERNEL_SEED", 0))
+}
+
 fn save_failure(stem: &str, img: &[u8]) -> String {
     let Some(dir) = std::env::var_os("FC_KERNEL_SAVE") else {
         return String::new();
@@ -302,15 +315,7 @@ fn kernel_replays_commitfs_fast_commits() {
     let mut fc_total = 0u64;
     let mut report = Vec::new();
     let mut failures = Vec::new();
-    // For bug hunts: FC_KERNEL_SCALE=N checks N times as many images per
-    // recording, FC_KERNEL_SEED=S shifts every recording's seed by S.
-    let env = |k: &str, d: u64| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
-    };
-    let (scale, shift) = (env("FC_KERNEL_SCALE", 1) as usize, env("FC_KERNEL_SEED", 0));
+    let (scale, shift) = hunt_knobs();
     for &(workload, seed, bs, want) in runs {
         let (seed, want) = (seed + shift, want * scale);
         let base = base_image_with(bs, true).unwrap();
@@ -800,10 +805,7 @@ fn replayers_agree(bs: u32, n: usize, want: usize) {
         }
     }
     let mut failures = Vec::new();
-    let scale: usize = std::env::var("FC_KERNEL_SCALE")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
+    let (scale, _) = hunt_knobs();
     let step = (cands.len() / (want * scale)).max(1);
     let mut checked = 0;
     for &(i, k) in cands.iter().step_by(step) {
@@ -941,16 +943,8 @@ fn kernel_replays_crash_images_with_commits_in_flight() {
     let mut report = Vec::new();
     let mut failures = Vec::new();
     let mut checked_pipelined = 0usize;
-    // For bug hunts: FC_KERNEL_SCALE=N checks up to N times as many images per
-    // recording, FC_KERNEL_SEED=S shifts every seed by S, FC_KERNEL_ONLY=W keeps
-    // the runs whose workload name contains W.
-    let env = |k: &str, d: u64| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
-    };
-    let (scale, shift) = (env("FC_KERNEL_SCALE", 1) as usize, env("FC_KERNEL_SEED", 0));
+    // FC_KERNEL_ONLY=W keeps the runs whose workload name contains W.
+    let (scale, shift) = hunt_knobs();
     let only = std::env::var("FC_KERNEL_ONLY").unwrap_or_default();
     for &(workload, seed, bs, fast_commit, want, min_inflight) in runs {
         if !workload.contains(only.as_str()) {

@@ -265,38 +265,37 @@ impl Inner {
     /// Make inode numbers whose freeing transactions are durable reusable, and
     /// move their groups' hints back to them.
     fn prune_pending_free_inodes(&mut self) {
-        while let Some(&(tid, ino)) = self.pending_free_inodes_order.front() {
-            if !self.journal.is_committed(tid) {
-                break;
+        let j = self.journal.clone();
+        let mut freed = Vec::new();
+        prune_durable(
+            &mut self.pending_free_inodes_order,
+            &mut self.pending_free_inodes,
+            |&tid| tid,
+            |tid| j.is_committed(tid),
+            |ino| freed.push(ino),
+        );
+        for ino in freed {
+            let g = self.inode_group(ino) as usize;
+            let bit = (ino - 1) % self.ipg;
+            if let Some(hint) = self.inode_hint.get_mut(g) {
+                *hint = (*hint).min(bit);
             }
-            self.pending_free_inodes_order.pop_front();
-            // Unless a later free of the same number replaced it.
-            if self.pending_free_inodes.get(&ino) == Some(&tid) {
-                self.pending_free_inodes.remove(&ino);
-                let g = self.inode_group(ino) as usize;
-                let bit = (ino - 1) % self.ipg;
-                if let Some(hint) = self.inode_hint.get_mut(g) {
-                    *hint = (*hint).min(bit);
-                }
-                if let Some(n) = self.pending_free_inodes_in_group.get_mut(g) {
-                    *n = n.saturating_sub(1);
-                }
+            if let Some(n) = self.pending_free_inodes_in_group.get_mut(g) {
+                *n = n.saturating_sub(1);
             }
         }
     }
 
     /// Forget pending frees whose transactions are now durable.
     pub fn prune_pending_free(&mut self) {
-        while let Some(&(tid, start)) = self.pending_free_order.front() {
-            if !self.journal.is_committed(tid) {
-                break;
-            }
-            self.pending_free_order.pop_front();
-            // Unless a later free of the same start replaced it.
-            if self.pending_free.get(&start).is_some_and(|e| e.1 == tid) {
-                self.pending_free.remove(&start);
-            }
-        }
+        let j = self.journal.clone();
+        prune_durable(
+            &mut self.pending_free_order,
+            &mut self.pending_free,
+            |e| e.1,
+            |tid| j.is_committed(tid),
+            |_| {},
+        );
     }
 
     /// Free `count` blocks starting at `start` (may cross groups). Freed blocks are
@@ -504,5 +503,29 @@ impl Inner {
             self.gds.iter().map(|g| g.free_blocks_count as u64).sum(),
             self.gds.iter().map(|g| g.free_inodes_count as u64).sum(),
         )
+    }
+}
+
+/// Pending frees (blocks or inode numbers) whose freeing transaction is durable
+/// leave `map`: pop them from the front of `order` (`(tid, key)` in insertion
+/// order, tids never decreasing) instead of scanning the map. An entry a later
+/// free of the same key replaced (another tid) stays. `removed` sees each key
+/// that left.
+fn prune_durable<K: Ord + Copy, V>(
+    order: &mut std::collections::VecDeque<(u32, K)>,
+    map: &mut std::collections::BTreeMap<K, V>,
+    tid_of: impl Fn(&V) -> u32,
+    durable: impl Fn(u32) -> bool,
+    mut removed: impl FnMut(K),
+) {
+    while let Some(&(tid, key)) = order.front() {
+        if !durable(tid) {
+            break;
+        }
+        order.pop_front();
+        if map.get(&key).is_some_and(|v| tid_of(v) == tid) {
+            map.remove(&key);
+            removed(key);
+        }
     }
 }

@@ -45,7 +45,7 @@ pub use fc_scan::{
     hold_log_for_fast_commits, read_fast_commits, read_fast_commits_with, FcArea,
 };
 pub use log::{FcFlush, JournalMap, LogOptions};
-pub use pipeline::PipelineOptions;
+pub use pipeline::{BadPipelineOption, PipelineOptions};
 pub use recovery::{
     read_superblock, recover, recover_with, scan, scan_with, RecoverOptions, RecoveryReport,
 };

@@ -69,6 +69,46 @@ pub struct PipelineOptions {
     pub max_batch_us: u64,
 }
 
+/// A pipeline mount option with a value it does not take.
+#[derive(Debug, thiserror::Error)]
+#[error("bad mount option {key}={value}: {why}")]
+pub struct BadPipelineOption {
+    pub key: String,
+    pub value: String,
+    pub why: &'static str,
+}
+
+impl PipelineOptions {
+    /// Apply the mount option `key=value` if it is one of the pipeline's
+    /// (`max_inflight`, `max_versions`: 1 to 64; `min_batch_time`,
+    /// `max_batch_time`: µs). `Ok(false)`: not a pipeline option. One parser for
+    /// the mount command and the bench's library pass.
+    pub fn set(&mut self, key: &str, value: &str) -> std::result::Result<bool, BadPipelineOption> {
+        let bad = |why| BadPipelineOption {
+            key: key.into(),
+            value: value.into(),
+            why,
+        };
+        if !matches!(
+            key,
+            "max_inflight" | "max_versions" | "min_batch_time" | "max_batch_time"
+        ) {
+            return Ok(false);
+        }
+        let n: u64 = value.parse().map_err(|_| bad("a number is expected"))?;
+        match key {
+            "max_inflight" | "max_versions" if !(1..=64).contains(&n) => {
+                return Err(bad("1 to 64"))
+            }
+            "max_inflight" => self.max_inflight = n as usize,
+            "max_versions" => self.max_versions = n as usize,
+            "min_batch_time" => self.min_batch_us = n,
+            _ => self.max_batch_us = n,
+        }
+        Ok(true)
+    }
+}
+
 impl Default for PipelineOptions {
     fn default() -> Self {
         PipelineOptions {

@@ -169,25 +169,14 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             _ => {
                 if let Some(v) = opt.strip_prefix("sandbox_user=") {
                     o.sandbox_user = Some(v.to_string());
-                } else if let Some((k, v)) = opt.split_once('=').filter(|(k, _)| {
-                    matches!(
-                        *k,
-                        "max_inflight" | "max_versions" | "min_batch_time" | "max_batch_time"
-                    )
-                }) {
-                    let n: u64 = v
-                        .parse()
-                        .map_err(|_| anyhow!("bad mount option {opt:?}: {k}=NUMBER"))?;
-                    let p = &mut o.pipeline;
-                    match k {
-                        "max_inflight" | "max_versions" if !(1..=64).contains(&n) => {
-                            bail!("bad mount option {opt:?}: {k} must be 1 to 64")
-                        }
-                        "max_inflight" => p.max_inflight = n as usize,
-                        "max_versions" => p.max_versions = n as usize,
-                        "min_batch_time" => p.min_batch_us = n,
-                        _ => p.max_batch_us = n,
-                    }
+                } else if opt
+                    .split_once('=')
+                    .map(|(k, v)| o.pipeline.set(k, v))
+                    .transpose()?
+                    .unwrap_or(false)
+                {
+                    // A pipeline option (max_inflight, max_versions,
+                    // min_batch_time, max_batch_time), applied.
                 } else if let Some(v) = opt.strip_prefix("cache_size=") {
                     o.cache_mb = match v.parse::<u32>() {
                         Ok(n) if (1..=1 << 20).contains(&n) => n,
