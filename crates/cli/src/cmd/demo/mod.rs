@@ -212,9 +212,29 @@ pub fn run(dir: Option<&Path>, keep: bool, messages: usize) -> Result<()> {
     if messages < 8 {
         bail!("--messages must be at least 8");
     }
-    for t in ["mkfs.ext4", "e2fsck"] {
-        if !rig::have_tool(t) {
-            bail!("{t} not found: install e2fsprogs");
+    // The README's first command on a fresh machine: the only package the demo
+    // needs beyond the base system is e2fsprogs (mkfs.ext4 makes its images,
+    // e2fsck judges them). As root, install it; otherwise say so.
+    if ["mkfs.ext4", "e2fsck"].iter().any(|t| !rig::have_tool(t)) {
+        if rig::is_root() && rig::have_tool("apt-get") {
+            eprintln!("demo: installing e2fsprogs (mkfs.ext4, e2fsck)");
+            let ok = std::process::Command::new("apt-get")
+                .args(["-qq", "update"])
+                .status()
+                .is_ok_and(|s| s.success())
+                && std::process::Command::new("apt-get")
+                    .args(["-y", "-qq", "install", "e2fsprogs"])
+                    .env("DEBIAN_FRONTEND", "noninteractive")
+                    .status()
+                    .is_ok_and(|s| s.success());
+            if !ok {
+                bail!("could not install e2fsprogs (apt-get failed)");
+            }
+        }
+        for t in ["mkfs.ext4", "e2fsck"] {
+            if !rig::have_tool(t) {
+                bail!("{t} not found: install e2fsprogs (as root the demo does it itself)");
+            }
         }
     }
     rig::install_interrupt();
