@@ -14,6 +14,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 pub mod faulty;
+mod fua;
 pub mod inuse;
 pub mod recording;
 pub mod size;
@@ -243,6 +244,9 @@ pub struct FileDevice {
     /// write writes back and drops cached pages of its range, a direct read
     /// writes back dirty ones first.
     direct: Option<File>,
+    /// True FUA writes through [`Self::direct`] (fua.rs); `None` where
+    /// io_uring is not available.
+    fua: Option<fua::FuaRing>,
     size: u64,
     read_only: bool,
     stats: IoStats,
@@ -360,9 +364,12 @@ impl FileDevice {
                 .open(path)
                 .ok()
         };
+        // Still correct without it: a FUA write then costs a flush as well.
+        let fua = direct.as_ref().and_then(|_| fua::FuaRing::new().ok());
         Ok(FileDevice {
             file,
             direct,
+            fua,
             size,
             read_only,
             stats: IoStats::default(),
@@ -391,6 +398,12 @@ impl FileDevice {
             !inuse::retry_briefly(|| inuse::lock_conflicts(&f, inuse::Want::Write).map(|c| !c))
                 .map_err(open_err)?;
         Ok(inuse::other_users(&f, inuse::Want::Write, !locked))
+    }
+
+    /// Whether FUA writes are single REQ_FUA requests (a block device with
+    /// io_uring, fua.rs) rather than a write followed by a device flush.
+    pub fn has_true_fua(&self) -> bool {
+        self.fua.is_some()
     }
 
     /// Resize an image file (`commitfs mkfs --size`) while holding it.
@@ -426,20 +439,57 @@ impl FileDevice {
             len: buf.len(),
             source,
         };
-        let direct = if sectors {
-            self.write_direct(offset, buf).map_err(io)?
-        } else {
-            self.write_direct_large(offset, buf).map_err(io)?
-        };
-        if !direct {
-            self.file.write_all_at(buf, offset).map_err(io)?;
-        }
         if fua {
-            // A file has no per-write FUA; fdatasync gives the same guarantee.
-            self.file.sync_data().map_err(io)?;
+            self.write_fua(offset, buf).map_err(io)?;
+        } else {
+            let direct = if sectors {
+                self.write_direct(offset, buf).map_err(io)?
+            } else {
+                self.write_direct_large(offset, buf).map_err(io)?
+            };
+            if !direct {
+                self.file.write_all_at(buf, offset).map_err(io)?;
+            }
         }
         self.stats.record_write(cat, buf.len(), fua);
         Ok(())
+    }
+
+    /// A FUA write: these bytes are durable when it returns, and only these
+    /// (earlier writes need a flush, which every caller issues first: the
+    /// crash harness's recording device keeps exactly this rule). On a block
+    /// device, an asynchronous direct write with `RWF_DSYNC`: one request
+    /// with REQ_FUA (fua.rs). Elsewhere, and where that is refused,
+    /// `RWF_DSYNC` on the buffered handle writes this range and flushes the
+    /// device (`generic_write_sync` over the range), never the image's other
+    /// dirty pages, which a whole-file fdatasync would write back as well.
+    fn write_fua(&self, offset: u64, buf: &[u8]) -> std::io::Result<()> {
+        if let (Some(d), Some(ring)) = (&self.direct, &self.fua) {
+            if !buf.is_empty()
+                && buf.len().is_multiple_of(SECTOR)
+                && offset.is_multiple_of(SECTOR as u64)
+            {
+                use std::os::fd::AsRawFd;
+                let r = if (buf.as_ptr() as usize).is_multiple_of(PAGE) {
+                    ring.write(d.as_raw_fd(), buf, offset)
+                } else {
+                    let mut a = AlignedBuf::new(buf.len());
+                    a.as_mut().copy_from_slice(buf);
+                    ring.write(d.as_raw_fd(), a.as_ref(), offset)
+                };
+                if direct_done(r)? {
+                    return Ok(());
+                }
+            }
+        }
+        match pwrite_all_flags(&self.file, buf, offset, libc::RWF_DSYNC) {
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) => {
+                // A kernel without per-write flags (before 4.7).
+                self.file.write_all_at(buf, offset)?;
+                self.file.sync_data()
+            }
+            r => r,
+        }
     }
 
     /// The direct handle, when a transfer of `len` bytes at `offset` may use
@@ -500,6 +550,36 @@ fn direct_write(d: &File, offset: u64, buf: &[u8]) -> std::io::Result<()> {
     let mut a = AlignedBuf::new(buf.len());
     a.as_mut().copy_from_slice(buf);
     d.write_all_at(a.as_ref(), offset)
+}
+
+/// `pwritev2` of all of `buf` at `offset` with per-write `flags` (RWF_*),
+/// continuing after short writes.
+fn pwrite_all_flags(f: &File, buf: &[u8], offset: u64, flags: libc::c_int) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut done = 0usize;
+    while done < buf.len() {
+        let rest = &buf[done..];
+        let iov = libc::iovec {
+            iov_base: rest.as_ptr() as *mut libc::c_void,
+            iov_len: rest.len(),
+        };
+        let off = libc::off_t::try_from(offset + done as u64)
+            .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: `iov` points into `buf`, which outlives the call; the
+        // kernel only reads from it.
+        let n = unsafe { libc::pwritev2(f.as_raw_fd(), &iov, 1, off, flags) };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => return Err(std::io::ErrorKind::WriteZero.into()),
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The outcome of a direct transfer: done, or not applicable (`Ok(false)`)

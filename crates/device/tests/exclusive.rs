@@ -333,3 +333,94 @@ fn direct_and_buffered_io_on_a_block_device_agree() {
     let on_disk = std::fs::read(&img.0).unwrap();
     assert_eq!(&on_disk[MIB..2 * MIB], &want[..]);
 }
+
+/// Write requests and sectors written to a block device so far
+/// (`/sys/block/NAME/stat`, fields 5 and 7).
+fn loop_stat(dev: &str) -> (u64, u64) {
+    let name = Path::new(dev).file_name().unwrap().to_string_lossy();
+    let stat = std::fs::read_to_string(format!("/sys/block/{name}/stat")).unwrap();
+    let f: Vec<u64> = stat
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect();
+    (f[4], f[6])
+}
+
+/// A FUA write on a block device is one write of its own bytes (a direct
+/// write with RWF_DSYNC): the block device's other dirty pages stay where
+/// they are, where the old write + fdatasync wrote every one of them back
+/// first (a commit block then waited for a checkpoint's buffered writes).
+#[test]
+fn a_fua_write_on_a_block_device_writes_only_its_own_bytes() {
+    const MIB: u64 = 1 << 20;
+    let img = Image::new("fua", 16 << 20);
+    let lo = Loop::attach(&img.0, false);
+    let dev = FileDevice::open(Path::new(&lo.0), false).unwrap();
+    assert!(dev.has_true_fua(), "io_uring is available on this machine");
+    // 16 buffered 4 KiB writes: 64 KiB dirty in the block device's page cache.
+    for b in 0..16u64 {
+        dev.write_at(b * 4096, &[b as u8 + 1; 4096], IoCategory::Metadata, false)
+            .unwrap();
+    }
+    let before = loop_stat(&lo.0);
+    let commit = [0xC5u8; 4096];
+    dev.write_at(8 * MIB, &commit, IoCategory::Journal, true)
+        .unwrap();
+    let after = loop_stat(&lo.0);
+    assert_eq!(
+        after.1 - before.1,
+        8,
+        "a 4 KiB FUA write wrote {} sectors (the dirty buffered pages went with it)",
+        after.1 - before.1
+    );
+    // The loop device counts a flush as a write request: one request means no
+    // flush after the FUA write (a synchronous RWF_DSYNC write adds one).
+    assert_eq!(after.0 - before.0, 1, "write requests of one FUA write");
+    let s = dev.stats().snapshot();
+    let j = s.category(IoCategory::Journal);
+    assert_eq!((j.writes, j.fua_writes, j.write_bytes), (1, 1, 4096));
+    // Both handles see it, and the buffered writes are still there.
+    let mut back = vec![0u8; 4096];
+    dev.read_at(8 * MIB, &mut back, IoCategory::Journal)
+        .unwrap();
+    assert_eq!(back, commit);
+    dev.read_at(4096, &mut back, IoCategory::Metadata).unwrap();
+    assert_eq!(back, [2u8; 4096]);
+    // An unaligned buffer and a sub-page length take the same path.
+    let mut odd = vec![0u8; 513];
+    odd[1..].fill(0x7E);
+    dev.write_at(9 * MIB, &odd[1..], IoCategory::Journal, true)
+        .unwrap();
+    dev.flush().unwrap();
+    drop(dev);
+    drop(lo);
+    let on_disk = std::fs::read(&img.0).unwrap();
+    assert_eq!(
+        &on_disk[8 * MIB as usize..8 * MIB as usize + 4096],
+        &commit[..]
+    );
+    assert_eq!(
+        &on_disk[9 * MIB as usize..9 * MIB as usize + 512],
+        &[0x7E; 512][..]
+    );
+    assert_eq!(&on_disk[4096..8192], &[2u8; 4096][..]);
+}
+
+/// On an image file a FUA write (RWF_DSYNC on the buffered handle) lands and
+/// is counted as one.
+#[test]
+fn a_fua_write_on_an_image_file_lands() {
+    let img = Image::new("fuafile", 4 << 20);
+    let dev = FileDevice::open(&img.0, false).unwrap();
+    dev.write_at(4096, &[3u8; 4096], IoCategory::Data, false)
+        .unwrap();
+    dev.write_at(8192, &[4u8; 4096], IoCategory::Journal, true)
+        .unwrap();
+    let s = dev.stats().snapshot();
+    assert_eq!(s.category(IoCategory::Journal).fua_writes, 1);
+    assert_eq!(s.category(IoCategory::Data).fua_writes, 0);
+    drop(dev);
+    let on_disk = std::fs::read(&img.0).unwrap();
+    assert_eq!(&on_disk[8192..12288], &[4u8; 4096][..]);
+    assert_eq!(&on_disk[4096..8192], &[3u8; 4096][..]);
+}
