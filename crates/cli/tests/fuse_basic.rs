@@ -366,7 +366,7 @@ fn every_fuse_operation_end_to_end() {
     std::os::unix::fs::chown(&p, Some(1234), Some(5678)).unwrap();
     let md = fs::metadata(&p).unwrap();
     assert_eq!((md.uid(), md.gid()), (1234, 5678));
-    // chown clears setuid (the kernel asks for it with a mode change).
+    // chown clears setuid (the daemon does, under FUSE_HANDLE_KILLPRIV_V2).
     assert_eq!(md.mode() & 0o7777, 0o640);
     let ts = [
         libc::timespec {

@@ -573,3 +573,96 @@ fn negative_entries_are_cached_and_turn_positive() {
         .all(|x| x.1));
     assert_eq!(f.1, Some(1), "LOOKUPs for three stats of one absent name");
 }
+
+/// chown(2) as `uid` (with `gid` and `groups`) in a forked child: errno (0: done).
+fn chown_as(path: &Path, uid: u32, gid: u32, groups: &[u32], to: (u32, u32)) -> i32 {
+    let p = c(path);
+    let groups: Vec<libc::gid_t> = groups.to_vec();
+    // SAFETY: the child only makes system calls (async-signal-safe) and _exits.
+    unsafe {
+        let pid = libc::fork();
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            if uid != 0
+                && (libc::setgroups(groups.len(), groups.as_ptr()) != 0
+                    || libc::setresgid(gid, gid, gid) != 0
+                    || libc::setresuid(uid, uid, uid) != 0)
+            {
+                libc::_exit(100);
+            }
+            let r = libc::chown(p.as_ptr(), to.0, to.1);
+            libc::_exit(if r == 0 { 0 } else { *libc::__errno_location() });
+        }
+        let mut st = 0;
+        assert_eq!(libc::waitpid(pid, &mut st, 0), pid);
+        assert!(libc::WIFEXITED(st), "child died: {st}");
+        let code = libc::WEXITSTATUS(st);
+        assert_ne!(code, 100, "could not drop privileges");
+        code
+    }
+}
+
+/// Owner and group changes clear setuid/setgid as on the kernel (the daemon
+/// decides under FUSE_HANDLE_KILLPRIV_V2: root's chown clears setuid, and
+/// setgid of a group-executable file; an owner's chgrp to a group of theirs
+/// the same), and a file's writes ask the daemon for `security.capability`
+/// once, not at every write (SB_NOSEC under KILLPRIV_V2).
+#[test]
+fn chown_clears_setuid_setgid_like_kernel_and_writes_skip_capability_checks() {
+    let modes = [0o4755u32, 0o2755, 0o2745, 0o6745, 0o0755];
+    let scenario = |root: &Path| {
+        let mut out = Vec::new();
+        for (j, &m) in modes.iter().enumerate() {
+            // Root changes the owner of a root file; nobody (in group 0 as a
+            // supplementary group) gives its own file to group 0; a directory.
+            for k in 0..3 {
+                let p = root.join(format!("c{j}-{k}"));
+                if k == 2 {
+                    std::fs::create_dir(&p).unwrap();
+                } else {
+                    std::fs::write(&p, b"x").unwrap();
+                }
+                if k == 1 {
+                    std::os::unix::fs::chown(&p, Some(NOBODY), Some(NOBODY)).unwrap();
+                }
+                std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(m))
+                    .unwrap();
+                let err = match k {
+                    1 => chown_as(&p, NOBODY, NOBODY, &[0], (u32::MAX, 0)),
+                    _ => chown_as(&p, 0, 0, &[], (1000, 1000)),
+                };
+                out.push((m, k, err, mode_of(&p)));
+            }
+        }
+        // 20 files, three writes each through one descriptor.
+        let before = fuse_count(root, "getxattr");
+        for i in 0..20 {
+            let mut f = std::fs::File::create(root.join(format!("w{i}"))).unwrap();
+            for _ in 0..3 {
+                std::io::Write::write_all(&mut f, &[1u8; 1000]).unwrap();
+                f.sync_data().unwrap();
+            }
+        }
+        let getxattrs = fuse_count(root, "getxattr").map(|n| n - before.unwrap_or(0));
+        (out, getxattrs)
+    };
+    let (k, f) = on_both("rw", &["-o", "allow_other"], scenario);
+    assert_eq!(
+        k.0, f.0,
+        "kernel ext4 vs commitfs (mode, caller, errno, mode after)"
+    );
+    for &(m, k, err, after) in &f.0 {
+        assert_eq!(err, 0, "chown of {m:o} by caller {k}");
+        let want = match k {
+            2 => m,
+            _ if m & 0o010 != 0 => m & !0o6000,
+            _ => m & !0o4000,
+        };
+        assert_eq!(after, want, "chown of {m:o} by caller {k}: {after:o}");
+    }
+    let n = f.1.expect("commitfs stats");
+    assert!(
+        n <= 20,
+        "{n} GETXATTR requests for 60 writes to 20 files (at most one per file)"
+    );
+}

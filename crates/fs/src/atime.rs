@@ -41,6 +41,21 @@ fn atime_due(opts: &MountOptions, i: &Inode, t: Timestamp) -> bool {
     i.atime != t
 }
 
+/// Whether an access to `ino` now may update its atime, decided on the inode
+/// cache alone (no `Inner`): false only when the cached inode says no update
+/// is due; a miss or a due update goes to [`Inner::touch_atime`].
+pub(crate) fn atime_maybe_due(
+    opts: &MountOptions,
+    itable: &crate::itable::InodeTable,
+    ino: u32,
+) -> bool {
+    if opts.read_only || opts.atime == AtimeMode::Never {
+        return false;
+    }
+    let t = now();
+    itable.with(ino, |i| atime_due(opts, i, t)).unwrap_or(true)
+}
+
 impl Inner {
     /// Note an access (read, readdir) of `ino`; true if the running transaction
     /// got an inode update (the caller may then commit early when it has grown

@@ -102,6 +102,31 @@ impl Inner {
         changed
     }
 
+    /// A change of owner or group clears setuid of anything but a directory,
+    /// and setgid when it is group-executable or the caller is neither in the
+    /// file's group nor holds `CAP_FSETID` (the VFS's `chown_common` and
+    /// `setattr_should_drop_sgid`); true if changed. With
+    /// `FUSE_HANDLE_KILLPRIV_V2` the kernel leaves this to the file system
+    /// (it used to send the cleared mode along).
+    pub fn drop_privs_on_chown(i: &mut Inode, caller: CallerOf<'_>) -> bool {
+        if i.mode & 0o6000 == 0 || i.is_dir() {
+            return false;
+        }
+        let mut m = i.mode & !0o4000;
+        if m & 0o2000 != 0
+            && (m & 0o010 != 0
+                || caller.is_some_and(|who| {
+                    let who = who();
+                    !who.cap_fsetid && !who.in_group(i.gid)
+                }))
+        {
+            m &= !0o2000;
+        }
+        let changed = m != i.mode;
+        i.mode = m;
+        changed
+    }
+
     /// The metadata step of a write of `len` bytes at `off` (the caller holds the
     /// inode's lock exclusively): start a handle, map or allocate every block,
     /// convert unwritten extents, track the change for fast commits, set size,

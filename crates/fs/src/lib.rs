@@ -161,6 +161,9 @@ pub struct Fs {
     pc: Option<Arc<pagecache::PageCache>>,
     /// `-o fc_data_csum` in effect.
     fc_data_csum: bool,
+    /// The mount's options (as `Inner::opts`), for decisions made without
+    /// `Inner` (atime of a read answered from the page cache).
+    opts: MountOptions,
     /// The page cache's commit hooks (the journal holds them weakly).
     _hooks: Option<Arc<dyn commitfs_journal::CommitHooks>>,
 }
@@ -320,6 +323,7 @@ impl Fs {
         let data_errors = inner.data_errors.0.clone();
         let itable = inner.itable.clone();
         let fc_data_csum = inner.fc_data_csum;
+        let opts = inner.opts.clone();
         let (block_size, read_only) = (inner.bs as u32, inner.read_only);
         let inner = Arc::new(Mutex::new(inner));
         let data_gens: Arc<writeback::DataGens> = Default::default();
@@ -339,6 +343,7 @@ impl Fs {
             _hooks: hooks,
             pc,
             fc_data_csum,
+            opts,
             itable,
             ilocks: Default::default(),
             dio,

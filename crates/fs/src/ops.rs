@@ -687,6 +687,9 @@ impl Inner {
             // (partial) privilege kill as a mode with the size.
             Self::drop_privs(&mut i, caller);
         }
+        if (set.uid.is_some() || set.gid.is_some()) && set.mode.is_none() {
+            Self::drop_privs_on_chown(&mut i, caller);
+        }
         if let Some(u) = set.uid {
             i.uid = u;
         }

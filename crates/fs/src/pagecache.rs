@@ -116,6 +116,8 @@ pub struct CacheStats {
     pub bytes_written: u64,
     /// Reads answered entirely from the cache.
     pub read_hits: u64,
+    /// Blocks read from the device and kept as clean pages.
+    pub read_fills: u64,
     /// Write-backs of one file, and cuts that mapped something.
     pub writebacks: u64,
     pub cuts: u64,
@@ -505,6 +507,49 @@ impl PageCache {
             pos += n;
         }
         Some((len, hit))
+    }
+
+    /// Keep blocks just read from the device as clean pages of `ino` (whose
+    /// on-disk size is `disk_size`, the visible one if the cache does not know
+    /// the file yet). The caller holds the inode's lock shared, so no write
+    /// races with this; a page that exists already (another reader's) stays.
+    /// Filled pages start without the second-chance bit: data read once goes
+    /// before data read again.
+    pub fn fill(&self, ino: u32, disk_size: u64, blocks: Vec<(u32, Vec<u8>)>) {
+        if blocks.is_empty() {
+            return;
+        }
+        let bs = self.bs as u64;
+        let mut files = self.files.lock();
+        let f = files.entry(ino).or_insert_with(|| FileCache {
+            size: disk_size,
+            ..Default::default()
+        });
+        let mut added = 0usize;
+        for (lblk, data) in blocks {
+            if lblk as u64 * bs >= f.size || data.len() != self.bs {
+                continue;
+            }
+            f.pages.entry(lblk).or_insert_with(|| {
+                added += 1;
+                Page {
+                    data: Arc::new(data),
+                    dirty: false,
+                    writing: false,
+                    delayed: false,
+                    used: false,
+                }
+            });
+        }
+        if f.pages.is_empty() && f.times.is_none() {
+            files.remove(&ino);
+        }
+        drop(files);
+        self.pages.fetch_add(added, Ordering::AcqRel);
+        self.stats.lock().read_fills += added as u64;
+        if self.over_cap() {
+            self.evict();
+        }
     }
 
     /// Take every dirty page of `ino` for write-back: their snapshots are

@@ -704,10 +704,15 @@ impl Fs {
     }
 
     /// Read through the cache (the caller holds the inode's lock shared, so
-    /// no write of this file is half done): cached blocks first (they may be
-    /// newer than the device), then the device for the rest, mapped after the
-    /// cache was looked at (a page missing then was never delayed, so its
-    /// mapping is final). `None`: the cache does not know the file.
+    /// no write of this file is half done). A read the cache answers whole
+    /// takes no file-system lock (`Inner` only when an atime update is due).
+    /// Otherwise the missing blocks are mapped under `Inner` after the cache
+    /// was looked at (a page missing then was never delayed, so its mapping is
+    /// final), read from the device as whole blocks outside it, and the
+    /// written ones are kept as clean pages (the cache serves the next read;
+    /// holes and unwritten extents are not cached). `None`: not a read this
+    /// path serves (not a regular file, at or past the end): the caller's
+    /// uncached path gives its answer.
     pub(crate) fn read_cached(
         &self,
         pc: &Arc<PageCache>,
@@ -715,43 +720,83 @@ impl Fs {
         offset: u64,
         buf: &mut [u8],
     ) -> Result<Option<(usize, bool)>> {
-        let Some((n, hits)) = pc.read(ino, offset, buf) else {
-            return Ok(None);
+        let bs = self.block_size as u64;
+        let looked = pc.read(ino, offset, buf);
+        let (n, hits) = match looked {
+            Some((0, _)) => return Ok(None),
+            Some((n, hits)) if hits.iter().all(|&h| h) => {
+                pc.stats.lock().read_hits += 1;
+                let atime = crate::atime::atime_maybe_due(&self.opts, &self.itable, ino)
+                    && self.lock()?.touch_atime(ino);
+                return Ok(Some((n, atime)));
+            }
+            Some((n, hits)) => (Some(n), hits),
+            None => (None, Vec::new()),
         };
-        if n == 0 {
-            // At or past the end (checks as the uncached path: EISDIR etc.).
+        let mut g = self.lock()?;
+        let i = g.live_inode(ino)?;
+        if !i.is_reg() {
             return Ok(None);
         }
+        let disk_size = i.size;
         // The byte ranges the cache did not have, merged into runs: only these
         // are read from the device.
-        let bs = self.block_size as u64;
         let mut misses: Vec<(usize, usize)> = Vec::new();
-        let mut pos = 0usize;
-        for hit in hits {
-            let k = (bs - (offset + pos as u64) % bs).min((n - pos) as u64) as usize;
-            if !hit {
-                match misses.last_mut() {
-                    Some((s, l)) if *s + *l == pos => *l += k,
-                    _ => misses.push((pos, k)),
+        let n = match n {
+            Some(n) => {
+                let mut pos = 0usize;
+                for hit in hits {
+                    let k = (bs - (offset + pos as u64) % bs).min((n - pos) as u64) as usize;
+                    if !hit {
+                        match misses.last_mut() {
+                            Some((s, l)) if *s + *l == pos => *l += k,
+                            _ => misses.push((pos, k)),
+                        }
+                    }
+                    pos += k;
+                }
+                n
+            }
+            None => {
+                // Unknown to the cache: the on-disk size is the visible one.
+                if offset >= disk_size {
+                    return Ok(None);
+                }
+                let n = ((disk_size - offset) as usize).min(buf.len());
+                misses.push((0, n));
+                n
+            }
+        };
+        // Each run widened to whole blocks, so that what is read can be kept.
+        let mut plans = Vec::with_capacity(misses.len());
+        for &(p, l) in &misses {
+            let start = (offset + p as u64) / bs * bs;
+            let end = (offset + (p + l) as u64).div_ceil(bs) * bs;
+            let len = (end - start) as usize;
+            plans.push((p, l, start, g.read_plan(ino, &i, start, len)?));
+        }
+        let atime = g.touch_atime(ino);
+        drop(g);
+        let mut fill = Vec::new();
+        for (p, l, start, segs) in plans {
+            let len = segs.last().map_or(0, |s| s.pos + s.span);
+            let mut tmp = vec![0u8; len];
+            self.dio.read_segs(&segs, &mut tmp)?;
+            // Past the on-disk size a block reads as zeros, whatever the
+            // device holds there.
+            if start + len as u64 > disk_size {
+                tmp[disk_size.saturating_sub(start) as usize..].fill(0);
+            }
+            let from = (offset + p as u64 - start) as usize;
+            buf[p..p + l].copy_from_slice(&tmp[from..from + l]);
+            for seg in segs.iter().filter(|s| s.pblk.is_some()) {
+                for k in (seg.pos..seg.pos + seg.span).step_by(bs as usize) {
+                    let lblk = ((start + k as u64) / bs) as u32;
+                    fill.push((lblk, tmp[k..k + bs as usize].to_vec()));
                 }
             }
-            pos += k;
         }
-        let (plans, atime) = {
-            let mut g = self.lock()?;
-            let i = g.live_inode(ino)?;
-            let mut plans = Vec::with_capacity(misses.len());
-            for &(p, l) in &misses {
-                plans.push((p, l, g.read_plan(ino, &i, offset + p as u64, l)?));
-            }
-            (plans, g.touch_atime(ino))
-        };
-        if plans.is_empty() {
-            pc.stats.lock().read_hits += 1;
-        }
-        for (p, l, segs) in plans {
-            self.dio.read_segs(&segs, &mut buf[p..p + l])?;
-        }
+        pc.fill(ino, disk_size, fill);
         Ok(Some((n, atime)))
     }
 

@@ -379,3 +379,63 @@ fn removed_open_directory_freed_at_unmount() {
     drop(fs);
     assert_fsck_clean(&img.path);
 }
+
+/// A change of owner or group clears setuid of a non-directory, whoever asks
+/// (root included), and setgid when the file is group-executable or the
+/// caller is neither in its group nor privileged: the VFS's chown rule, which
+/// the daemon applies itself under FUSE_HANDLE_KILLPRIV_V2. A directory keeps
+/// both; a mode given in the same call wins (the kernel without KILLPRIV_V2
+/// sends the cleared mode along).
+#[test]
+fn chown_clears_setuid_and_setgid_by_the_vfs_rule() {
+    let (img, fs, f, d) = setup(opts(AtimeMode::Never, false, false));
+    let root = Caller {
+        uid: 0,
+        gid: 0,
+        groups: vec![0],
+        cap_fsetid: true,
+    };
+    let outsider = Caller {
+        uid: 1000,
+        gid: 1000,
+        groups: vec![],
+        cap_fsetid: false,
+    };
+    // (target, mode before, caller, mode after)
+    let cases = [
+        (f, 0o4755, &root, 0o755),
+        (f, 0o6755, &root, 0o755),
+        (f, 0o2745, &root, 0o2745),
+        (f, 0o2745, &outsider, 0o745),
+        (f, 0o0755, &outsider, 0o755),
+        (d, 0o6755, &root, 0o6755),
+    ];
+    for (ino, before, who, after) in cases {
+        fs.setattr(
+            ino,
+            &SetAttr {
+                mode: Some(before),
+                uid: Some(0),
+                gid: Some(0),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(fs.getattr(ino).unwrap().perm, before, "mode with the owner");
+        let lookup = || who.clone();
+        let set = SetAttr {
+            uid: Some(1000),
+            ..Default::default()
+        };
+        fs.setattr_by(ino, &set, Some(&lookup)).unwrap();
+        let a = fs.getattr(ino).unwrap();
+        assert_eq!(
+            (a.perm, a.uid),
+            (after, 1000),
+            "chown by uid {} of {before:o}",
+            who.uid
+        );
+    }
+    fs.unmount().unwrap();
+    assert_fsck_clean(&img.path);
+}

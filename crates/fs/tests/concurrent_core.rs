@@ -501,6 +501,68 @@ fn cached_getattr_needs_no_fs_lock() {
     fs.unmount().unwrap();
 }
 
+/// A read the page cache answers takes no file-system lock: it returns while
+/// another thread holds that lock across a metadata read. The first read of
+/// the file (after a remount: nothing cached) keeps its blocks, so the second
+/// is such a read; with relatime an atime already newer than mtime asks for
+/// no update either.
+#[test]
+fn cached_read_needs_no_fs_lock() {
+    let img = mkfs("cc-read", 64, &["-b", "4096"]);
+    let data = pattern(3, 3 * 4096 + 100);
+    {
+        let fs = Fs::open_path(&img.path, opts()).unwrap();
+        let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
+        fs.create(d, b"x", 0o644, 0, 0).unwrap();
+        let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
+        fs.write(f, 0, &data).unwrap();
+        fs.unmount().unwrap();
+    }
+    let dev = Arc::new(Hold::new(
+        Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        HoldOn::MetadataRead,
+    ));
+    let fs = Fs::open(dev.clone(), opts()).unwrap();
+    let f = fs.resolve("/f").unwrap();
+    let mut buf = vec![0u8; data.len() + 50];
+    // First read: from the device, kept; it updates atime (relatime: atime
+    // was not newer than mtime), so the next one is not due.
+    assert_eq!(fs.read(f, 0, &mut buf).unwrap(), data.len());
+    assert_eq!(&buf[..data.len()], &data[..]);
+    let fills = fs.cache_stats().unwrap().read_fills;
+    assert_eq!(
+        fills, 4,
+        "the file's 4 blocks are kept after the first read"
+    );
+    dev.arm();
+    std::thread::scope(|s| {
+        // Holds the file-system lock across the read of d's directory block.
+        let a = s.spawn(|| fs.resolve("/d/x"));
+        let held = dev.wait_holding();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let fs = &fs;
+        s.spawn(move || {
+            let mut b = vec![0u8; 5000];
+            let r = fs.read(f, 4000, &mut b).map(|n| (n, b));
+            let _ = tx.send(r);
+        });
+        let got = rx.recv_timeout(GATE_TIMEOUT);
+        let still_held = dev.holding();
+        dev.release();
+        assert!(held, "the directory block read never came");
+        let (n, b) = got
+            .expect("a cached read did not return while the file-system lock was held")
+            .unwrap();
+        assert_eq!((n, &b[..]), (5000, &data[4000..9000]));
+        assert!(still_held, "the metadata read was released early");
+        a.join().unwrap().unwrap();
+    });
+    let st = fs.cache_stats().unwrap();
+    assert_eq!(st.read_fills, fills, "the second read kept nothing new");
+    assert!(st.read_hits >= 1);
+    fs.unmount().unwrap();
+}
+
 /// Freeing blocks does not wait for a fast commit's flush: an unlink (whose
 /// freed blocks the journal checks against the log, under the file-system
 /// lock) returns while another thread's fast commit is held in its flush. It

@@ -219,6 +219,15 @@ impl Filesystem for CommitFuse {
                 tracing::warn!("kernel lacks readdirplus ({missing:?})");
             }
         }
+        // The daemon clears setuid/setgid itself on write, truncate, fallocate
+        // and chown (Fs::write_by, setattr_by; the caller's CAP_FSETID from
+        // /proc). With this the kernel stops asking for `security.capability`
+        // (a GETXATTR) before every write: it sets SB_NOSEC, so an inode
+        // without setuid/setgid bits is checked once, and it no longer sends
+        // the cleared mode with a chown.
+        if let Err(missing) = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2) {
+            tracing::warn!("kernel lacks FUSE_HANDLE_KILLPRIV_V2 ({missing:?})");
+        }
         // Lookups and readdirs in one directory may run in parallel (without it
         // the kernel holds the directory's i_rwsem exclusively across each).
         if let Err(missing) = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS) {

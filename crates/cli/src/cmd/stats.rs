@@ -112,6 +112,7 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
             "dirty_bytes": c.dirty_bytes,
             "bytes_written": c.bytes_written,
             "read_hits": c.read_hits,
+            "read_fills": c.read_fills,
             "writebacks": c.writebacks,
             "cuts": c.cuts,
             "blocks_written": c.blocks_written,
@@ -255,13 +256,14 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
     let c = &v["page_cache"];
     if c.is_object() {
         println!(
-            "page cache: {} B cached ({} B dirty); {} B written into it, {} reads answered from it; \
+            "page cache: {} B cached ({} B dirty); {} B written into it, {} reads answered from it, {} blocks kept from device reads; \
              {} blocks written back in {} device writes ({} file write-backs, {} commit cuts); \
              {} dirty pages dropped unwritten, {} evicted",
             c["cached_bytes"],
             c["dirty_bytes"],
             c["bytes_written"],
             c["read_hits"],
+            c["read_fills"],
             c["blocks_written"],
             c["device_writes"],
             c["writebacks"],
