@@ -105,6 +105,10 @@ pub(crate) struct PageCache {
     cuts: Mutex<std::collections::VecDeque<(u32, u64)>>,
     /// Every cached write up to this `wseq` is durable (through a durable cut).
     durable_seq: AtomicU64,
+    /// Calls of [`Self::discard`] so far (bumped under `files`): a fill
+    /// started before one is dropped, since the file it read may be freed and
+    /// its number reused (see [`Self::fill`]).
+    discards: AtomicU64,
     /// Counters for `commitfs stats`.
     pub stats: Mutex<CacheStats>,
 }
@@ -150,6 +154,7 @@ impl PageCache {
             dirty_files: AtomicUsize::new(0),
             cuts: Mutex::new(Default::default()),
             durable_seq: AtomicU64::new(0),
+            discards: AtomicU64::new(0),
             stats: Mutex::new(CacheStats::default()),
         }
     }
@@ -509,18 +514,30 @@ impl PageCache {
         Some((len, hit))
     }
 
+    /// The discard count, taken by a reader before it checks under `Inner`
+    /// that its file is live; [`Self::fill`] compares it.
+    pub fn discard_epoch(&self) -> u64 {
+        self.discards.load(Ordering::Acquire)
+    }
+
     /// Keep blocks just read from the device as clean pages of `ino` (whose
     /// on-disk size is `disk_size`, the visible one if the cache does not know
     /// the file yet). The caller holds the inode's lock shared, so no write
     /// races with this; a page that exists already (another reader's) stays.
-    /// Filled pages start without the second-chance bit: data read once goes
-    /// before data read again.
-    pub fn fill(&self, ino: u32, disk_size: u64, blocks: Vec<(u32, Vec<u8>)>) {
+    /// Nothing is kept if any file was discarded since `epoch`: a file freed
+    /// by an unlink (which does not take the inode's lock) while it was read
+    /// would otherwise come back with its old pages under a number a new file
+    /// may get. Filled pages start without the second-chance bit: data read
+    /// once goes before data read again.
+    pub fn fill(&self, ino: u32, disk_size: u64, blocks: Vec<(u32, Vec<u8>)>, epoch: u64) {
         if blocks.is_empty() {
             return;
         }
         let bs = self.bs as u64;
         let mut files = self.files.lock();
+        if self.discards.load(Ordering::Acquire) != epoch {
+            return;
+        }
         let f = files.entry(ino).or_insert_with(|| FileCache {
             size: disk_size,
             ..Default::default()
@@ -673,7 +690,12 @@ impl PageCache {
     /// Drop every page of `ino` (the file is freed, truncated or rewritten
     /// under `Inner`): dirty data included.
     pub fn discard(&self, ino: u32) {
-        let Some(f) = self.files.lock().remove(&ino) else {
+        let f = {
+            let mut files = self.files.lock();
+            self.discards.fetch_add(1, Ordering::AcqRel);
+            files.remove(&ino)
+        };
+        let Some(f) = f else {
             return;
         };
         let dirty = f.pages.values().filter(|p| p.dirty || p.writing).count();
@@ -730,5 +752,45 @@ impl PageCache {
         drop(files);
         self.pages.fetch_sub(evicted as usize, Ordering::AcqRel);
         self.stats.lock().evicted += evicted;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fill that started before a discard keeps nothing (the file may have
+    /// been freed and its number reused); one after it does, and a later
+    /// read finds the pages, with bytes past the visible size not kept.
+    #[test]
+    fn fill_after_a_discard_is_dropped() {
+        let pc = PageCache::new(4096, 1 << 20);
+        let epoch = pc.discard_epoch();
+        pc.discard(7);
+        pc.fill(
+            7,
+            8192,
+            vec![(0, vec![1u8; 4096]), (1, vec![2u8; 4096])],
+            epoch,
+        );
+        assert!(pc.read(7, 0, &mut [0u8; 10]).is_none(), "stale fill kept");
+        assert_eq!(pc.snapshot().cached_bytes, 0);
+        let epoch = pc.discard_epoch();
+        pc.fill(
+            7,
+            8192,
+            vec![
+                (0, vec![1u8; 4096]),
+                (1, vec![2u8; 4096]),
+                (2, vec![3u8; 4096]),
+            ],
+            epoch,
+        );
+        let mut buf = vec![0u8; 8192];
+        let (n, hits) = pc.read(7, 0, &mut buf).expect("filled file");
+        assert_eq!((n, hits), (8192, vec![true, true]));
+        assert_eq!(&buf[4096..], &[2u8; 4096][..]);
+        assert_eq!(pc.snapshot().cached_bytes, 8192, "block past the size kept");
+        assert_eq!(pc.stats.lock().read_fills, 2);
     }
 }

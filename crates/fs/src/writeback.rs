@@ -733,6 +733,7 @@ impl Fs {
             Some((n, hits)) => (Some(n), hits),
             None => (None, Vec::new()),
         };
+        let epoch = pc.discard_epoch();
         let mut g = self.lock()?;
         let i = g.live_inode(ino)?;
         if !i.is_reg() {
@@ -796,7 +797,7 @@ impl Fs {
                 }
             }
         }
-        pc.fill(ino, disk_size, fill);
+        pc.fill(ino, disk_size, fill, epoch);
         Ok(Some((n, atime)))
     }
 
