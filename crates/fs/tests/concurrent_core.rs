@@ -878,3 +878,36 @@ fn stress_fc_data_csum() {
         },
     );
 }
+
+/// A large read streams past the cache (nothing kept); a small one keeps the
+/// blocks it read.
+#[test]
+fn large_reads_stream_small_reads_fill() {
+    let img = mkfs("cc-stream", 64, &["-b", "4096"]);
+    let data = pattern(5, 1 << 20);
+    {
+        let fs = Fs::open_path(&img.path, opts()).unwrap();
+        let f = fs.create(ROOT_INO, b"big", 0o644, 0, 0).unwrap().ino;
+        fs.write(f, 0, &data).unwrap();
+        fs.unmount().unwrap();
+    }
+    let fs = Fs::open_path(&img.path, opts()).unwrap();
+    let f = fs.resolve("/big").unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    assert_eq!(fs.read(f, 0, &mut buf).unwrap(), 1 << 20);
+    assert_eq!(buf, data);
+    assert_eq!(
+        fs.cache_stats().unwrap().read_fills,
+        0,
+        "a 1 MiB read was kept"
+    );
+    let mut small = vec![0u8; 6000];
+    assert_eq!(fs.read(f, 10_000, &mut small).unwrap(), 6000);
+    assert_eq!(&small[..], &data[10_000..16_000]);
+    assert_eq!(
+        fs.cache_stats().unwrap().read_fills,
+        2,
+        "blocks 2 and 3 kept"
+    );
+    fs.unmount().unwrap();
+}
