@@ -14,10 +14,10 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 pub mod faulty;
-mod fua;
 pub mod inuse;
 pub mod recording;
 pub mod size;
+mod uring;
 pub use faulty::{Fault, FaultOps, FaultyDevice};
 pub use inuse::OtherUser;
 pub use recording::{CrashLog, CrashSpec, LogOp, Materializer, RecordingDevice};
@@ -218,11 +218,35 @@ pub trait BlockDevice: Send + Sync {
     fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> Result<()> {
         self.write_at(offset, buf, cat, false)
     }
+    /// Independent writes (no FUA), each given as pieces written contiguously
+    /// from its offset; devices that can submit them together do (a block
+    /// device: the large ones in flight at once). Each counts as one write. On
+    /// an error some of them may have been done.
+    fn write_batch(&self, writes: &[(u64, &[&[u8]])], cat: IoCategory) -> Result<()> {
+        let mut joined = Vec::new();
+        for &(offset, pieces) in writes {
+            self.write_at(offset, join(pieces, &mut joined), cat, false)?;
+        }
+        Ok(())
+    }
     fn flush(&self) -> Result<()>;
     /// Size in bytes.
     fn size(&self) -> u64;
     fn is_read_only(&self) -> bool;
     fn stats(&self) -> &IoStats;
+}
+
+/// `pieces` as one slice: the piece itself when there is one, else joined in
+/// `buf`.
+fn join<'a>(pieces: &[&'a [u8]], buf: &'a mut Vec<u8>) -> &'a [u8] {
+    if let [one] = pieces {
+        return one;
+    }
+    buf.clear();
+    for p in pieces {
+        buf.extend_from_slice(p);
+    }
+    buf
 }
 
 fn check_range(offset: u64, len: usize, size: u64) -> Result<()> {
@@ -244,9 +268,11 @@ pub struct FileDevice {
     /// write writes back and drops cached pages of its range, a direct read
     /// writes back dirty ones first.
     direct: Option<File>,
-    /// True FUA writes through [`Self::direct`] (fua.rs); `None` where
+    /// True FUA writes through [`Self::direct`] (uring.rs); `None` where
     /// io_uring is not available.
-    fua: Option<fua::FuaRing>,
+    fua: Option<uring::Ring>,
+    /// Batches of direct writes in flight together (uring.rs).
+    batch: Option<uring::Ring>,
     size: u64,
     read_only: bool,
     stats: IoStats,
@@ -258,6 +284,8 @@ const PAGE: usize = 4096;
 const SECTOR: usize = 512;
 /// Page-aligned writes at least this long use [`FileDevice::direct`].
 const DIRECT_MIN: usize = 64 << 10;
+/// Direct writes of one batch in flight at once ([`BlockDevice::write_batch`]).
+const BATCH_DEPTH: u32 = 32;
 /// Page-aligned reads at least this long use [`FileDevice::direct`]. Higher:
 /// shorter reads (a FUSE read is 128 KiB) gain more from the block device's
 /// readahead than they lose to the copy through its page cache (measured:
@@ -365,11 +393,15 @@ impl FileDevice {
                 .ok()
         };
         // Still correct without it: a FUA write then costs a flush as well.
-        let fua = direct.as_ref().and_then(|_| fua::FuaRing::new().ok());
+        let fua = direct.as_ref().and_then(|_| uring::Ring::new(4).ok());
+        let batch = direct
+            .as_ref()
+            .and_then(|_| uring::Ring::new(BATCH_DEPTH).ok());
         Ok(FileDevice {
             file,
             direct,
             fua,
+            batch,
             size,
             read_only,
             stats: IoStats::default(),
@@ -471,11 +503,11 @@ impl FileDevice {
             {
                 use std::os::fd::AsRawFd;
                 let r = if (buf.as_ptr() as usize).is_multiple_of(PAGE) {
-                    ring.write(d.as_raw_fd(), buf, offset)
+                    ring.write_fua(d.as_raw_fd(), buf, offset)
                 } else {
                     let mut a = AlignedBuf::new(buf.len());
                     a.as_mut().copy_from_slice(buf);
-                    ring.write(d.as_raw_fd(), a.as_ref(), offset)
+                    ring.write_fua(d.as_raw_fd(), a.as_ref(), offset)
                 };
                 if direct_done(r)? {
                     return Ok(());
@@ -615,7 +647,7 @@ fn is_block_device(file: &File) -> bool {
 }
 
 /// A page-aligned heap buffer (O_DIRECT needs aligned memory).
-struct AlignedBuf {
+pub(crate) struct AlignedBuf {
     ptr: std::ptr::NonNull<u8>,
     len: usize,
 }
@@ -624,7 +656,7 @@ impl AlignedBuf {
     fn layout(len: usize) -> std::alloc::Layout {
         std::alloc::Layout::from_size_align(len.max(1), PAGE).expect("valid layout")
     }
-    fn new(len: usize) -> AlignedBuf {
+    pub(crate) fn new(len: usize) -> AlignedBuf {
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -632,11 +664,11 @@ impl AlignedBuf {
             std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         AlignedBuf { ptr, len }
     }
-    fn as_ref(&self) -> &[u8] {
+    pub(crate) fn as_ref(&self) -> &[u8] {
         // SAFETY: ptr is valid for len initialised (zeroed) bytes while self lives.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
-    fn as_mut(&mut self) -> &mut [u8] {
+    pub(crate) fn as_mut(&mut self) -> &mut [u8] {
         // SAFETY: as above, and &mut self gives exclusive access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
@@ -682,6 +714,64 @@ impl BlockDevice for FileDevice {
     }
     fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> Result<()> {
         self.write(offset, buf, cat, false, true)
+    }
+    /// The large page-aligned writes go to the device together through the
+    /// batch ring ([`uring::Ring::write_batch`]), up to [`BATCH_DEPTH`] in
+    /// flight, instead of one synchronous direct write after another; the
+    /// others through the page cache as `write_at` would.
+    fn write_batch(&self, writes: &[(u64, &[&[u8]])], cat: IoCategory) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        if self.read_only {
+            return Err(DeviceError::ReadOnly);
+        }
+        let (mut bufs, mut offs) = (Vec::new(), Vec::new());
+        let mut joined = Vec::new();
+        for &(offset, pieces) in writes {
+            let len: usize = pieces.iter().map(|p| p.len()).sum();
+            check_range(offset, len, self.size)?;
+            if self.batch.is_some() && self.direct_for(offset, len, DIRECT_MIN).is_some() {
+                let mut a = AlignedBuf::new(len);
+                let mut at = 0;
+                for p in pieces {
+                    a.as_mut()[at..at + p.len()].copy_from_slice(p);
+                    at += p.len();
+                }
+                bufs.push(a);
+                offs.push(offset);
+            } else {
+                self.write(offset, join(pieces, &mut joined), cat, false, false)?;
+            }
+        }
+        let (Some(ring), Some(d)) = (&self.batch, &self.direct) else {
+            return Ok(());
+        };
+        if bufs.is_empty() {
+            return Ok(());
+        }
+        let io = |offset: u64, len: usize, source| DeviceError::Io {
+            offset,
+            len,
+            source,
+        };
+        let (bufs, res) = ring
+            .write_batch(d.as_raw_fd(), bufs, &offs)
+            .map_err(|e| io(offs[0], 0, e))?;
+        for ((b, r), &off) in bufs.iter().zip(res).zip(&offs) {
+            let b = b.as_ref();
+            match r {
+                n if n >= 0 && n as usize == b.len() => {}
+                // Refused (alignment), or short: the rest through the page cache.
+                n if n == -libc::EINVAL || n >= 0 => {
+                    let done = n.max(0) as usize;
+                    self.file
+                        .write_all_at(&b[done..], off + done as u64)
+                        .map_err(|e| io(off, b.len(), e))?;
+                }
+                n => return Err(io(off, b.len(), std::io::Error::from_raw_os_error(-n))),
+            }
+            self.stats.record_write(cat, b.len(), false);
+        }
+        Ok(())
     }
     fn flush(&self) -> Result<()> {
         if self.read_only {

@@ -203,6 +203,34 @@ impl DataIo {
         Ok(())
     }
 
+    /// Several [`Self::write_noting`]s at once: `(first block, pieces)`, the
+    /// pieces (whole blocks) written contiguously from it; the device submits
+    /// them together where it can (`BlockDevice::write_batch`).
+    pub fn write_batch(&self, writes: &[(u64, Vec<&[u8]>)], note: bool) -> Result<()> {
+        if self.errors.is_dead() {
+            return Err(FsError::Shutdown);
+        }
+        if self.read_only || self.errors.is_read_only() || self.journal.is_aborted() {
+            return Err(FsError::ReadOnly);
+        }
+        let bs = self.bs as u64;
+        let mut dev_writes = Vec::with_capacity(writes.len());
+        for (pblk, pieces) in writes {
+            let len: usize = pieces.iter().map(|p| p.len()).sum();
+            self.check_range(*pblk, len)?;
+            dev_writes.push((pblk * bs, &pieces[..]));
+        }
+        self.dev.write_batch(&dev_writes, IoCategory::Data)?;
+        if note {
+            for (pblk, pieces) in writes {
+                let len: usize = pieces.iter().map(|p| p.len()).sum();
+                self.journal.note_data(*pblk, len.div_ceil(self.bs) as u64);
+            }
+        }
+        self.journal.note_data_written();
+        Ok(())
+    }
+
     /// Write one piece: whole blocks directly; a partial head/tail block is
     /// read-modify-written unless it is new or was unwritten (then the rest is
     /// zeros, never stale data).

@@ -187,9 +187,6 @@ impl Inner {
     }
 }
 
-/// Write the runs (one device write each) and mark their pages clean; on a
-/// failure the pages go back to dirty and the error is returned. `note`:
-/// report to single-flush tracking here (under the caller's handle).
 /// Per inode, the flush generation when its data was last written (an fsync
 /// of it needs a flush that starts later; `Fs::data_gens`).
 pub(crate) type DataGens = Mutex<std::collections::HashMap<u32, u64>>;
@@ -198,6 +195,10 @@ pub(crate) type DataGens = Mutex<std::collections::HashMap<u32, u64>>;
 /// are not kept (`Fs::read_cached`).
 const FILL_MAX: usize = 256 << 10;
 
+/// Write the runs (one device write per run, or per MiB of one) and mark
+/// their pages clean; on a failure the pages of the batch that failed and of
+/// every later one go back to dirty and the error is returned. `note`: report
+/// to single-flush tracking here (under the caller's handle).
 pub(crate) fn write_runs(
     dio: &DataIo,
     pc: &PageCache,
@@ -206,38 +207,44 @@ pub(crate) fn write_runs(
     gens: &DataGens,
 ) -> Result<()> {
     let bs = dio.bs;
-    // One device write per contiguous run, in pieces of at most 1 MiB (the
-    // copy into one buffer stays small).
+    // Device writes of at most 1 MiB each (one per contiguous run or piece of
+    // one), submitted in batches of at most BATCH_BYTES (the device keeps the
+    // large ones in flight together); the pages themselves are the buffers.
     let per = ((1 << 20) / bs).max(1);
-    let mut buf =
-        Vec::with_capacity(per.min(runs.iter().map(|r| r.snaps.len()).max().unwrap_or(0)) * bs);
-    for (k, r) in runs.iter().enumerate() {
-        let mut w = Ok(());
-        for (i, piece) in r.snaps.chunks(per).enumerate() {
-            buf.clear();
-            for s in piece {
-                buf.extend_from_slice(&s.data[..bs]);
-            }
-            let pblk = r.pblk + (i * per) as u64;
-            w = dio.write_noting(pblk, &buf, note);
-            if w.is_err() {
-                break;
-            }
-            pc.stats.lock().device_writes += 1;
+    let mut k = 0usize;
+    while k < runs.len() {
+        let (mut end, mut bytes) = (k, 0usize);
+        while end < runs.len() && (end == k || bytes + runs[end].snaps.len() * bs <= BATCH_BYTES) {
+            bytes += runs[end].snaps.len() * bs;
+            end += 1;
         }
-        if let Err(e) = w {
+        let mut writes: Vec<(u64, Vec<&[u8]>)> = Vec::new();
+        for r in &runs[k..end] {
+            for (i, piece) in r.snaps.chunks(per).enumerate() {
+                let pblk = r.pblk + (i * per) as u64;
+                writes.push((pblk, piece.iter().map(|s| &s.data[..bs]).collect()));
+            }
+        }
+        if let Err(e) = dio.write_batch(&writes, note) {
             for r in &runs[k..] {
                 pc.finish(r.ino, &r.snaps, true);
             }
             return Err(e);
         }
-        // Before the pages turn clean: an fdatasync that finds them clean
-        // then finds this generation too.
-        gens.lock().insert(r.ino, dio.journal.flush_gen());
-        pc.finish(r.ino, &r.snaps, false);
+        pc.stats.lock().device_writes += writes.len() as u64;
+        for r in &runs[k..end] {
+            // Before the pages turn clean: an fdatasync that finds them clean
+            // then finds this generation too.
+            gens.lock().insert(r.ino, dio.journal.flush_gen());
+            pc.finish(r.ino, &r.snaps, false);
+        }
+        k = end;
     }
     Ok(())
 }
+
+/// Bytes of write-back runs submitted to the device in one batch.
+const BATCH_BYTES: usize = 32 << 20;
 
 /// The cut's runs for a full commit, waiting for the commit thread's
 /// `write_data` (and the in-flight mark that keeps fast commits from

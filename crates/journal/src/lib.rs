@@ -363,6 +363,13 @@ impl BlockDevice for GenDevice {
     ) -> commitfs_device::Result<()> {
         self.inner.write_sectors(offset, buf, cat)
     }
+    fn write_batch(
+        &self,
+        writes: &[(u64, &[&[u8]])],
+        cat: IoCategory,
+    ) -> commitfs_device::Result<()> {
+        self.inner.write_batch(writes, cat)
+    }
     fn flush(&self) -> commitfs_device::Result<()> {
         let n = self.gens.started.fetch_add(1, Ordering::AcqRel) + 1;
         let t0 = std::time::Instant::now();
