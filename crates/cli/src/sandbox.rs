@@ -442,7 +442,7 @@ fn filter() -> Result<seccompiler::BpfProgram> {
         libc::SYS_unlinkat,
         libc::SYS_restart_syscall,
         libc::SYS_membarrier,
-        // The device's FUA ring (device/src/fua.rs), set up before the filter
+        // The device's rings (device/src/uring.rs), set up before the filter
         // and restricted to writes: no io_uring_setup or _register here.
         libc::SYS_io_uring_enter,
     ];

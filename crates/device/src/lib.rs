@@ -433,7 +433,7 @@ impl FileDevice {
     }
 
     /// Whether FUA writes are single REQ_FUA requests (a block device with
-    /// io_uring, fua.rs) rather than a write followed by a device flush.
+    /// io_uring, uring.rs) rather than a write followed by a device flush.
     pub fn has_true_fua(&self) -> bool {
         self.fua.is_some()
     }
@@ -491,26 +491,30 @@ impl FileDevice {
     /// (earlier writes need a flush, which every caller issues first: the
     /// crash harness's recording device keeps exactly this rule). On a block
     /// device, an asynchronous direct write with `RWF_DSYNC`: one request
-    /// with REQ_FUA (fua.rs). Elsewhere, and where that is refused,
+    /// with REQ_FUA (uring.rs). Elsewhere, and where that is refused,
     /// `RWF_DSYNC` on the buffered handle writes this range and flushes the
     /// device (`generic_write_sync` over the range), never the image's other
     /// dirty pages, which a whole-file fdatasync would write back as well.
     fn write_fua(&self, offset: u64, buf: &[u8]) -> std::io::Result<()> {
         if let (Some(d), Some(ring)) = (&self.direct, &self.fua) {
-            if !buf.is_empty()
+            if ring.usable()
+                && !buf.is_empty()
                 && buf.len().is_multiple_of(SECTOR)
                 && offset.is_multiple_of(SECTOR as u64)
             {
                 use std::os::fd::AsRawFd;
-                let r = if (buf.as_ptr() as usize).is_multiple_of(PAGE) {
-                    ring.write_fua(d.as_raw_fd(), buf, offset)
-                } else {
-                    let mut a = AlignedBuf::new(buf.len());
-                    a.as_mut().copy_from_slice(buf);
-                    ring.write_fua(d.as_raw_fd(), a.as_ref(), offset)
-                };
-                if direct_done(r)? {
-                    return Ok(());
+                let mut a = AlignedBuf::new(buf.len());
+                a.as_mut().copy_from_slice(buf);
+                match ring.write_fua(d.as_raw_fd(), a, offset) {
+                    Ok(()) => {
+                        self.drop_cached(offset, buf.len());
+                        return Ok(());
+                    }
+                    // The ring itself failed (and is not used again): the
+                    // synchronous write below writes the same bytes.
+                    Err(_) if !ring.usable() => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+                    Err(e) => return Err(e),
                 }
             }
         }
@@ -521,6 +525,21 @@ impl FileDevice {
                 self.file.sync_data()
             }
             r => r,
+        }
+    }
+
+    /// Drop the block device's cached pages of a range just written through
+    /// a ring. A synchronous direct write invalidates them after the write
+    /// (`kiocb_invalidate_post_direct_write`); an asynchronous one does not,
+    /// so a readahead that ran meanwhile could have left the old bytes there.
+    fn drop_cached(&self, offset: u64, len: usize) {
+        use std::os::fd::AsRawFd;
+        let (Ok(off), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+            return;
+        };
+        // SAFETY: plain system call on our descriptor.
+        unsafe {
+            libc::posix_fadvise(self.file.as_raw_fd(), off, len, libc::POSIX_FADV_DONTNEED);
         }
     }
 
@@ -724,12 +743,13 @@ impl BlockDevice for FileDevice {
         if self.read_only {
             return Err(DeviceError::ReadOnly);
         }
-        let (mut bufs, mut offs) = (Vec::new(), Vec::new());
+        let ring = self.batch.as_ref().filter(|r| r.usable());
+        let (mut bufs, mut offs, mut idx) = (Vec::new(), Vec::new(), Vec::new());
         let mut joined = Vec::new();
-        for &(offset, pieces) in writes {
+        for (k, &(offset, pieces)) in writes.iter().enumerate() {
             let len: usize = pieces.iter().map(|p| p.len()).sum();
             check_range(offset, len, self.size)?;
-            if self.batch.is_some() && self.direct_for(offset, len, DIRECT_MIN).is_some() {
+            if ring.is_some() && self.direct_for(offset, len, DIRECT_MIN).is_some() {
                 let mut a = AlignedBuf::new(len);
                 let mut at = 0;
                 for p in pieces {
@@ -738,11 +758,12 @@ impl BlockDevice for FileDevice {
                 }
                 bufs.push(a);
                 offs.push(offset);
+                idx.push(k);
             } else {
                 self.write(offset, join(pieces, &mut joined), cat, false, false)?;
             }
         }
-        let (Some(ring), Some(d)) = (&self.batch, &self.direct) else {
+        let (Some(ring), Some(d)) = (ring, &self.direct) else {
             return Ok(());
         };
         if bufs.is_empty() {
@@ -753,13 +774,22 @@ impl BlockDevice for FileDevice {
             len,
             source,
         };
-        let (bufs, res) = ring
-            .write_batch(d.as_raw_fd(), bufs, &offs)
-            .map_err(|e| io(offs[0], 0, e))?;
+        let (bufs, res) = match ring.write_batch(d.as_raw_fd(), bufs, &offs) {
+            Ok(r) => r,
+            Err(_) => {
+                // The ring itself failed (it is not used again; its buffers
+                // are leaked): write them all synchronously, the same bytes.
+                for &k in &idx {
+                    let (offset, pieces) = writes[k];
+                    self.write(offset, join(pieces, &mut joined), cat, false, false)?;
+                }
+                return Ok(());
+            }
+        };
         for ((b, r), &off) in bufs.iter().zip(res).zip(&offs) {
             let b = b.as_ref();
             match r {
-                n if n >= 0 && n as usize == b.len() => {}
+                n if n >= 0 && n as usize == b.len() => self.drop_cached(off, b.len()),
                 // Refused (alignment), or short: the rest through the page cache.
                 n if n == -libc::EINVAL || n >= 0 => {
                     let done = n.max(0) as usize;
@@ -767,7 +797,9 @@ impl BlockDevice for FileDevice {
                         .write_all_at(&b[done..], off + done as u64)
                         .map_err(|e| io(off, b.len(), e))?;
                 }
-                n => return Err(io(off, b.len(), std::io::Error::from_raw_os_error(-n))),
+                // Anything else (EAGAIN, ECANCELED, an I/O error): once more,
+                // synchronously; its error is the answer.
+                _ => d.write_all_at(b, off).map_err(|e| io(off, b.len(), e))?,
             }
             self.stats.record_write(cat, b.len(), false);
         }

@@ -23,6 +23,8 @@ use std::io;
 use std::os::fd::RawFd;
 
 use io_uring::{opcode, register::Restriction, types, IoUring};
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use parking_lot::Mutex;
 
 /// A ring and its depth. FUA writes (commit blocks, journal superblocks) use a
@@ -30,10 +32,17 @@ use parking_lot::Mutex;
 pub(crate) struct Ring {
     ring: Mutex<IoUring>,
     depth: usize,
+    /// Set after an error of the ring itself (not of a write): entries may
+    /// still be queued or in flight, so the ring is never used again and
+    /// their buffers are leaked; callers take the synchronous path.
+    broken: AtomicBool,
 }
 
 /// Aligned buffers of a batch still referenced by submitted operations.
 pub(crate) type Owned = Vec<crate::AlignedBuf>;
+
+/// `io_uring_enter` retries on EINTR/EAGAIN/EBUSY before the ring is given up.
+const ENTER_RETRIES: u32 = 1000;
 
 impl Ring {
     /// A ring of `depth` entries restricted to `IORING_OP_WRITE`; `Err` where
@@ -51,14 +60,46 @@ impl Ring {
         Ok(Ring {
             ring: Mutex::new(ring),
             depth: depth as usize,
+            broken: AtomicBool::new(false),
         })
+    }
+
+    /// Whether the ring may be used (see [`Ring::broken`]).
+    pub(crate) fn usable(&self) -> bool {
+        !self.broken.load(Ordering::Acquire)
+    }
+
+    /// Submit what is queued and wait for one completion, retrying transient
+    /// errors; `Err` (and the ring marked broken) on any other.
+    fn enter(&self, ring: &mut IoUring) -> io::Result<()> {
+        let mut tries = 0;
+        loop {
+            match ring.submit_and_wait(1) {
+                Ok(_) => return Ok(()),
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
+                    ) && tries < ENTER_RETRIES =>
+                {
+                    tries += 1;
+                    if e.raw_os_error() != Some(libc::EINTR) {
+                        std::thread::sleep(std::time::Duration::from_micros(50));
+                    }
+                }
+                Err(e) => {
+                    self.broken.store(true, Ordering::Release);
+                    return Err(e);
+                }
+            }
+        }
     }
 
     /// Write each `(offset, buffer)` of `bufs` (owned, aligned for `fd`'s
     /// `O_DIRECT`) with up to the ring's depth in flight; the result of each
     /// write (bytes written or `-errno`), in order. On an error of the ring
-    /// itself the buffers are leaked rather than freed: an operation may still
-    /// read them.
+    /// itself the buffers are leaked rather than freed (an operation may still
+    /// read them) and the ring is not used again.
     pub(crate) fn write_batch(
         &self,
         fd: RawFd,
@@ -66,6 +107,9 @@ impl Ring {
         offsets: &[u64],
     ) -> io::Result<(Owned, Vec<i32>)> {
         let mut ring = self.ring.lock();
+        if !self.usable() {
+            return Err(io::Error::other("io_uring unusable after an earlier error"));
+        }
         let mut res = vec![0i32; bufs.len()];
         let (mut next, mut inflight) = (0usize, 0usize);
         while next < bufs.len() || inflight > 0 {
@@ -89,45 +133,57 @@ impl Ring {
                 next += 1;
                 inflight += 1;
             }
-            if let Err(e) = ring.submit_and_wait(1) {
-                if !matches!(
-                    e.raw_os_error(),
-                    Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
-                ) {
-                    std::mem::forget(bufs);
-                    return Err(e);
-                }
+            if inflight == 0 {
+                continue;
+            }
+            if let Err(e) = self.enter(&mut ring) {
+                std::mem::forget(bufs);
+                return Err(e);
             }
             for c in ring.completion() {
-                res[c.user_data() as usize] = c.result();
-                inflight -= 1;
+                if let Some(r) = res.get_mut(c.user_data() as usize) {
+                    *r = c.result();
+                    inflight = inflight.saturating_sub(1);
+                }
             }
         }
         Ok((bufs, res))
     }
 
-    /// Write all of `buf` at `offset` of `fd` (an `O_DIRECT` descriptor; `buf`
-    /// aligned as direct I/O needs) with REQ_FUA.
-    pub(crate) fn write_fua(&self, fd: RawFd, buf: &[u8], offset: u64) -> io::Result<()> {
+    /// Write all of `buf` (owned, aligned for `fd`'s `O_DIRECT`) at `offset`
+    /// of `fd` with REQ_FUA; the buffer is leaked if the ring fails with the
+    /// write possibly still queued.
+    pub(crate) fn write_fua(
+        &self,
+        fd: RawFd,
+        buf: crate::AlignedBuf,
+        offset: u64,
+    ) -> io::Result<()> {
         let mut ring = self.ring.lock();
+        if !self.usable() {
+            return Err(io::Error::other("io_uring unusable after an earlier error"));
+        }
         let mut done = 0usize;
-        while done < buf.len() {
-            let rest = &buf[done..];
+        let len_all = buf.as_ref().len();
+        while done < len_all {
+            let rest = &buf.as_ref()[done..];
             // At most 4 GiB - 4 KiB per operation, page-aligned.
             let len = u32::try_from(rest.len()).unwrap_or(!4095);
             let sqe = opcode::Write::new(types::Fd(fd), rest.as_ptr(), len)
                 .offset(offset + done as u64)
                 .rw_flags(libc::RWF_DSYNC)
-                .build();
-            // SAFETY: `rest` outlives the operation: we wait for its completion
-            // below, holding the ring, before returning.
-            unsafe { ring.submission().push(&sqe) }
-                .map_err(|_| io::Error::other("FUA ring: submission queue full"))?;
+                .build()
+                .user_data(1);
+            // SAFETY: the buffer is owned here: freed only after the
+            // completion was reaped, leaked if the ring fails.
+            if unsafe { ring.submission().push(&sqe) }.is_err() {
+                self.broken.store(true, Ordering::Release);
+                return Err(io::Error::other("FUA ring: submission queue full"));
+            }
             let res = loop {
-                match ring.submit_and_wait(1) {
-                    Ok(_) => {}
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(e),
+                if let Err(e) = self.enter(&mut ring) {
+                    std::mem::forget(buf);
+                    return Err(e);
                 }
                 if let Some(c) = ring.completion().next() {
                     break c.result();

@@ -529,13 +529,29 @@ impl PageCache {
     /// would otherwise come back with its old pages under a number a new file
     /// may get. Filled pages start without the second-chance bit: data read
     /// once goes before data read again.
-    pub fn fill(&self, ino: u32, disk_size: u64, blocks: Vec<(u32, Vec<u8>)>, epoch: u64) {
+    ///
+    /// `create`: the reader found no entry for the file (then it had no dirty
+    /// page, and with writes held off `disk_size` is its visible size). A
+    /// reader that found one keeps nothing if it is gone now: meanwhile a
+    /// commit's cut may have written its pages back and moved the on-disk
+    /// size past `disk_size`, and eviction dropped the entry.
+    pub fn fill(
+        &self,
+        ino: u32,
+        disk_size: u64,
+        blocks: Vec<(u32, Vec<u8>)>,
+        epoch: u64,
+        create: bool,
+    ) {
         if blocks.is_empty() {
             return;
         }
         let bs = self.bs as u64;
         let mut files = self.files.lock();
         if self.discards.load(Ordering::Acquire) != epoch {
+            return;
+        }
+        if !create && !files.contains_key(&ino) {
             return;
         }
         let f = files.entry(ino).or_insert_with(|| FileCache {
@@ -761,7 +777,8 @@ mod tests {
 
     /// A fill that started before a discard keeps nothing (the file may have
     /// been freed and its number reused); one after it does, and a later
-    /// read finds the pages, with bytes past the visible size not kept.
+    /// read finds the pages, with bytes past the visible size not kept; a
+    /// fill that may not create the file's entry keeps nothing without one.
     #[test]
     fn fill_after_a_discard_is_dropped() {
         let pc = PageCache::new(4096, 1 << 20);
@@ -772,6 +789,7 @@ mod tests {
             8192,
             vec![(0, vec![1u8; 4096]), (1, vec![2u8; 4096])],
             epoch,
+            true,
         );
         assert!(pc.read(7, 0, &mut [0u8; 10]).is_none(), "stale fill kept");
         assert_eq!(pc.snapshot().cached_bytes, 0);
@@ -785,6 +803,19 @@ mod tests {
                 (2, vec![3u8; 4096]),
             ],
             epoch,
+            true,
+        );
+        // A reader that saw an entry makes none once it is gone.
+        pc.fill(
+            9,
+            8192,
+            vec![(0, vec![4u8; 4096])],
+            pc.discard_epoch(),
+            false,
+        );
+        assert!(
+            pc.read(9, 0, &mut [0u8; 10]).is_none(),
+            "entry made without create"
         );
         let mut buf = vec![0u8; 8192];
         let (n, hits) = pc.read(7, 0, &mut buf).expect("filled file");

@@ -733,9 +733,13 @@ impl Fs {
     ) -> Result<Option<(usize, bool)>> {
         let bs = self.block_size as u64;
         let looked = pc.read(ino, offset, buf);
+        let known = looked.is_some();
         let (n, hits) = match looked {
             Some((0, _)) => return Ok(None),
             Some((n, hits)) if hits.iter().all(|&h| h) => {
+                if self.dio.errors.is_dead() {
+                    return Err(FsError::Shutdown);
+                }
                 pc.stats.lock().read_hits += 1;
                 let atime = crate::atime::atime_maybe_due(&self.opts, &self.itable, ino)
                     && self.lock()?.touch_atime(ino);
@@ -824,7 +828,7 @@ impl Fs {
                 }
             }
         }
-        pc.fill(ino, disk_size, fill, epoch);
+        pc.fill(ino, disk_size, fill, epoch, !known);
         Ok(Some((n, atime)))
     }
 

@@ -508,9 +508,9 @@ impl Filesystem for CommitFuse {
         reply: ReplyWrite,
     ) {
         let ino = ino_or_reply!(ino, reply);
-        // The kernel clears setuid, and setgid of group-executable files, itself
-        // (a SETATTR before the write); the rest of its rule (setgid of a file
-        // whose group the caller is not in) is ours: see `Caller`.
+        // Under FUSE_HANDLE_KILLPRIV_V2 the whole setuid/setgid rule is ours
+        // (`Caller`): the kernel sends no SETATTR before the write, only the
+        // FUSE_WRITE_KILL_SUIDGID hint, which the caller's lookup replaces.
         let (uid, gid, pid) = (req.uid(), req.gid(), req.pid());
         self.run(Op::Write, move |s| {
             let caller = move || crate::convert::caller_of(uid, gid, pid);
