@@ -67,18 +67,16 @@ enum Change {
     Fallocate(i32),
 }
 
-/// Open `path` and change its data as `uid`/`gid` with supplementary `groups`
-/// (uid 0: as the test runs), in a forked child; returns the child's errno (0:
-/// success).
-fn change_as(path: &Path, uid: u32, gid: u32, groups: &[u32], change: Change) -> i32 {
-    let p = c(path);
+/// Run `act` (system calls only; returns 0 or an errno) in a forked child as
+/// `uid`/`gid` with supplementary `groups` (uid 0: as the test runs); the
+/// child's answer.
+fn as_user(uid: u32, gid: u32, groups: &[u32], act: impl FnOnce() -> i32) -> i32 {
     let groups: Vec<libc::gid_t> = groups.to_vec();
     // SAFETY: the child only makes system calls (async-signal-safe) and _exits.
     unsafe {
         let pid = libc::fork();
         assert!(pid >= 0, "fork failed");
         if pid == 0 {
-            let fail = || *libc::__errno_location();
             if uid != 0
                 && (libc::setgroups(groups.len(), groups.as_ptr()) != 0
                     || libc::setresgid(gid, gid, gid) != 0
@@ -86,16 +84,7 @@ fn change_as(path: &Path, uid: u32, gid: u32, groups: &[u32], change: Change) ->
             {
                 libc::_exit(100);
             }
-            let fd = libc::open(p.as_ptr(), libc::O_RDWR);
-            if fd < 0 {
-                libc::_exit(fail());
-            }
-            let r = match change {
-                Change::Write => (libc::pwrite(fd, b"xy".as_ptr().cast(), 2, 100) == 2) as i32 - 1,
-                Change::Truncate => libc::ftruncate(fd, 6000),
-                Change::Fallocate(mode) => libc::fallocate(fd, mode, 4096, 8192),
-            };
-            libc::_exit(if r == 0 { 0 } else { fail() });
+            libc::_exit(act());
         }
         let mut st = 0;
         assert_eq!(libc::waitpid(pid, &mut st, 0), pid);
@@ -104,6 +93,38 @@ fn change_as(path: &Path, uid: u32, gid: u32, groups: &[u32], change: Change) ->
         assert_ne!(code, 100, "could not drop privileges");
         code
     }
+}
+
+/// The calling thread's errno.
+fn errno_now() -> i32 {
+    // SAFETY: reads this thread's errno.
+    unsafe { *libc::__errno_location() }
+}
+
+/// Open `path` and change its data as `uid`/`gid` with supplementary `groups`
+/// (uid 0: as the test runs), in a forked child; returns the child's errno (0:
+/// success).
+fn change_as(path: &Path, uid: u32, gid: u32, groups: &[u32], change: Change) -> i32 {
+    let p = c(path);
+    as_user(uid, gid, groups, || {
+        // SAFETY: valid path and buffers; plain system calls.
+        unsafe {
+            let fd = libc::open(p.as_ptr(), libc::O_RDWR);
+            if fd < 0 {
+                return errno_now();
+            }
+            let r = match change {
+                Change::Write => (libc::pwrite(fd, b"xy".as_ptr().cast(), 2, 100) == 2) as i32 - 1,
+                Change::Truncate => libc::ftruncate(fd, 6000),
+                Change::Fallocate(mode) => libc::fallocate(fd, mode, 4096, 8192),
+            };
+            if r == 0 {
+                0
+            } else {
+                errno_now()
+            }
+        }
+    })
 }
 
 #[test]
@@ -577,29 +598,14 @@ fn negative_entries_are_cached_and_turn_positive() {
 /// chown(2) as `uid` (with `gid` and `groups`) in a forked child: errno (0: done).
 fn chown_as(path: &Path, uid: u32, gid: u32, groups: &[u32], to: (u32, u32)) -> i32 {
     let p = c(path);
-    let groups: Vec<libc::gid_t> = groups.to_vec();
-    // SAFETY: the child only makes system calls (async-signal-safe) and _exits.
-    unsafe {
-        let pid = libc::fork();
-        assert!(pid >= 0, "fork failed");
-        if pid == 0 {
-            if uid != 0
-                && (libc::setgroups(groups.len(), groups.as_ptr()) != 0
-                    || libc::setresgid(gid, gid, gid) != 0
-                    || libc::setresuid(uid, uid, uid) != 0)
-            {
-                libc::_exit(100);
-            }
-            let r = libc::chown(p.as_ptr(), to.0, to.1);
-            libc::_exit(if r == 0 { 0 } else { *libc::__errno_location() });
+    as_user(uid, gid, groups, || {
+        // SAFETY: valid path; a plain system call.
+        if unsafe { libc::chown(p.as_ptr(), to.0, to.1) } == 0 {
+            0
+        } else {
+            errno_now()
         }
-        let mut st = 0;
-        assert_eq!(libc::waitpid(pid, &mut st, 0), pid);
-        assert!(libc::WIFEXITED(st), "child died: {st}");
-        let code = libc::WEXITSTATUS(st);
-        assert_ne!(code, 100, "could not drop privileges");
-        code
-    }
+    })
 }
 
 /// Owner and group changes clear setuid/setgid as on the kernel (the daemon

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use commitfs_device::{
     BlockDevice, DeviceRef, FileDevice, IoCategory, IoStats, Result as DevResult,
 };
-use commitfs_fs::testutil::{fsck, mkfs, problem_lines};
+use commitfs_fs::testutil::{fsck, mkfs, problem_lines, TempImage};
 use commitfs_fs::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -455,18 +455,17 @@ impl BlockDevice for Hold {
     }
 }
 
-/// `getattr` of a cached inode is answered by the inode table without the
-/// file-system lock: it returns while another thread holds that lock across a
-/// metadata read (a directory block missing from the cache).
-#[test]
-fn cached_getattr_needs_no_fs_lock() {
-    let img = mkfs("cc-getattr", 64, &["-b", "4096"]);
+/// An image with `/d/x` and a file `/f` holding `data`, mounted again over a
+/// device that can hold the file system's lock across a metadata read (the
+/// read of d's directory block, missing from the cache after the remount).
+fn image_with_gated_dir(tag: &str, data: &[u8]) -> (TempImage, Arc<Hold>, Fs, Ino) {
+    let img = mkfs(tag, 64, &["-b", "4096"]);
     {
         let fs = Fs::open_path(&img.path, opts()).unwrap();
         let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
         fs.create(d, b"x", 0o644, 0, 0).unwrap();
         let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
-        fs.write(f, 0, &pattern(1, 5000)).unwrap();
+        fs.write(f, 0, data).unwrap();
         fs.unmount().unwrap();
     }
     let dev = Arc::new(Hold::new(
@@ -475,29 +474,47 @@ fn cached_getattr_needs_no_fs_lock() {
     ));
     let fs = Fs::open(dev.clone(), opts()).unwrap();
     let f = fs.resolve("/f").unwrap();
-    assert_eq!(fs.getattr(f).unwrap().size, 5000);
+    (img, dev, fs, f)
+}
+
+/// Run `op` on another thread while a third one holds the file-system lock
+/// across the gated directory-block read (`image_with_gated_dir`): what `op`
+/// returned within [`GATE_TIMEOUT`] (`None`: it did not return while the lock
+/// was held). Checks that the lock was held, and still held when `op` ended.
+fn while_fs_lock_held<T: Send>(fs: &Fs, dev: &Hold, op: impl FnOnce() -> T + Send) -> Option<T> {
     dev.arm();
     std::thread::scope(|s| {
-        // Holds the file-system lock across the read of d's directory block.
         let a = s.spawn(|| fs.resolve("/d/x"));
         let held = dev.wait_holding();
         let (tx, rx) = std::sync::mpsc::channel();
-        let fs = &fs;
         s.spawn(move || {
-            let _ = tx.send(fs.getattr(f).map(|a| a.size));
+            let _ = tx.send(op());
         });
-        let got = rx.recv_timeout(GATE_TIMEOUT);
+        let got = rx.recv_timeout(GATE_TIMEOUT).ok();
         let still_held = dev.holding();
         dev.release();
         assert!(held, "the directory block read never came");
-        assert_eq!(
-            got.ok().map(|r| r.unwrap()),
-            Some(5000),
-            "getattr did not return while the file-system lock was held"
-        );
-        assert!(still_held, "the metadata read was released early");
+        if got.is_some() {
+            assert!(still_held, "the metadata read was released early");
+        }
         a.join().unwrap().unwrap();
-    });
+        got
+    })
+}
+
+/// `getattr` of a cached inode is answered by the inode table without the
+/// file-system lock: it returns while another thread holds that lock across a
+/// metadata read (a directory block missing from the cache).
+#[test]
+fn cached_getattr_needs_no_fs_lock() {
+    let (_img, dev, fs, f) = image_with_gated_dir("cc-getattr", &pattern(1, 5000));
+    assert_eq!(fs.getattr(f).unwrap().size, 5000);
+    let got = while_fs_lock_held(&fs, &dev, || fs.getattr(f).map(|a| a.size));
+    assert_eq!(
+        got.map(|r| r.unwrap()),
+        Some(5000),
+        "getattr did not return while the file-system lock was held"
+    );
     fs.unmount().unwrap();
 }
 
@@ -508,22 +525,8 @@ fn cached_getattr_needs_no_fs_lock() {
 /// no update either.
 #[test]
 fn cached_read_needs_no_fs_lock() {
-    let img = mkfs("cc-read", 64, &["-b", "4096"]);
     let data = pattern(3, 3 * 4096 + 100);
-    {
-        let fs = Fs::open_path(&img.path, opts()).unwrap();
-        let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
-        fs.create(d, b"x", 0o644, 0, 0).unwrap();
-        let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
-        fs.write(f, 0, &data).unwrap();
-        fs.unmount().unwrap();
-    }
-    let dev = Arc::new(Hold::new(
-        Arc::new(FileDevice::open(&img.path, false).unwrap()),
-        HoldOn::MetadataRead,
-    ));
-    let fs = Fs::open(dev.clone(), opts()).unwrap();
-    let f = fs.resolve("/f").unwrap();
+    let (_img, dev, fs, f) = image_with_gated_dir("cc-read", &data);
     let mut buf = vec![0u8; data.len() + 50];
     // First read: from the device, kept; it updates atime (relatime: atime
     // was not newer than mtime), so the next one is not due.
@@ -534,29 +537,14 @@ fn cached_read_needs_no_fs_lock() {
         fills, 4,
         "the file's 4 blocks are kept after the first read"
     );
-    dev.arm();
-    std::thread::scope(|s| {
-        // Holds the file-system lock across the read of d's directory block.
-        let a = s.spawn(|| fs.resolve("/d/x"));
-        let held = dev.wait_holding();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let fs = &fs;
-        s.spawn(move || {
-            let mut b = vec![0u8; 5000];
-            let r = fs.read(f, 4000, &mut b).map(|n| (n, b));
-            let _ = tx.send(r);
-        });
-        let got = rx.recv_timeout(GATE_TIMEOUT);
-        let still_held = dev.holding();
-        dev.release();
-        assert!(held, "the directory block read never came");
-        let (n, b) = got
-            .expect("a cached read did not return while the file-system lock was held")
-            .unwrap();
-        assert_eq!((n, &b[..]), (5000, &data[4000..9000]));
-        assert!(still_held, "the metadata read was released early");
-        a.join().unwrap().unwrap();
+    let got = while_fs_lock_held(&fs, &dev, || {
+        let mut b = vec![0u8; 5000];
+        fs.read(f, 4000, &mut b).map(|n| (n, b))
     });
+    let (n, b) = got
+        .expect("a cached read did not return while the file-system lock was held")
+        .unwrap();
+    assert_eq!((n, &b[..]), (5000, &data[4000..9000]));
     let st = fs.cache_stats().unwrap();
     assert_eq!(st.read_fills, fills, "the second read kept nothing new");
     assert!(st.read_hits >= 1);
