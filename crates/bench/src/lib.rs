@@ -515,6 +515,11 @@ impl Bench {
         let mut opts = commitfs_fs::MountOptions {
             fast_commit: !has("nofast_commit"),
             fc_data_csum: has("fc_data_csum"),
+            data_order: if has("data_order=file") {
+                commitfs_fs::DataOrder::File
+            } else {
+                commitfs_fs::DataOrder::Prefix
+            },
             ..Default::default()
         };
         for (k, v) in all.split(',').filter_map(|o| o.split_once('=')) {

@@ -35,6 +35,11 @@ pub struct CrashtestArgs {
     /// with the defaults.
     #[arg(long)]
     pub fc_data_csum: bool,
+    /// Record the workload mounted with -o data_order=file (ext4's per-file
+    /// data ordering); the checker holds each file's size and data to its own
+    /// fsyncs. Sequential workloads only.
+    #[arg(long)]
+    pub data_order_file: bool,
     /// Save each failing crash image (before recovery) and a description here.
     #[arg(long, value_name = "DIR")]
     pub save_failures: Option<PathBuf>,
@@ -63,6 +68,9 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
         bail!("--block-size must be 1024 or 4096");
     }
     if find_conc(&a.workload).is_some() {
+        if a.data_order_file {
+            bail!("--data-order-file: the concurrent workloads' checker has no per-file rule yet");
+        }
         return run_concurrent(a);
     }
     let cfg = Config {
@@ -76,6 +84,7 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
         torn_superblock: a.torn_superblock,
         fast_commit: a.fast_commit || a.fc_data_csum,
         fc_data_csum: a.fc_data_csum,
+        data_order_file: a.data_order_file,
     };
     let summary = commitfs_crashtest::run(&cfg).map_err(anyhow::Error::msg)?;
     for f in summary.failures.iter().take(10) {

@@ -172,9 +172,15 @@ pub fn match_tree(
 ) -> Result<usize, String> {
     let got = obs.canonical();
     let h = model::canonical_hash(&got);
+    let got_masked = rec.per_file.then(|| sizes_masked(&got));
     let mut content_err = None;
     for j in lo..=hi {
-        if rec.snap_hashes[j] != h || rec.snaps[j].canonical() != got {
+        let same = match &got_masked {
+            // data_order=file: a file's size is its own affair (below).
+            Some(g) => sizes_masked(&rec.snaps[j].canonical()) == *g,
+            None => rec.snap_hashes[j] == h && rec.snaps[j].canonical() == got,
+        };
+        if !same {
             continue;
         }
         match check_content(rec, obs, j, content_hi.max(j), data) {
@@ -202,6 +208,21 @@ pub fn match_tree(
         near(lo),
         near(hi)
     ))
+}
+
+/// A canonical tree with the sizes of regular files left out (`data_order=file`:
+/// the namespace is a prefix of the operations, each file's size and data are
+/// checked on their own, [`check_content`]).
+fn sizes_masked<'a>(c: &model::Canonical<'a>) -> Vec<(&'a str, model::Meta, usize)> {
+    c.iter()
+        .map(|&(p, m, g)| {
+            let mut m = m.clone();
+            if m.kind == Kind::File {
+                m.size = 0;
+            }
+            (p, m, g)
+        })
+        .collect()
 }
 
 /// Whether the recovered namespace and metadata equal `tree`, ignoring what lives
@@ -236,6 +257,13 @@ pub fn meta_matches_ignoring_data_blocks(tree: &model::Tree, obs: &Observed) -> 
 /// `s..=hi` and every byte from those versions (the tree may still be older: an
 /// fdatasync does not make other changes durable). A file absent from some
 /// snapshot in `s..=hi` (removed later) is not held to it.
+///
+/// Under `data_order=file` ([`Recording::per_file`]) a file's size and data
+/// move only with its own write-back, so they may be older than the tree: the
+/// file must equal some version `i` of itself, from its last fsync or
+/// fdatasync (its creation if none) up to `hi` — size that of `i`, every byte
+/// from versions `i..=hi` (ordered mode overwrites in place). Never another
+/// file's data, never stale data.
 fn check_content(
     rec: &Recording,
     obs: &Observed,
@@ -243,9 +271,7 @@ fn check_content(
     hi: usize,
     data: &[(FileId, usize)],
 ) -> Result<(), String> {
-    let bs = rec.bs;
     let snap = &rec.snaps[j];
-    let zeros = vec![0u8; bs];
     for (path, id) in &snap.paths {
         let ino = &snap.inodes[id];
         if ino.meta.kind != Kind::File {
@@ -254,14 +280,18 @@ fn check_content(
         let got = obs
             .content(path)
             .ok_or_else(|| format!("{path} has no content"))?;
-        // The first snapshot this file's bytes may come from.
-        let from = data
+        // The last sync of this file: its bytes may only come from then on.
+        let synced = data
             .iter()
-            .filter(|&&(f, s)| f == *id && s > j && s <= hi)
+            .filter(|&&(f, s)| f == *id && s <= hi && (rec.per_file || s > j))
             .map(|&(_, s)| s)
             .filter(|&s| rec.snaps[s..=hi].iter().all(|t| t.inodes.contains_key(id)))
-            .max()
-            .unwrap_or(j);
+            .max();
+        if rec.per_file {
+            check_file_versions(rec, path, *id, got, synced, hi)?;
+            continue;
+        }
+        let from = synced.unwrap_or(j);
         if from > j {
             let sizes: BTreeSet<u64> = rec.snaps[from..=hi]
                 .iter()
@@ -274,54 +304,119 @@ fn check_content(
                 ));
             }
         }
-        let ino = &rec.snaps[from].inodes[id];
-        for (b, chunk) in got.chunks(bs).enumerate() {
-            let n = chunk.len();
-            // The version at j first: by far the most common answer.
-            let at_j = ino.block(b).map_or(&zeros[..n], |x| &x.data[..n]);
-            if chunk == at_j {
-                continue;
+        check_bytes(rec, path, *id, got, from, hi)?;
+    }
+    Ok(())
+}
+
+/// The per-file rule of [`check_content`] (`data_order=file`): some version
+/// `i` of the file, from its last sync (or its first snapshot) up to `hi`, has
+/// the recovered size, and every byte comes from versions `i..=hi`.
+fn check_file_versions(
+    rec: &Recording,
+    path: &str,
+    id: FileId,
+    got: &[u8],
+    synced: Option<usize>,
+    hi: usize,
+) -> Result<(), String> {
+    let first = match synced {
+        Some(s) => s,
+        None => (0..=hi)
+            .find(|&i| rec.snaps[i].inodes.contains_key(&id))
+            .unwrap_or(hi),
+    };
+    // Candidates: each distinct version of the file in the window, newest
+    // first, with the recovered size.
+    let mut tried: Vec<&Arc<model::Inode>> = Vec::new();
+    let mut last_err = None;
+    for i in (first..=hi).rev() {
+        let Some(v) = rec.snaps[i].inodes.get(&id) else {
+            continue;
+        };
+        if v.meta.size != got.len() as u64 || tried.iter().any(|t| Arc::ptr_eq(t, v)) {
+            continue;
+        }
+        tried.push(v);
+        match check_bytes(rec, path, id, got, i, hi) {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                last_err.get_or_insert(e);
             }
-            // Distinct versions of this block over the window.
-            let mut versions: Vec<Option<&Arc<Block>>> = Vec::new();
-            for s in &rec.snaps[from..=hi] {
-                if let Some(i) = s.inodes.get(id) {
-                    let v = i.block(b);
-                    if !versions.iter().any(|w| match (w, v) {
-                        (Some(a), Some(c)) => Arc::ptr_eq(a, c),
-                        (None, None) => true,
-                        _ => false,
-                    }) {
-                        versions.push(v);
-                    }
+        }
+    }
+    Err(last_err.unwrap_or_else(|| {
+        let sizes: BTreeSet<u64> = rec.snaps[first..=hi]
+            .iter()
+            .filter_map(|t| t.inodes.get(&id).map(|i| i.meta.size))
+            .collect();
+        format!(
+            "{path} (file id {id}) has size {}, none of its sizes {sizes:?} in snapshots {first}..={hi}{}",
+            got.len(),
+            if synced.is_some() { " (since its last fsync)" } else { "" }
+        )
+    }))
+}
+
+/// Every byte of `got` (file `id`) equals that byte in one of the file's
+/// versions in snapshots `from..=hi`.
+fn check_bytes(
+    rec: &Recording,
+    path: &str,
+    id: FileId,
+    got: &[u8],
+    from: usize,
+    hi: usize,
+) -> Result<(), String> {
+    let bs = rec.bs;
+    let zeros = vec![0u8; bs];
+    let ino = &rec.snaps[from].inodes[&id];
+    for (b, chunk) in got.chunks(bs).enumerate() {
+        let n = chunk.len();
+        // The version at `from` first: by far the most common answer.
+        let at_j = ino.block(b).map_or(&zeros[..n], |x| &x.data[..n]);
+        if chunk == at_j {
+            continue;
+        }
+        // Distinct versions of this block over the window.
+        let mut versions: Vec<Option<&Arc<Block>>> = Vec::new();
+        for s in &rec.snaps[from..=hi] {
+            if let Some(i) = s.inodes.get(&id) {
+                let v = i.block(b);
+                if !versions.iter().any(|w| match (w, v) {
+                    (Some(a), Some(c)) => Arc::ptr_eq(a, c),
+                    (None, None) => true,
+                    _ => false,
+                }) {
+                    versions.push(v);
                 }
             }
-            fn view<'a>(v: &Option<&'a Arc<Block>>, zeros: &'a [u8], n: usize) -> &'a [u8] {
-                v.map_or(&zeros[..n], |x| &x.data[..n])
-            }
-            if versions.iter().any(|v| view(v, &zeros, n) == chunk) {
-                continue;
-            }
-            // Mixed versions inside one block are legal (separate writes); each byte
-            // must still come from some version.
-            if let Some(i) =
-                (0..n).find(|&i| !versions.iter().any(|v| view(v, &zeros, n)[i] == chunk[i]))
-            {
-                let off = b * bs + i;
-                let all_zero = versions.iter().all(|v| view(v, &zeros, n)[i] == 0);
-                let origin = find_origin(rec, chunk);
-                return Err(format!(
-                    "{path} (file id {id}) block {b} byte {off}: {:#04x} matches none of {} version(s) in snapshots {from}..={hi}{}{}",
-                    chunk[i],
-                    versions.len(),
-                    if all_zero {
-                        " (every allowed version reads zeros here: stale or foreign data exposed)"
-                    } else {
-                        " (stale or foreign data)"
-                    },
-                    origin
-                ));
-            }
+        }
+        fn view<'a>(v: &Option<&'a Arc<Block>>, zeros: &'a [u8], n: usize) -> &'a [u8] {
+            v.map_or(&zeros[..n], |x| &x.data[..n])
+        }
+        if versions.iter().any(|v| view(v, &zeros, n) == chunk) {
+            continue;
+        }
+        // Mixed versions inside one block are legal (separate writes); each byte
+        // must still come from some version.
+        if let Some(i) =
+            (0..n).find(|&i| !versions.iter().any(|v| view(v, &zeros, n)[i] == chunk[i]))
+        {
+            let off = b * bs + i;
+            let all_zero = versions.iter().all(|v| view(v, &zeros, n)[i] == 0);
+            let origin = find_origin(rec, chunk);
+            return Err(format!(
+                "{path} (file id {id}) block {b} byte {off}: {:#04x} matches none of {} version(s) in snapshots {from}..={hi}{}{}",
+                chunk[i],
+                versions.len(),
+                if all_zero {
+                    " (every allowed version reads zeros here: stale or foreign data exposed)"
+                } else {
+                    " (stale or foreign data)"
+                },
+                origin
+            ));
         }
     }
     Ok(())

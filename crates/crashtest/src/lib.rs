@@ -154,6 +154,10 @@ pub struct Config {
     /// checksums of their data ranges; implies `fast_commit`). Recovery of the
     /// crash states mounts with the defaults, as after a reboot.
     pub fc_data_csum: bool,
+    /// Record the workload mounted with `data_order=file` (ext4's per-file
+    /// data ordering; the checker then holds each file's size and data to its
+    /// own fsyncs only, check.rs).
+    pub data_order_file: bool,
 }
 
 impl Default for Config {
@@ -169,6 +173,7 @@ impl Default for Config {
             torn_superblock: false,
             fast_commit: false,
             fc_data_csum: false,
+            data_order_file: false,
         }
     }
 }
@@ -313,6 +318,11 @@ pub fn run(cfg: &Config) -> Result<Summary, String> {
     let t0 = Instant::now();
     let opts = commitfs_fs::MountOptions {
         fc_data_csum: cfg.fc_data_csum,
+        data_order: if cfg.data_order_file {
+            commitfs_fs::DataOrder::File
+        } else {
+            commitfs_fs::DataOrder::Prefix
+        },
         ..record_options()
     };
     let mut rec = record_with(spec, &base, cfg.seed, opts)?;

@@ -250,6 +250,11 @@ pub struct SyncRecord {
     /// An fdatasync of this file: it promises the file's data and size as of
     /// `model_idx`, not the rest of the tree (C.5; ext4's fdatasync).
     pub data_of: Option<FileId>,
+    /// The regular file an fsync or fdatasync was for (under
+    /// `data_order=file` its data is the only data the fsync promises).
+    pub file: Option<FileId>,
+    /// A sync or unmount: every file's data as of `model_idx`.
+    pub whole: bool,
 }
 
 /// Everything one recorded run produced.
@@ -275,6 +280,10 @@ pub struct Recording {
     /// fdatasyncs that committed nothing (C.5): their promise is the checker's
     /// per-file rule, not a whole-tree point.
     pub data_only_fdatasyncs: u64,
+    /// Recorded under `data_order=file`: the tree is still a prefix of the
+    /// operations, but each file's size and data only as of its own last
+    /// fsync (the checker's per-file rule, check.rs).
+    pub per_file: bool,
 }
 
 impl Recording {
@@ -299,7 +308,21 @@ impl Recording {
         self.syncs
             .iter()
             .filter(|s| s.ret_idx <= k)
-            .filter_map(|s| s.data_of.map(|f| (f, s.model_idx)))
+            .flat_map(|s| {
+                let own = s
+                    .data_of
+                    .or(s.file.filter(|_| self.per_file))
+                    .map(|f| (f, s.model_idx));
+                // data_order=file: a sync promises every file's data.
+                let all = (self.per_file && s.whole).then(|| {
+                    self.snaps[s.model_idx]
+                        .inodes
+                        .iter()
+                        .filter(|(_, i)| i.meta.kind == Kind::File)
+                        .map(|(&f, _)| (f, s.model_idx))
+                });
+                own.into_iter().chain(all.into_iter().flatten())
+            })
             .collect()
     }
 }
@@ -354,6 +377,7 @@ pub fn record_with(
     opts: MountOptions,
 ) -> Result<Recording, String> {
     let dev = Arc::new(RecordingDevice::new(base.to_vec()));
+    let per_file = opts.data_order == commitfs_fs::DataOrder::File;
     let fs = Fs::open(dev.clone(), opts).map_err(|e| format!("mount of the base image: {e}"))?;
     let bs = fs.block_size() as usize;
     let root = observe::observe(&fs, u64::MAX)?;
@@ -441,6 +465,8 @@ pub fn record_with(
         ret_idx: dev.op_count(),
         what: "unmount".into(),
         data_of: None,
+        file: None,
+        whole: true,
     });
     drop(fs);
     let snap_hashes = sh
@@ -463,6 +489,7 @@ pub fn record_with(
         fast_commits: js.fc_commits,
         full_commits: js.commits,
         data_only_fdatasyncs,
+        per_file,
     })
 }
 
@@ -573,6 +600,8 @@ impl Ctx<'_> {
             ret_idx: ret,
             what,
             data_of: datasync.then_some(id),
+            file: (op == Op::Fsync).then_some(id),
+            whole: op == Op::Sync,
         });
         Ok(())
     }

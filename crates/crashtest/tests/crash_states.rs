@@ -16,6 +16,7 @@ fn suite(workload: &str, states: usize, seed: u64, torn: bool, block_size: u32) 
         torn_superblock: false,
         fast_commit: false,
         fc_data_csum: false,
+        data_order_file: false,
     };
     let s = run(&cfg).unwrap_or_else(|e| panic!("{workload} seed {seed}: {e}"));
     println!("{s}");

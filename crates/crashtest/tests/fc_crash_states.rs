@@ -31,6 +31,7 @@ fn suite(
         torn_superblock: false,
         fast_commit: true,
         fc_data_csum,
+        data_order_file: false,
     };
     // Several threads: whether an fsync writes a fast commit or finds itself
     // covered by another thread's full commit (group commit) depends on timing.

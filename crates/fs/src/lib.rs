@@ -260,8 +260,13 @@ impl Committer {
                     if *stopped {
                         return;
                     }
-                    let dirty = pc.as_ref().is_some_and(|pc| pc.has_dirty());
+                    let dirty = pc.as_ref().is_some_and(|pc| pc.periodic_due());
                     if (journal.pending() > 0 || dirty) && !journal.is_aborted() {
+                        if let Some(pc) = &pc {
+                            // data_order=file: this commit writes back data
+                            // dirty for 30 s (ext4's flusher).
+                            pc.ask_expired_cut();
+                        }
                         // Cached data alone: a forced commit (its cut writes it).
                         let r = if journal.pending() > 0 {
                             journal.commit().map(|_| ())
@@ -292,14 +297,24 @@ impl Committer {
 impl Fs {
     /// Mount the file system on `dev`.
     pub fn open(dev: DeviceRef, opts: MountOptions) -> Result<Fs> {
+        if opts.data_order == DataOrder::File && opts.fc_data_csum && !opts.read_only {
+            // A commit's data checksums name blocks that other files' later
+            // write-backs may still overwrite in place: without the cut of
+            // every commit, recovery would find them changed and drop a
+            // commit whose fsync returned (found by the crash harness).
+            return Err(FsError::NotSupported(
+                "data_order=file together with fc_data_csum".into(),
+            ));
+        }
         let interval = opts.commit_interval;
         let pipeline = opts.pipeline;
-        let (page_cache, cache_mb) = (opts.page_cache, opts.cache_mb);
+        let (page_cache, cache_mb, data_order) = (opts.page_cache, opts.cache_mb, opts.data_order);
         let mut inner = Inner::mount(dev.clone(), opts)?;
         // Every cache is bounded, together by `cache_size=` (CacheBudget).
         let budget = CacheBudget::of_mib(cache_mb);
-        let pc = (page_cache && !inner.read_only && inner.journal.has_log())
-            .then(|| Arc::new(pagecache::PageCache::new(inner.bs, budget.pages)));
+        let pc = (page_cache && !inner.read_only && inner.journal.has_log()).then(|| {
+            Arc::new(pagecache::PageCache::new(inner.bs, budget.pages).with_order(data_order))
+        });
         inner.pc = pc.clone();
         inner.journal.set_cache_limit(budget.buffers / inner.bs);
         inner
@@ -744,8 +759,18 @@ impl Fs {
         };
         // Cached data alone leaves the running transaction empty: a commit
         // is forced so that its cut writes the data.
-        let r = if !self.cache_covered(self.pc.as_ref().map(|pc| pc.wseq())) {
-            journal.commit_forced().map_err(FsError::from)
+        let wseq = self.pc.as_ref().map(|pc| pc.wseq());
+        let r = if !self.cache_covered(wseq) {
+            let pc = self.pc.as_ref().expect("cached writes need a cache");
+            pc.ask_cut();
+            let mut r = journal.commit_forced().map_err(FsError::from);
+            // data_order=file: a commit that locked before the request took
+            // it without covering these writes; the next one cuts.
+            if r.is_ok() && !self.cache_covered(wseq) {
+                pc.ask_cut();
+                r = journal.commit_forced().map_err(FsError::from);
+            }
+            r
         } else {
             journal.commit().map(|_| ()).map_err(FsError::from)
         };
@@ -831,6 +856,11 @@ impl Fs {
                     .setattr(ino, set, caller);
                 // A truncate zeroes the tail of the last block in place.
                 self.note_data(ino);
+                if new == 0 && r.is_ok() {
+                    if let Some(pc) = &self.pc {
+                        pc.note_truncated_to_zero(ino);
+                    }
+                }
                 r?
             }
             None => self.lock()?.setattr(ino, set, caller)?,
@@ -1058,6 +1088,7 @@ impl Fs {
         new_name: &[u8],
         flags: RenameFlags,
     ) -> Result<()> {
+        self.auto_da_alloc_rename(parent, name, new_parent, new_name, flags)?;
         // A replaced target may be freed: under its inode lock, as in unlink.
         loop {
             let victim = if flags.exchange {
@@ -1080,6 +1111,41 @@ impl Fs {
         }
     }
 
+    /// `data_order=file`: renaming a file over an existing one writes the
+    /// renamed file's cached data back first, so the rename never commits
+    /// before the data it now names (ext4's `auto_da_alloc`: the
+    /// write-to-temporary-then-rename idiom survives a crash without fsync).
+    fn auto_da_alloc_rename(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        new_parent: Ino,
+        new_name: &[u8],
+        flags: RenameFlags,
+    ) -> Result<()> {
+        let Some(pc) = self
+            .pc
+            .as_ref()
+            .filter(|pc| pc.per_file() && pc.has_dirty())
+        else {
+            return Ok(());
+        };
+        if flags.exchange {
+            return Ok(());
+        }
+        let (src, replaces) = {
+            let mut g = self.lock()?;
+            (
+                g.lookup_ino(parent, name).ok(),
+                g.lookup_ino(new_parent, new_name).is_ok(),
+            )
+        };
+        match src {
+            Some(s) if replaces && pc.is_dirty(s) => self.writeback_file(s),
+            _ => Ok(()),
+        }
+    }
+
     /// Note an open file handle (an unlinked file stays until its last close).
     pub fn open_inode(&self, ino: Ino) -> Result<()> {
         let mut g = self.lock()?;
@@ -1090,6 +1156,17 @@ impl Fs {
 
     /// Close a file handle opened with [`Fs::open_inode`].
     pub fn release(&self, ino: Ino) -> Result<()> {
+        if self
+            .pc
+            .as_ref()
+            .is_some_and(|pc| pc.take_da_alloc_close(ino))
+        {
+            // data_order=file: truncated to zero and rewritten (ext4's
+            // auto_da_alloc at close); an error is the next fsync's to report.
+            if let Err(e) = self.writeback_file(ino) {
+                tracing::warn!("close: write-back of inode {ino} after truncate: {e}");
+            }
+        }
         // The last close of an unlinked file frees its blocks.
         let _il = self.ilocks.write(ino);
         self.lock()?.release(ino)
@@ -1464,8 +1541,13 @@ impl Fs {
             return Ok(());
         }
         // Cached writes of every file that returned before this fsync: a cut
-        // must have taken them into a durable commit.
-        let wseq = self.pc.as_ref().map(|pc| pc.wseq());
+        // must have taken them into a durable commit (data_order=prefix; under
+        // data_order=file its own write-back above is all the fsync owes).
+        let wseq = self
+            .pc
+            .as_ref()
+            .filter(|pc| !pc.per_file())
+            .map(|pc| pc.wseq());
         let r = self.fsync_covered(ino, &j, (entry_tid, entry_seq, wseq), dgen, fc_on);
         if r.is_ok() {
             // Everything changed before the entry is durable now: unless the
@@ -1559,7 +1641,7 @@ impl Fs {
             // between such a look and the plan would be missing from it while
             // a later operation of its thread is in.
             let (bw, cut) = match &self.pc {
-                Some(pc) => {
+                Some(pc) if !pc.per_file() => {
                     drop(g);
                     let b = pc.barrier.write();
                     g = self.lock()?;
@@ -1574,7 +1656,7 @@ impl Fs {
                         }
                     }
                 }
-                None => (None, None),
+                _ => (None, None),
             };
             let cut_seq = cut.as_ref().and_then(|c| c.seq);
             let upto = g.fc_seq();

@@ -52,6 +52,27 @@ struct FileCache {
     dirty: u32,
     /// Delayed pages (dirty or under write-back, no block yet).
     delayed: u32,
+    /// When the file last went from clean to dirty (`data_order=file`: the
+    /// periodic commit writes back files dirty for [`DIRTY_EXPIRE`]).
+    dirtied: Option<std::time::Instant>,
+}
+
+/// `data_order=file`: cached data older than this goes out with the next
+/// periodic commit (the kernel's `dirty_expire_centisecs`, 30 s).
+pub(crate) const DIRTY_EXPIRE: std::time::Duration = std::time::Duration::from_secs(30);
+
+const ASK_EXPIRED: u8 = 1;
+const ASK_ALL: u8 = 2;
+
+/// What the commit about to lock must cut ([`PageCache::take_cut`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CutWhat {
+    /// Nothing (`data_order=file`, nobody asked).
+    Nothing,
+    /// Files dirty since before this instant (the periodic commit's).
+    DirtiedBefore(std::time::Instant),
+    /// Every dirty file.
+    All,
 }
 
 /// A snapshot taken for write-back: file block and data.
@@ -111,6 +132,14 @@ pub(crate) struct PageCache {
     discards: AtomicU64,
     /// Counters for `commitfs stats`.
     pub stats: Mutex<CacheStats>,
+    /// `data_order=file`: a commit cuts (writes every file's cached data)
+    /// only when asked ([`Self::ask_cut`]); fsyncs write back their own file.
+    per_file: bool,
+    /// A cut was asked for (sync, the periodic commit) and no commit took it yet.
+    cut_asked: std::sync::atomic::AtomicU8,
+    /// `data_order=file`: files truncated to zero since their last close
+    /// (ext4's `EXT4_STATE_DA_ALLOC_CLOSE`): their next close writes them back.
+    da_alloc_close: Mutex<std::collections::HashSet<u32>>,
 }
 
 /// Page cache counters.
@@ -156,7 +185,89 @@ impl PageCache {
             durable_seq: AtomicU64::new(0),
             discards: AtomicU64::new(0),
             stats: Mutex::new(CacheStats::default()),
+            per_file: false,
+            cut_asked: std::sync::atomic::AtomicU8::new(0),
+            da_alloc_close: Mutex::new(Default::default()),
         }
+    }
+
+    /// This cache under `data_order=` `order`.
+    pub fn with_order(mut self, order: crate::DataOrder) -> PageCache {
+        self.per_file = order == crate::DataOrder::File;
+        self
+    }
+
+    /// `data_order=file`: commits cut only when asked.
+    pub fn per_file(&self) -> bool {
+        self.per_file
+    }
+
+    /// Ask the next commit to cut every dirty file (`data_order=file`:
+    /// sync, too many dirty files for one transaction; a no-op under
+    /// `prefix`, where every commit cuts).
+    pub fn ask_cut(&self) {
+        self.cut_asked.fetch_max(ASK_ALL, Ordering::AcqRel);
+    }
+
+    /// Whether a periodic commit has cached data to write: any dirty file
+    /// under `prefix`, files dirty for [`DIRTY_EXPIRE`] under `file`.
+    pub fn periodic_due(&self) -> bool {
+        if !self.per_file {
+            return self.has_dirty();
+        }
+        let Some(t) = std::time::Instant::now().checked_sub(DIRTY_EXPIRE) else {
+            return false;
+        };
+        self.has_dirty()
+            && self
+                .files
+                .lock()
+                .values()
+                .any(|f| (f.dirty > 0 || f.times.is_some()) && f.dirtied.is_none_or(|d| d < t))
+    }
+
+    /// Ask the next commit to cut files dirty for [`DIRTY_EXPIRE`] or longer
+    /// (`data_order=file`: the periodic commit, ext4's flusher).
+    pub fn ask_expired_cut(&self) {
+        self.cut_asked.fetch_max(ASK_EXPIRED, Ordering::AcqRel);
+    }
+
+    /// What the commit about to lock must cut: everything under
+    /// `data_order=prefix`; under `file` what was asked (the request is taken).
+    pub fn take_cut(&self) -> CutWhat {
+        if !self.per_file {
+            return CutWhat::All;
+        }
+        match self.cut_asked.swap(0, Ordering::AcqRel) {
+            0 => CutWhat::Nothing,
+            ASK_EXPIRED => std::time::Instant::now()
+                .checked_sub(DIRTY_EXPIRE)
+                .map_or(CutWhat::Nothing, CutWhat::DirtiedBefore),
+            _ => CutWhat::All,
+        }
+    }
+
+    /// Give a taken request back (the commit could not cut).
+    pub fn ask_again(&self, what: CutWhat) {
+        match what {
+            CutWhat::All => self.ask_cut(),
+            CutWhat::DirtiedBefore(_) => self.ask_expired_cut(),
+            CutWhat::Nothing => {}
+        }
+    }
+
+    /// `data_order=file`: `ino` was truncated to zero; its next close writes
+    /// its cached data back (ext4's `auto_da_alloc` for truncate-and-rewrite).
+    pub fn note_truncated_to_zero(&self, ino: u32) {
+        if self.per_file {
+            self.da_alloc_close.lock().insert(ino);
+        }
+    }
+
+    /// Whether closing `ino` must write it back (see
+    /// [`Self::note_truncated_to_zero`]); the mark is taken.
+    pub fn take_da_alloc_close(&self, ino: u32) -> bool {
+        self.per_file && self.da_alloc_close.lock().remove(&ino)
     }
 
     /// Bytes of dirty (or under write-back) pages past which a writer writes
@@ -324,10 +435,17 @@ impl PageCache {
 
     /// Inodes with dirty pages.
     pub fn dirty_inos(&self) -> Vec<u32> {
+        self.dirty_inos_before(None)
+    }
+
+    /// [`Self::dirty_inos`], only files dirty since before `t` (with pending
+    /// times alone: always) when `t` is given.
+    pub fn dirty_inos_before(&self, t: Option<std::time::Instant>) -> Vec<u32> {
         self.files
             .lock()
             .iter()
             .filter(|(_, f)| f.dirty > 0 || f.times.is_some())
+            .filter(|(_, f)| t.is_none_or(|t| f.dirtied.is_none_or(|d| d < t)))
             .map(|(&i, _)| i)
             .collect()
     }
@@ -431,6 +549,7 @@ impl PageCache {
         let (mut new_dirty, mut new_pages, mut delayed) = (0, 0, 0u64);
         if f.dirty == 0 {
             self.dirty_files.fetch_add(1, Ordering::AcqRel);
+            f.dirtied = Some(std::time::Instant::now());
         }
         while pos < data.len() {
             let cur = off + pos as u64;
@@ -622,6 +741,7 @@ impl PageCache {
             self.dirty_files.fetch_sub(1, Ordering::AcqRel);
         }
         f.dirty = 0;
+        f.dirtied = None;
         Some(Taken {
             snaps,
             size: f.size,
@@ -688,6 +808,7 @@ impl PageCache {
                     p.dirty = true;
                     if f.dirty == 0 {
                         self.dirty_files.fetch_add(1, Ordering::AcqRel);
+                        f.dirtied.get_or_insert_with(std::time::Instant::now);
                     }
                     f.dirty += 1;
                 } else {

@@ -186,6 +186,41 @@ pub struct MountOptions {
     /// `-o cache_size=MiB`: memory for every cache of the mount together
     /// (file data, metadata buffers, inodes, directories; [`CacheBudget`]).
     pub cache_mb: u32,
+    /// `-o data_order=`: what a commit writes of cached file data
+    /// ([`DataOrder`]; docs/ARCHITECTURE.md "Per-file data ordering").
+    pub data_order: DataOrder,
+}
+
+/// Which cached file data a commit must carry (`-o data_order=`).
+///
+/// Both keep ordered mode's rule that no commit exposes blocks whose data is
+/// not written (a file's on-disk size and mapping move only when its data is
+/// written back). They differ in what one fsync costs and what a crash may show
+/// of files nobody fsynced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DataOrder {
+    /// Every commit first writes back every cached write that returned before
+    /// it (the commit cut), so a recovered tree is a prefix of the operations,
+    /// file sizes and contents included. An fsync writes all cached data of
+    /// every file.
+    #[default]
+    Prefix,
+    /// ext4's delayed-allocation semantics: an fsync writes back only its own
+    /// file; other files' cached data goes out with write-back (memory
+    /// pressure, the periodic commit, `sync`, unmount, and renaming a file over
+    /// an existing one: ext4's `auto_da_alloc`). After a crash the namespace is
+    /// still a prefix of the operations, but a file that was not fsynced may
+    /// show an older size and content (never another file's or stale data).
+    File,
+}
+
+impl DataOrder {
+    pub fn name(self) -> &'static str {
+        match self {
+            DataOrder::Prefix => "prefix",
+            DataOrder::File => "file",
+        }
+    }
 }
 
 /// How `cache_size=` is shared among the caches (docs/ARCHITECTURE.md
@@ -311,6 +346,7 @@ impl Default for MountOptions {
             pipeline: Default::default(),
             page_cache: true,
             cache_mb: 256,
+            data_order: DataOrder::Prefix,
         }
     }
 }

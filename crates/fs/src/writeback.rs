@@ -19,7 +19,7 @@ use crate::dataio::{DataIo, InflightGuard};
 use crate::error::{FsError, Result};
 use crate::file::max_file_size;
 use crate::inner::{now, Inner};
-use crate::pagecache::{PageCache, Snap, Taken};
+use crate::pagecache::{CutWhat, PageCache, Snap, Taken};
 use crate::types::CallerOf;
 use crate::Fs;
 
@@ -149,12 +149,22 @@ impl Inner {
     /// reported to single-flush tracking now (their commit writes them after
     /// its tid switch).
     pub fn cut_all(&mut self, h: &Handle) -> Result<(Vec<WbRun>, bool)> {
+        self.cut_dirtied_before(h, None)
+    }
+
+    /// [`Self::cut_all`] of the files dirty since before `t` only (when
+    /// given; the cut then covers less than every write).
+    pub fn cut_dirtied_before(
+        &mut self,
+        h: &Handle,
+        t: Option<std::time::Instant>,
+    ) -> Result<(Vec<WbRun>, bool)> {
         let Some(pc) = self.pc.clone() else {
             return Ok((Vec::new(), true));
         };
         let mut all: Vec<WbRun> = Vec::new();
-        let mut complete = true;
-        for ino in pc.dirty_inos() {
+        let mut complete = t.is_none();
+        for ino in pc.dirty_inos_before(t) {
             let Some(t) = pc.take_dirty(ino, &|| self.journal.is_aborted()) else {
                 continue;
             };
@@ -307,10 +317,23 @@ impl CacheHooks {
 
 impl CommitHooks for CacheHooks {
     fn cut(&self, tid: u32, lock: &mut dyn FnMut() -> bool) -> commitfs_journal::Result<()> {
+        let what = self.pc.take_cut();
+        if what == CutWhat::Nothing {
+            // data_order=file, nobody asked: a file's data goes out with its
+            // own write-back (which moves its on-disk size and mapping in the
+            // same handle), never with other files' commits.
+            lock();
+            return Ok(());
+        }
+        let before = match what {
+            CutWhat::DirtiedBefore(t) => Some(t),
+            _ => None,
+        };
         // Bounded: a writer holding it shared may wait for `Inner`, which an
         // unmount holds while it waits for this commit (see below).
         let Some(_bw) = self.pc.barrier.try_write_for(Duration::from_secs(2)) else {
             tracing::warn!("commit cut: cache barrier busy, cached data joins the next commit");
+            self.pc.ask_again(what);
             lock();
             return Ok(());
         };
@@ -331,11 +354,12 @@ impl CommitHooks for CacheHooks {
         // library user writing during unmount.
         let Some(mut g) = inner.try_lock_for(Duration::from_secs(2)) else {
             tracing::warn!("commit cut: file-system lock busy, cached data joins the next commit");
+            self.pc.ask_again(what);
             lock();
             return Ok(());
         };
         let h = g.start(64).map_err(to_journal)?;
-        let cut = g.cut_all(&h);
+        let cut = g.cut_dirtied_before(&h, before);
         drop(h);
         let guard = g.inflight.begin(crate::dataio::CUT_WRITES);
         drop(g);
@@ -540,7 +564,8 @@ impl Fs {
             if let Err(e) = self.writeback_locked(pc, ino) {
                 tracing::debug!("write-back under the dirty limit: {e}");
             }
-            if pc.dirty_bytes() > pc.dirty_limit() {
+            if pc.dirty_bytes() > pc.dirty_limit() && !pc.per_file() {
+                // data_order=prefix: the commit's cut writes the rest.
                 self.journal.start_commit();
             }
         }
@@ -550,13 +575,34 @@ impl Fs {
         // bitmap and descriptor blocks: 4 files per allowed block keeps a cut
         // within about a quarter of the limit.
         if pc.dirty_files() as u64 > self.journal.max_transaction_blocks() * 4 {
+            pc.ask_cut();
             self.journal.start_commit();
         }
         if pc.over_cap() {
             pc.evict();
         }
         drop(il);
+        if pc.per_file() && pc.dirty_bytes() > pc.dirty_limit() {
+            self.writeback_others(pc);
+        }
         Ok(n)
+    }
+
+    /// `data_order=file`, past the dirty limit after the writer's own file:
+    /// write other files back (the kernel's `balance_dirty_pages` starting
+    /// the flusher) until under the limit, without a commit (their handles
+    /// join the running transaction, as ext4's write-back does). The caller
+    /// holds no inode lock (each write-back takes its file's).
+    fn writeback_others(&self, pc: &Arc<PageCache>) {
+        for ino in pc.dirty_inos() {
+            if pc.dirty_bytes() <= pc.dirty_limit() / 2 {
+                break;
+            }
+            // An error is the next fsync's of that file to report.
+            if let Err(e) = self.writeback_file(ino) {
+                tracing::debug!("write-back of inode {ino} under the dirty limit: {e}");
+            }
+        }
     }
 
     /// One attempt of [`Self::write_cached`] (the caller holds the inode's

@@ -66,6 +66,8 @@ pub struct MountCmdOptions {
     pub nocache: bool,
     /// `cache_size=MiB`: memory for all of the daemon's caches together.
     pub cache_mb: u32,
+    /// `data_order=prefix|file` (see [`commitfs_fs::DataOrder`]).
+    pub data_order: commitfs_fs::DataOrder,
     /// `read_ahead_kb=N`: the kernel's readahead on this mount (root only;
     /// default 1024, 0 keeps the kernel's 128).
     pub read_ahead_kb: u32,
@@ -102,6 +104,7 @@ impl Default for MountCmdOptions {
             fsync_threads: None,
             nocache: false,
             cache_mb: MountOptions::default().cache_mb,
+            data_order: Default::default(),
             read_ahead_kb: DEFAULT_READ_AHEAD_KB,
         }
     }
@@ -164,6 +167,15 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             "keep_privileges" => o.keep_privileges = true,
             "nocache" => o.nocache = true,
             "cache" => o.nocache = false,
+            "data_order=prefix" => o.data_order = commitfs_fs::DataOrder::Prefix,
+            "data_order=file" => o.data_order = commitfs_fs::DataOrder::File,
+            // ext4's default: with data_order=file, renaming a file over an
+            // existing one writes the renamed file's data back first.
+            "auto_da_alloc" => {}
+            "noauto_da_alloc" => bail!(
+                "mount option \"noauto_da_alloc\" is not supported: a rename over an \
+                 existing file always writes the renamed file's cached data first"
+            ),
             // Always on / the default anyway.
             "defaults" | "default_permissions" | "async" | "exec" => {}
             _ => {
@@ -403,6 +415,7 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
             pipeline: o.pipeline,
             page_cache: !o.nocache,
             cache_mb: o.cache_mb,
+            data_order: o.data_order,
         },
     )
     .map_err(|e| anyhow!("cannot mount {}: {e}", req.image.display()))?;
@@ -688,6 +701,23 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("not supported"));
+    }
+
+    #[test]
+    fn data_order_options() {
+        use commitfs_fs::DataOrder;
+        assert_eq!(p(&[]).unwrap().data_order, DataOrder::Prefix);
+        assert_eq!(p(&["data_order=file"]).unwrap().data_order, DataOrder::File);
+        assert_eq!(
+            p(&["data_order=file,data_order=prefix,auto_da_alloc"])
+                .unwrap()
+                .data_order,
+            DataOrder::Prefix
+        );
+        for bad in ["data_order=bogus", "noauto_da_alloc"] {
+            let e = p(&[bad]).unwrap_err().to_string();
+            assert!(e.contains(bad), "{e}");
+        }
     }
 
     #[test]
