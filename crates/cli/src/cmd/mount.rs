@@ -103,11 +103,32 @@ impl Default for MountCmdOptions {
             threads: None,
             fsync_threads: None,
             nocache: false,
-            cache_mb: MountOptions::default().cache_mb,
+            cache_mb: default_cache_mb(),
             data_order: Default::default(),
             read_ahead_kb: DEFAULT_READ_AHEAD_KB,
         }
     }
+}
+
+/// The mount's default `cache_size=` (MiB): a sixteenth of the machine's
+/// memory, at least the library's default (256) and at most 4 GiB. The
+/// kernel's page cache grows with the machine (its dirty limits are 10-20 % of
+/// memory); a fixed 256 MiB left 64 MiB for dirty data, so with
+/// `data_order=file` dbench's files were written back under pressure instead of
+/// being deleted first (docs/ARCHITECTURE.md "Per-file data ordering").
+/// Unlike the kernel's, this memory cannot be reclaimed under pressure: hence
+/// the small share and the cap.
+pub fn default_cache_mb() -> u32 {
+    let floor = MountOptions::default().cache_mb;
+    // SAFETY: sysinfo fills the struct it is given and touches nothing else.
+    let total = unsafe {
+        let mut si: libc::sysinfo = std::mem::zeroed();
+        if libc::sysinfo(&mut si) != 0 {
+            return floor;
+        }
+        (si.totalram as u64).saturating_mul(si.mem_unit.max(1) as u64)
+    };
+    ((total >> 20) / 16).clamp(floor as u64, 4096) as u32
 }
 
 /// Parse `-o` values (each may hold several comma-separated options).
