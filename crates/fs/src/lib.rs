@@ -661,6 +661,21 @@ impl Fs {
         self.inner.lock().recovery.clone()
     }
 
+    /// Files whose `st_blocks` changed since the last call without an
+    /// operation on them (write-back allocated extent blocks): a front end
+    /// that caches attributes (FUSE) invalidates them.
+    pub fn take_attr_changed(&self) -> Vec<Ino> {
+        self.pc
+            .as_ref()
+            .map(|pc| pc.take_attr_changed())
+            .unwrap_or_default()
+    }
+
+    /// The options this file system was mounted with.
+    pub fn options(&self) -> &MountOptions {
+        &self.opts
+    }
+
     /// Live counters: device I/O by category and journal activity.
     pub fn stats(&self) -> Stats {
         let j = self.inner.lock().journal.clone();

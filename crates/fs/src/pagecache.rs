@@ -140,6 +140,8 @@ pub(crate) struct PageCache {
     /// `data_order=file`: files truncated to zero since their last close
     /// (ext4's `EXT4_STATE_DA_ALLOC_CLOSE`): their next close writes them back.
     da_alloc_close: Mutex<std::collections::HashSet<u32>>,
+    /// See [`Self::note_attr_changed`].
+    attr_changed: Mutex<std::collections::HashSet<u32>>,
 }
 
 /// Page cache counters.
@@ -188,6 +190,7 @@ impl PageCache {
             per_file: false,
             cut_asked: std::sync::atomic::AtomicU8::new(0),
             da_alloc_close: Mutex::new(Default::default()),
+            attr_changed: Mutex::new(Default::default()),
         }
     }
 
@@ -768,10 +771,11 @@ impl PageCache {
     }
 
     /// Pages `lblks` of `ino` are mapped now (no longer delayed).
-    pub fn mapped(&self, ino: u32, lblks: impl Iterator<Item = u32>) {
+    /// Returns how many of them were delayed (counted in `st_blocks` already).
+    pub fn mapped(&self, ino: u32, lblks: impl Iterator<Item = u32>) -> u64 {
         let mut files = self.files.lock();
         let Some(f) = files.get_mut(&ino) else {
-            return;
+            return 0;
         };
         let mut n = 0;
         for l in lblks {
@@ -785,6 +789,23 @@ impl PageCache {
         }
         drop(files);
         self.unreserve(n);
+        n
+    }
+
+    /// `ino`'s `st_blocks` changed without a request (write-back allocated
+    /// extent-tree blocks): the FUSE layer tells the kernel, whose cached
+    /// attributes would stay stale until they expire ([`Self::take_attr_changed`]).
+    pub fn note_attr_changed(&self, ino: u32) {
+        self.attr_changed.lock().insert(ino);
+    }
+
+    /// The inodes noted by [`Self::note_attr_changed`] since the last call.
+    pub fn take_attr_changed(&self) -> Vec<u32> {
+        let mut s = self.attr_changed.lock();
+        if s.is_empty() {
+            return Vec::new();
+        }
+        std::mem::take(&mut *s).into_iter().collect()
     }
 
     /// A write-back of `snaps` finished: pages not dirtied since become clean;

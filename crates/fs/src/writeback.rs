@@ -43,6 +43,7 @@ impl Inner {
         let mut i = self.read_inode(ino)?;
         let bs = self.bs as u64;
         let old_size = i.size;
+        let old_blocks = i.blocks_512(self.bs);
         let mut runs = Vec::new();
         let mut changed = false;
         let mut unmapped_from = None;
@@ -122,10 +123,16 @@ impl Inner {
             self.write_inode_times(h, ino, &i)?;
         }
         if let Some(pc) = &self.pc {
-            pc.mapped(
+            let delayed = pc.mapped(
                 ino,
                 runs.iter().flat_map(|r| r.snaps.iter().map(|s| s.lblk)),
             );
+            // Delayed pages were in st_blocks already; anything more (extent
+            // blocks) is news to the kernel's attribute cache.
+            let grown = i.blocks_512(self.bs).saturating_sub(old_blocks);
+            if grown > delayed * (bs / 512) {
+                pc.note_attr_changed(ino);
+            }
         }
         Ok((runs, unmapped))
     }

@@ -228,7 +228,9 @@ pub fn mount(fs: Arc<Fs>, mountpoint: &Path, cfg: &FuseConfig) -> io::Result<Fus
     let gate = Arc::new(Gate::opened());
     let fsys = CommitFuse::new(fs, cfg, status.clone(), gate.clone())?;
     let stats = fsys.stats();
+    let shared = fsys.shared();
     let session = fuser::Session::new(fsys, mountpoint, &cfg.fuser_config())?;
+    let _ = shared.notifier.set(session.notifier());
     Ok(FuseSession {
         session,
         stats,
