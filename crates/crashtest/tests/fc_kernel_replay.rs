@@ -38,10 +38,10 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use commitfs_crashtest::check::{check_image_reusing, ScratchFile};
-use commitfs_crashtest::{base_image_with, find, jlog, plan_states, record};
+use commitfs_crashtest::{base_image_with, find, jlog, plan_states, record_options, record_with};
 use commitfs_device::{CrashSpec, Materializer};
 use commitfs_fs::testutil::{fsck, problem_lines};
-use commitfs_fs::{Fs, MountOptions};
+use commitfs_fs::{DataOrder, Fs, MountOptions};
 
 use common::{compare, snapshot_posix, CompareOpts, KernelMount, Kind, SnapOpts, Snapshot};
 
@@ -294,7 +294,6 @@ fn kernel_agrees(ours: &Path, kernel_img: &Path) -> Result<Snapshot, String> {
 
 #[test]
 fn kernel_replays_commitfs_fast_commits() {
-    let t0 = Instant::now();
     // (workload, seed, block size, images wanted)
     let runs: &[(&str, u64, u32, usize)] = &[
         ("data", 41, 1024, 6),
@@ -310,6 +309,27 @@ fn kernel_replays_commitfs_fast_commits() {
         ("namespace", 51, 1024, 4),
         ("xattr", 52, 4096, 4),
     ];
+    replay_runs(runs, DataOrder::Prefix, 50);
+}
+
+/// (a) for recordings under `-o data_order=file` (the on-disk format is the
+/// same; what differs is which data the fast commits' inodes map when they
+/// are written). Checked against the recording with the per-file rule.
+#[test]
+fn kernel_replays_commitfs_fast_commits_under_data_order_file() {
+    let runs: &[(&str, u64, u32, usize)] = &[
+        ("data", 61, 1024, 6),
+        ("data", 62, 4096, 6),
+        ("churn", 63, 1024, 5),
+        ("mtsync", 64, 4096, 5),
+        ("mixed", 65, 1024, 4),
+        ("mt4", 66, 1024, 4),
+    ];
+    replay_runs(runs, DataOrder::File, 20);
+}
+
+fn replay_runs(runs: &[(&str, u64, u32, usize)], order: DataOrder, min_checked: usize) {
+    let t0 = Instant::now();
     let scratch = ScratchFile::new("fckr");
     let mut checked = 0;
     let mut fc_total = 0u64;
@@ -319,7 +339,11 @@ fn kernel_replays_commitfs_fast_commits() {
     for &(workload, seed, bs, want) in runs {
         let (seed, want) = (seed + shift, want * scale);
         let base = base_image_with(bs, true).unwrap();
-        let rec = record(find(workload).unwrap(), &base, seed)
+        let opts = MountOptions {
+            data_order: order,
+            ..record_options()
+        };
+        let rec = record_with(find(workload).unwrap(), &base, seed, opts)
             .unwrap_or_else(|e| panic!("{workload} seed {seed}: {e}"));
         let states = plan_states(&rec.log, 300.max(want * 10), seed, true);
         let mut mat = Materializer::new(rec.log.clone());
@@ -419,7 +443,7 @@ fn kernel_replays_commitfs_fast_commits() {
         failures.join("\n")
     );
     assert!(
-        checked >= 50,
+        checked >= min_checked,
         "only {checked} images had fast commits to replay"
     );
 }
