@@ -95,14 +95,6 @@ impl std::fmt::Debug for CommitFuse {
     }
 }
 
-/// Every change goes through this mount, so the kernel's page cache of a file
-/// stays valid across opens (size/mtime changes still invalidate it). No
-/// FLUSH at close: nothing is buffered per handle (written data is in the
-/// daemon's page cache, and write-back errors are the next fsync's to report,
-/// as on ext4), so a close costs one request (RELEASE) instead of two. With
-/// `-o writeback_cache` the kernel flushes its own dirty pages regardless.
-const FILE_OPEN_FLAGS: FopenFlags = FopenFlags::FOPEN_KEEP_CACHE.union(FopenFlags::FOPEN_NOFLUSH);
-
 /// Bytes one copy_file_range request copies at most.
 const COPY_MAX: u64 = 64 << 20;
 
@@ -851,31 +843,26 @@ impl Filesystem for CommitFuse {
         });
     }
 
+    /// Answered ENOSYS (the kernel's `no_create`, set at the first answer):
+    /// the kernel then creates regular files with MKNOD and opens them without
+    /// a message (see [`Self::open`]), so a created file costs one request
+    /// instead of CREATE and, at its close, RELEASE (which zero-message opens
+    /// drop only once an OPEN has been answered, and a copy into an empty
+    /// mount never opens). `O_CREAT|O_EXCL` stays exclusive (the kernel looks
+    /// the name up under the directory's lock), and the creator may write
+    /// through a descriptor whose mode forbids it, as POSIX asks
+    /// (`FMODE_CREATED` survives the split).
     fn create(
         &self,
-        req: &Request,
-        parent: INodeNo,
-        name: &OsStr,
-        mode: u32,
-        umask: u32,
+        _req: &Request,
+        _parent: INodeNo,
+        _name: &OsStr,
+        _mode: u32,
+        _umask: u32,
         _flags: i32,
         reply: ReplyCreate,
     ) {
-        let parent = ino_or_reply!(parent, reply);
-        let name = name.as_bytes();
-        let (uid, gid) = (req.uid(), req.gid());
-        let (perm, umask) = ((mode & 0o7777) as u16, (umask & 0o777) as u16);
-        self.run(Op::Create, move |s| {
-            // One reference, for the kernel's lookup count (handles hold none:
-            // see `open`).
-            let r =
-                s.fs.create_umask(parent, name, perm, umask, uid, gid)
-                    .and_then(|a| s.fs.open_inode(a.ino).map(|()| a));
-            match r {
-                Ok(a) => reply.created(&s.ttl, &file_attr(&a), gen(&a), s.fh(), FILE_OPEN_FLAGS),
-                Err(e) => reply.error(to_errno("create", &e)),
-            }
-        });
+        reply.error(Errno::ENOSYS);
     }
 
     fn fallocate(
