@@ -323,11 +323,6 @@ impl Inner {
     }
 
     /// Inode and dentry changes tracked now (`commitfs stats`, memory tests).
-    /// The inodes with tracked changes (the next fast commit's).
-    pub fn fc_tracked_inos(&self) -> impl Iterator<Item = u32> + '_ {
-        self.fc.inodes.keys().copied()
-    }
-
     pub fn fc_tracked(&self) -> usize {
         self.fc.inodes.len() + self.fc.dentries.len()
     }

@@ -297,6 +297,15 @@ impl Committer {
 impl Fs {
     /// Mount the file system on `dev`.
     pub fn open(dev: DeviceRef, opts: MountOptions) -> Result<Fs> {
+        if opts.data_order == DataOrder::File && opts.fc_data_csum && !opts.read_only {
+            // A commit's data checksums name blocks that other files' later
+            // write-backs may still overwrite in place: without the cut of
+            // every commit, recovery would find them changed and drop a
+            // commit whose fsync returned (found by the crash harness).
+            return Err(FsError::NotSupported(
+                "data_order=file together with fc_data_csum".into(),
+            ));
+        }
         let interval = opts.commit_interval;
         let pipeline = opts.pipeline;
         let (page_cache, cache_mb, data_order) = (opts.page_cache, opts.cache_mb, opts.data_order);
@@ -1647,8 +1656,7 @@ impl Fs {
             // between such a look and the plan would be missing from it while
             // a later operation of its thread is in.
             let (bw, cut) = match &self.pc {
-                // data_order=file cuts for fc_data_csum only (fc_cut).
-                Some(pc) if !pc.per_file() || g.fc_data_csum => {
+                Some(pc) if !pc.per_file() => {
                     drop(g);
                     let b = pc.barrier.write();
                     g = self.lock()?;

@@ -142,9 +142,6 @@ pub(crate) struct PageCache {
     da_alloc_close: Mutex<std::collections::HashSet<u32>>,
     /// See [`Self::note_attr_changed`].
     attr_changed: Mutex<std::collections::HashSet<u32>>,
-    /// `data_order=file`: files written back, by the transaction that mapped
-    /// them (see [`Self::take_written_upto`]).
-    written_in: Mutex<BTreeMap<u32, std::collections::HashSet<u32>>>,
 }
 
 /// Page cache counters.
@@ -194,7 +191,6 @@ impl PageCache {
             cut_asked: std::sync::atomic::AtomicU8::new(0),
             da_alloc_close: Mutex::new(Default::default()),
             attr_changed: Mutex::new(Default::default()),
-            written_in: Mutex::new(Default::default()),
         }
     }
 
@@ -794,32 +790,6 @@ impl PageCache {
         drop(files);
         self.unreserve(n);
         n
-    }
-
-    /// `data_order=file`: `ino` was written back in transaction `tid`.
-    pub fn note_written_in(&self, tid: u32, ino: u32) {
-        if self.per_file {
-            self.written_in.lock().entry(tid).or_default().insert(ino);
-        }
-    }
-
-    /// The files written back in transactions up to `tid` (taken) that are
-    /// dirty again: with `fc_data_csum` a commit checksums the blocks those
-    /// write-backs mapped, so it must write these files' newer pages itself
-    /// (a later write-back would overwrite checksummed blocks in place).
-    pub fn take_written_upto(&self, tid: u32) -> Vec<u32> {
-        let mut w = self.written_in.lock();
-        let tids: Vec<u32> = w
-            .keys()
-            .copied()
-            .filter(|&t| commitfs_journal::tid_le(t, tid))
-            .collect();
-        let mut inos = std::collections::BTreeSet::new();
-        for t in tids {
-            inos.extend(w.remove(&t).unwrap_or_default());
-        }
-        drop(w);
-        inos.into_iter().filter(|&i| self.is_dirty(i)).collect()
     }
 
     /// `ino`'s `st_blocks` changed without a request (write-back allocated

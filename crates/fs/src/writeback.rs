@@ -44,9 +44,6 @@ impl Inner {
         let bs = self.bs as u64;
         let old_size = i.size;
         let old_blocks = i.blocks_512(self.bs);
-        if let Some(pc) = &self.pc {
-            pc.note_written_in(h.tid(), ino);
-        }
         let mut runs = Vec::new();
         let mut changed = false;
         let mut unmapped_from = None;
@@ -172,24 +169,9 @@ impl Inner {
         let Some(pc) = self.pc.clone() else {
             return Ok((Vec::new(), true));
         };
-        let inos = pc.dirty_inos_before(t);
-        self.cut_inos(h, inos, t.is_none())
-    }
-
-    /// The cut of `inos` only; `complete`: they are every dirty file (the
-    /// cut then covers every cached write, unless ENOSPC left pages dirty).
-    pub fn cut_inos(
-        &mut self,
-        h: &Handle,
-        inos: Vec<u32>,
-        complete: bool,
-    ) -> Result<(Vec<WbRun>, bool)> {
-        let Some(pc) = self.pc.clone() else {
-            return Ok((Vec::new(), true));
-        };
         let mut all: Vec<WbRun> = Vec::new();
-        let mut complete = complete;
-        for ino in inos {
+        let mut complete = t.is_none();
+        for ino in pc.dirty_inos_before(t) {
             let Some(t) = pc.take_dirty(ino, &|| self.journal.is_aborted()) else {
                 continue;
             };
@@ -343,13 +325,7 @@ impl CacheHooks {
 impl CommitHooks for CacheHooks {
     fn cut(&self, tid: u32, lock: &mut dyn FnMut() -> bool) -> commitfs_journal::Result<()> {
         let what = self.pc.take_cut();
-        // data_order=file with fc_data_csum: the commit checksums the blocks
-        // its transaction's write-backs mapped; files of those written to
-        // again since are cut (below), or a later write-back would overwrite
-        // checksummed blocks in place and recovery would drop this commit.
-        let csum_files =
-            what == CutWhat::Nothing && self.pc.per_file() && self.dio.journal.tracks_data();
-        if what == CutWhat::Nothing && !csum_files {
+        if what == CutWhat::Nothing {
             // data_order=file, nobody asked: a file's data goes out with its
             // own write-back (which moves its on-disk size and mapping in the
             // same handle), never with other files' commits.
@@ -368,17 +344,7 @@ impl CommitHooks for CacheHooks {
             lock();
             return Ok(());
         };
-        let only = if csum_files {
-            let inos = self.pc.take_written_upto(tid);
-            if inos.is_empty() {
-                lock();
-                return Ok(());
-            }
-            Some(inos)
-        } else {
-            None
-        };
-        if !self.pc.has_dirty() && only.is_none() {
+        if !self.pc.has_dirty() {
             // Every cached write so far is in this transaction or an earlier
             // one (a write-back under way started its handle before it took
             // its pages, so in one of them).
@@ -400,10 +366,7 @@ impl CommitHooks for CacheHooks {
             return Ok(());
         };
         let h = g.start(64).map_err(to_journal)?;
-        let cut = match only {
-            Some(inos) => g.cut_inos(&h, inos, false),
-            None => g.cut_dirtied_before(&h, before),
-        };
+        let cut = g.cut_dirtied_before(&h, before);
         drop(h);
         let guard = g.inflight.begin(crate::dataio::CUT_WRITES);
         drop(g);
@@ -995,16 +958,10 @@ impl Fs {
         // before taking its pages, so what is not dirty now is mapped in this
         // transaction or an earlier one.
         let h = g.start(64)?;
-        let (runs, complete) = if !pc.has_dirty() {
-            (Vec::new(), true)
-        } else if pc.per_file() {
-            // data_order=file with fc_data_csum: only the tracked files
-            // written to again (their blocks get checksummed; see
-            // `CacheHooks::cut`).
-            let inos: Vec<u32> = g.fc_tracked_inos().filter(|&i| pc.is_dirty(i)).collect();
-            g.cut_inos(&h, inos, false)?
-        } else {
+        let (runs, complete) = if pc.has_dirty() {
             g.cut_all(&h)?
+        } else {
+            (Vec::new(), true)
         };
         let seq = complete.then(|| pc.note_cut(h.tid()));
         if runs.is_empty() {
