@@ -1056,6 +1056,7 @@ fn cached_writes_and_closes_through_the_mount() {
     );
     let pc = &after["page_cache"];
     assert!(pc["dirty_bytes"].as_u64().unwrap() >= 20 * 200_000);
+    assert_eq!(pc["data_order"], "prefix", "the default data_order");
     for k in 0..20 {
         assert_eq!(fs::read(m.p(&format!("f{k}"))).unwrap(), data);
         fs::OpenOptions::new()

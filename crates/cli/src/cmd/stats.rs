@@ -119,6 +119,7 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
             "device_writes": c.device_writes,
             "dropped_dirty": c.dropped_dirty,
             "evicted": c.evicted,
+            "data_order": fs.options().data_order.name(),
         })),
         "metadata_caches": json!({
                 "buffers": m.buffers,
@@ -256,9 +257,10 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
     let c = &v["page_cache"];
     if c.is_object() {
         println!(
-            "page cache: {} B cached ({} B dirty); {} B written into it, {} reads answered from it, {} blocks kept from device reads; \
+            "page cache (data_order={}): {} B cached ({} B dirty); {} B written into it, {} reads answered from it, {} blocks kept from device reads; \
              {} blocks written back in {} device writes ({} file write-backs, {} commit cuts); \
              {} dirty pages dropped unwritten, {} evicted",
+            c["data_order"].as_str().unwrap_or("?"),
             c["cached_bytes"],
             c["dirty_bytes"],
             c["bytes_written"],
