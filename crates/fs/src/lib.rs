@@ -661,6 +661,14 @@ impl Fs {
         self.inner.lock().recovery.clone()
     }
 
+    /// Start noting the files [`Self::take_attr_changed`] returns (a front
+    /// end that caches attributes calls this once; nothing is noted before).
+    pub fn watch_attr_changes(&self) {
+        if let Some(pc) = &self.pc {
+            pc.watch_attr_changes();
+        }
+    }
+
     /// Files whose `st_blocks` changed since the last call without an
     /// operation on them (write-back allocated extent blocks): a front end
     /// that caches attributes (FUSE) invalidates them.

@@ -142,6 +142,7 @@ pub(crate) struct PageCache {
     da_alloc_close: Mutex<std::collections::HashSet<u32>>,
     /// See [`Self::note_attr_changed`].
     attr_changed: Mutex<std::collections::HashSet<u32>>,
+    watch_attrs: std::sync::atomic::AtomicBool,
 }
 
 /// Page cache counters.
@@ -191,6 +192,7 @@ impl PageCache {
             cut_asked: std::sync::atomic::AtomicU8::new(0),
             da_alloc_close: Mutex::new(Default::default()),
             attr_changed: Mutex::new(Default::default()),
+            watch_attrs: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -796,7 +798,15 @@ impl PageCache {
     /// extent-tree blocks): the FUSE layer tells the kernel, whose cached
     /// attributes would stay stale until they expire ([`Self::take_attr_changed`]).
     pub fn note_attr_changed(&self, ino: u32) {
-        self.attr_changed.lock().insert(ino);
+        if self.watch_attrs.load(Ordering::Relaxed) {
+            self.attr_changed.lock().insert(ino);
+        }
+    }
+
+    /// Note attribute changes from now on (a front end that drains them with
+    /// [`Self::take_attr_changed`] asks; without one the set would only grow).
+    pub fn watch_attr_changes(&self) {
+        self.watch_attrs.store(true, Ordering::Relaxed);
     }
 
     /// The inodes noted by [`Self::note_attr_changed`] since the last call.
@@ -853,6 +863,11 @@ impl PageCache {
             self.discards.fetch_add(1, Ordering::AcqRel);
             files.remove(&ino)
         };
+        if self.per_file {
+            // A freed file's marks must not outlive it (its number may be
+            // reused); a truncate notes its own after this.
+            self.da_alloc_close.lock().remove(&ino);
+        }
         let Some(f) = f else {
             return;
         };
@@ -916,6 +931,26 @@ impl PageCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Attribute changes are noted only once a front end watches them (the
+    /// library alone would only grow the set), and a discard takes a freed
+    /// file's close-time write-back mark with it.
+    #[test]
+    fn attr_changes_need_a_watcher_and_discard_clears_marks() {
+        let pc = PageCache::new(4096, 1 << 20).with_order(crate::DataOrder::File);
+        pc.note_attr_changed(5);
+        assert!(pc.take_attr_changed().is_empty());
+        pc.watch_attr_changes();
+        pc.note_attr_changed(5);
+        pc.note_attr_changed(5);
+        assert_eq!(pc.take_attr_changed(), vec![5]);
+        assert!(pc.take_attr_changed().is_empty());
+        pc.note_truncated_to_zero(7);
+        pc.discard(7);
+        assert!(!pc.take_da_alloc_close(7));
+        pc.note_truncated_to_zero(7);
+        assert!(pc.take_da_alloc_close(7));
+    }
 
     /// A fill that started before a discard keeps nothing (the file may have
     /// been freed and its number reused); one after it does, and a later

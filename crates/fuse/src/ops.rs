@@ -167,6 +167,8 @@ impl CommitFuse {
         status: UnmountStatus,
         gate: Arc<Gate>,
     ) -> io::Result<Self> {
+        // Write-back's st_blocks changes, invalidated after fsyncs.
+        fs.watch_attr_changes();
         let shared = Arc::new(Shared {
             fs,
             stats: Arc::default(),
