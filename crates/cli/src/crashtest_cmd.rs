@@ -37,7 +37,7 @@ pub struct CrashtestArgs {
     pub fc_data_csum: bool,
     /// Record the workload mounted with -o data_order=file (ext4's per-file
     /// data ordering); the checker holds each file's size and data to its own
-    /// fsyncs. Sequential workloads only.
+    /// fsyncs (concurrent workloads: an append waits for its own fsync).
     #[arg(long)]
     pub data_order_file: bool,
     /// Save each failing crash image (before recovery) and a description here.
@@ -68,9 +68,6 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
         bail!("--block-size must be 1024 or 4096");
     }
     if find_conc(&a.workload).is_some() {
-        if a.data_order_file {
-            bail!("--data-order-file: the concurrent workloads' checker has no per-file rule yet");
-        }
         return run_concurrent(a);
     }
     let cfg = Config {
@@ -125,6 +122,7 @@ fn run_concurrent(a: CrashtestArgs) -> Result<()> {
         workers: a.jobs,
         fast_commit: a.fast_commit || a.fc_data_csum,
         fc_data_csum: a.fc_data_csum,
+        data_order_file: a.data_order_file,
         save_failures: a.save_failures,
         ..ConcConfig::default()
     };

@@ -207,6 +207,9 @@ pub struct ConcRecording {
     pub inflight: Inflight,
     /// Commit blocks written: (log index, device offset, tid).
     pub commit_blocks: Vec<(usize, u64, u32)>,
+    /// Recorded under `data_order=file`: a thread's append is durable through
+    /// that file's fsync only, not through other threads' commits (check (f)).
+    pub per_file: bool,
 }
 
 impl ConcRecording {
@@ -471,6 +474,7 @@ pub fn record_conc(
 ) -> Result<ConcRecording, String> {
     // A flush takes a while, as on a real device: fsyncs and commits overlap it.
     let dev = Arc::new(RecordingDevice::new(base.to_vec()).with_flush_latency(FLUSH_LATENCY));
+    let per_file = opts.data_order == commitfs_fs::DataOrder::File;
     let fs = Fs::open(dev.clone(), opts).map_err(|e| format!("mount of the base image: {e}"))?;
     let bs = fs.block_size() as usize;
     let mut dirs: Vec<(String, Ino)> = Vec::new();
@@ -574,6 +578,7 @@ pub fn record_conc(
         flushes,
         inflight,
         commit_blocks,
+        per_file,
     })
 }
 
@@ -823,7 +828,16 @@ pub fn match_threads(rec: &ConcRecording, obs: &Observed, k: usize) -> Result<Ve
             if u == t {
                 continue;
             }
-            let need = ur.ops.partition_point(|o| o.end_seq < y.start_seq);
+            let mut need = ur.ops.partition_point(|o| o.end_seq < y.start_seq);
+            if rec.per_file {
+                // data_order=file: an append is ordered before later operations
+                // of other threads only through its own file's fsync (which
+                // comes right after it in every shape, before the thread's next
+                // operation), so a trailing append may be missing.
+                while need > 0 && ur.ops[need - 1].desc.starts_with("append ") {
+                    need -= 1;
+                }
+            }
             if cands[u].1 < need {
                 return Err(format!(
                     "(f) thread {t}'s `{}` survived but thread {u}'s `{}`, which returned before it began, did not (thread {u} recovered at most {} of its operations)",
@@ -848,6 +862,9 @@ pub struct ConcConfig {
     pub workers: usize,
     pub fast_commit: bool,
     pub fc_data_csum: bool,
+    /// Record under `data_order=file` (check (f) then lets an append wait
+    /// for its own fsync; not with `fc_data_csum`, which refuses it).
+    pub data_order_file: bool,
     /// Share of the states cut where the most transactions are in flight (the
     /// rest as [`crate::plan_states`] picks them).
     pub inflight_share: f64,
@@ -865,6 +882,7 @@ impl Default for ConcConfig {
             workers: 0,
             fast_commit: false,
             fc_data_csum: false,
+            data_order_file: false,
             inflight_share: 0.3,
             save_failures: std::env::var_os("CRASHTEST_SAVE_FAILURES").map(Into::into),
         }
@@ -979,6 +997,11 @@ pub fn record_for(cfg: &ConcConfig) -> Result<ConcRecording, String> {
     let base = crate::base_image_with(cfg.block_size, cfg.fast_commit || cfg.fc_data_csum)?;
     let opts = MountOptions {
         fc_data_csum: cfg.fc_data_csum,
+        data_order: if cfg.data_order_file {
+            commitfs_fs::DataOrder::File
+        } else {
+            commitfs_fs::DataOrder::Prefix
+        },
         ..crate::record_options()
     };
     record_conc(spec, &base, cfg.seed, opts)

@@ -5,7 +5,8 @@
 //! the most transactions are in flight. Checked per thread without knowing the
 //! interleaving (`crashtest::concurrent`): 0 failures.
 //!
-//! States: 6 workloads × 3 modes × 250 = 4,500 here, on top of crash_states.rs
+//! States: 6 workloads × 3 modes × 250 = 4,500 here, and 1,000 under
+//! `data_order=file` (`conc_data_order_file`), on top of crash_states.rs
 //! (7,250) and fc_crash_states.rs (10,100): 21,850 per CI run.
 //!
 //! `committing_transactions_overlap` is the in-flight gate: every 8- and
@@ -13,7 +14,7 @@
 //! [`MIN_INFLIGHT`] committing transactions at once, counted from the device log.
 //! It fails against a journal that commits one transaction at a time.
 
-use commitfs_crashtest::concurrent::{record_for, ConcConfig};
+use commitfs_crashtest::concurrent::{check_conc_states, plan_conc_states, record_for, ConcConfig};
 use commitfs_crashtest::{run_conc, ConcSummary, CONC_WORKLOADS, MIN_INFLIGHT};
 
 /// States per recording.
@@ -123,5 +124,60 @@ fn committing_transactions_overlap() {
         "recordings with fewer committing transactions at once than required ({MIN_INFLIGHT} \
          for full commits, 1 with fast commits):\n{}",
         short.join("\n")
+    );
+}
+
+/// `-o data_order=file` under 8 and 16 threads (docs/ARCHITECTURE.md
+/// "Per-file data ordering"): an append is ordered before other threads'
+/// later operations only through its own file's fsync, so check (f) lets a
+/// trailing append be missing; everything else is checked as in the other
+/// modes. The same recording's states also fail the unrelaxed check (the mode
+/// is really in effect and the relaxation is needed).
+#[test]
+fn conc_data_order_file() {
+    let runs = [
+        ("varmail-shared-8", 780, 1024, false),
+        ("varmail-split-16", 781, 4096, true),
+        ("fsmark-16", 782, 1024, true),
+        ("varmail-shared-16", 783, 4096, false),
+    ];
+    let mut unrelaxed_failures = 0;
+    for (w, seed, bs, fast_commit) in runs {
+        let cfg = ConcConfig {
+            workload: w.into(),
+            seed,
+            block_size: bs,
+            fast_commit,
+            data_order_file: true,
+            ..ConcConfig::default()
+        };
+        let mut rec = record_for(&cfg).unwrap_or_else(|e| panic!("{w} seed {seed}: {e}"));
+        assert!(rec.per_file);
+        let states = plan_conc_states(&rec, STATES, 0.3, seed, true);
+        let failures = |rec: &commitfs_crashtest::concurrent::ConcRecording| -> Vec<String> {
+            check_conc_states(rec, &states, 0, None)
+                .into_iter()
+                .filter_map(|r| r.err())
+                .collect()
+        };
+        let f = failures(&rec);
+        println!(
+            "[data_order=file] {w} seed {seed} bs {bs} fast_commit={fast_commit}: {} states, {} failed, {} fast commits, {} full commits",
+            states.len(),
+            f.len(),
+            rec.fast_commits,
+            rec.full_commits
+        );
+        assert!(
+            f.is_empty(),
+            "{w} seed {seed}: {}",
+            f[..f.len().min(3)].join("\n")
+        );
+        rec.per_file = false;
+        unrelaxed_failures += failures(&rec).len();
+    }
+    assert!(
+        unrelaxed_failures > 0,
+        "no state of the data_order=file recordings breaks the cross-thread rule for appends"
     );
 }
