@@ -262,10 +262,12 @@ impl Committer {
                     }
                     let dirty = pc.as_ref().is_some_and(|pc| pc.periodic_due());
                     if (journal.pending() > 0 || dirty) && !journal.is_aborted() {
-                        if let Some(pc) = &pc {
-                            // data_order=file: this commit writes back data
-                            // dirty for 30 s (ext4's flusher).
-                            pc.ask_expired_cut();
+                        if dirty {
+                            if let Some(pc) = &pc {
+                                // data_order=file: this commit writes back
+                                // data dirty for 30 s (ext4's flusher).
+                                pc.ask_expired_cut();
+                            }
                         }
                         // Cached data alone: a forced commit (its cut writes it).
                         let r = if journal.pending() > 0 {
@@ -1111,7 +1113,11 @@ impl Fs {
         new_name: &[u8],
         flags: RenameFlags,
     ) -> Result<()> {
-        self.auto_da_alloc_rename(parent, name, new_parent, new_name, flags)?;
+        if let Err(e) = self.auto_da_alloc_rename(parent, name, new_parent, new_name, flags) {
+            // Best effort, as ext4's: the rename goes on; an I/O error is the
+            // next fsync's to report (data_errors), ENOSPC leaves pages dirty.
+            tracing::warn!("rename: write-back of the renamed file first: {e}");
+        }
         // A replaced target may be freed: under its inode lock, as in unlink.
         loop {
             let victim = if flags.exchange {
