@@ -21,11 +21,9 @@ fn suite(workload: &str, states: usize, seed: u64, block_size: u32, fast_commit:
         torn: true,
         save_failures: std::env::var_os("CRASHTEST_SAVE_FAILURES").map(Into::into),
         block_size,
-        workers: 0,
-        torn_superblock: false,
         fast_commit,
-        fc_data_csum: false,
         data_order_file: true,
+        ..Config::default()
     };
     let s = run(&cfg).unwrap_or_else(|e| panic!("{workload} seed {seed}: {e}"));
     println!("[data_order=file] {s}");

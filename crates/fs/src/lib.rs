@@ -1113,10 +1113,13 @@ impl Fs {
         new_name: &[u8],
         flags: RenameFlags,
     ) -> Result<()> {
-        if let Err(e) = self.auto_da_alloc_rename(parent, name, new_parent, new_name, flags) {
-            // Best effort, as ext4's: the rename goes on; an I/O error is the
-            // next fsync's to report (data_errors), ENOSPC leaves pages dirty.
-            tracing::warn!("rename: write-back of the renamed file first: {e}");
+        if !flags.exchange {
+            if let Err(e) = self.auto_da_alloc_rename((parent, name), (new_parent, new_name)) {
+                // Best effort, as ext4's: the rename goes on; an I/O error is
+                // the next fsync's to report (data_errors), ENOSPC leaves
+                // pages dirty.
+                tracing::warn!("rename: write-back of the renamed file first: {e}");
+            }
         }
         // A replaced target may be freed: under its inode lock, as in unlink.
         loop {
@@ -1146,11 +1149,8 @@ impl Fs {
     /// write-to-temporary-then-rename idiom survives a crash without fsync).
     fn auto_da_alloc_rename(
         &self,
-        parent: Ino,
-        name: &[u8],
-        new_parent: Ino,
-        new_name: &[u8],
-        flags: RenameFlags,
+        (parent, name): (Ino, &[u8]),
+        (new_parent, new_name): (Ino, &[u8]),
     ) -> Result<()> {
         let Some(pc) = self
             .pc
@@ -1159,9 +1159,6 @@ impl Fs {
         else {
             return Ok(());
         };
-        if flags.exchange {
-            return Ok(());
-        }
         let (src, replaces) = {
             let mut g = self.lock()?;
             (

@@ -57,6 +57,21 @@ struct FileCache {
     dirtied: Option<std::time::Instant>,
 }
 
+impl FileCache {
+    /// Has something to write back (pages or times), and (when `t` is given)
+    /// has had since before `t`.
+    fn dirty_before(&self, t: Option<std::time::Instant>) -> bool {
+        (self.dirty > 0 || self.times.is_some())
+            && t.is_none_or(|t| self.dirtied.is_none_or(|d| d < t))
+    }
+}
+
+/// The instant before which dirty data has expired (`None` this early after
+/// boot).
+fn expired_before() -> Option<std::time::Instant> {
+    std::time::Instant::now().checked_sub(DIRTY_EXPIRE)
+}
+
 /// `data_order=file`: cached data older than this goes out with the next
 /// periodic commit (the kernel's `dirty_expire_centisecs`, 30 s).
 pub(crate) const DIRTY_EXPIRE: std::time::Duration = std::time::Duration::from_secs(30);
@@ -220,15 +235,10 @@ impl PageCache {
         if !self.per_file {
             return self.has_dirty();
         }
-        let Some(t) = std::time::Instant::now().checked_sub(DIRTY_EXPIRE) else {
+        let Some(t) = expired_before() else {
             return false;
         };
-        self.has_dirty()
-            && self
-                .files
-                .lock()
-                .values()
-                .any(|f| (f.dirty > 0 || f.times.is_some()) && f.dirtied.is_none_or(|d| d < t))
+        self.has_dirty() && self.files.lock().values().any(|f| f.dirty_before(Some(t)))
     }
 
     /// Ask the next commit to cut files dirty for [`DIRTY_EXPIRE`] or longer
@@ -245,9 +255,7 @@ impl PageCache {
         }
         match self.cut_asked.swap(0, Ordering::AcqRel) {
             0 => CutWhat::Nothing,
-            ASK_EXPIRED => std::time::Instant::now()
-                .checked_sub(DIRTY_EXPIRE)
-                .map_or(CutWhat::Nothing, CutWhat::DirtiedBefore),
+            ASK_EXPIRED => expired_before().map_or(CutWhat::Nothing, CutWhat::DirtiedBefore),
             _ => CutWhat::All,
         }
     }
@@ -449,8 +457,7 @@ impl PageCache {
         self.files
             .lock()
             .iter()
-            .filter(|(_, f)| f.dirty > 0 || f.times.is_some())
-            .filter(|(_, f)| t.is_none_or(|t| f.dirtied.is_none_or(|d| d < t)))
+            .filter(|(_, f)| f.dirty_before(t))
             .map(|(&i, _)| i)
             .collect()
     }
