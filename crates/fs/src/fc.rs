@@ -191,6 +191,9 @@ pub struct FcTracker {
     /// commit (group commit: an fsync that entered when `next_version` was `v` is
     /// covered once `durable_upto >= v`; see `Inner::fc_seq`).
     pub durable_upto: u64,
+    /// Chained fast commits written but not yet durable, oldest first
+    /// (`Fs::fc_harvest` moves them into `durable_upto`).
+    pub pending: std::collections::VecDeque<FcPending>,
     pub stats: FcStats,
     protect: FcProtect,
     /// Tracked entries past which tracking prunes what full commits made
@@ -214,6 +217,17 @@ struct FcProtect {
     /// `(ino, lblk, len, serial)`; `serial` numbers the fast commit.
     ranges: Vec<(u32, u32, u32, u64)>,
     next_serial: u64,
+}
+
+/// A chained fast commit written with its TAIL left to a later flush.
+#[derive(Debug, Clone, Copy)]
+pub struct FcPending {
+    /// Durable once a flush numbered after this completes.
+    pub gen: u64,
+    /// The tracker's `fc_seq` when it was planned.
+    pub upto: u64,
+    /// The page cache's cut it wrote, if complete.
+    pub cut_seq: Option<u64>,
 }
 
 /// What an fsync should do.

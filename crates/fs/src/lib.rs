@@ -140,6 +140,9 @@ pub struct Fs {
     /// once lately.
     fsync_active: std::sync::atomic::AtomicUsize,
     fsync_peak: std::sync::atomic::AtomicUsize,
+    /// Fast-commit fsyncs entered so far: one entering after a leader's plan
+    /// may need a successor fast commit, so the leader chains its TAIL.
+    fsync_arrivals: std::sync::atomic::AtomicU64,
     /// Batching limits (the journal pipeline's options).
     pipeline: commitfs_journal::PipelineOptions,
     /// Per inode, the flush generation when its data was last written (an
@@ -377,6 +380,7 @@ impl Fs {
             fdatasyncs_data_only: Default::default(),
             fsync_active: Default::default(),
             fsync_peak: Default::default(),
+            fsync_arrivals: Default::default(),
             pipeline,
             data_gens,
             journal,
@@ -1618,16 +1622,30 @@ impl Fs {
             return self.sync_for(entry_tid, dgen, wseq);
         }
         let _active = ActiveFsync::enter(&self.fsync_active, &self.fsync_peak);
+        self.fsync_arrivals
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         let t0 = std::time::Instant::now();
         let mut batched = false;
         let mut _fcl = None;
         loop {
             let mut g = self.lock()?;
+            self.fc_harvest(&mut g);
             let meta_covered = (g.fc_covered(entry_seq) && self.cache_covered(wseq))
                 || (j.is_committed(entry_tid) && self.cache_covered(wseq));
             if meta_covered && data_done(j) {
                 g.fc.stats.skipped += 1;
                 return Ok(());
+            }
+            if !meta_covered {
+                if let Some(pg) = self.fc_pending_cover(&g, entry_seq, entry_tid, wseq) {
+                    // A chained fast commit written but not yet durable covers
+                    // this fsync: wait for the flush that makes it so (leading
+                    // nothing: let another leader write the next one).
+                    drop(g);
+                    _fcl = None;
+                    j.wait_data(pg)?;
+                    continue;
+                }
             }
             if _fcl.is_none() {
                 // Lead, or wait for the leader's fast commit and check again:
@@ -1646,6 +1664,11 @@ impl Fs {
             if meta_covered {
                 drop(g);
                 return wait_data(j);
+            }
+            if !batched && !g.fc.pending.is_empty() {
+                // A chained predecessor waits for this fast commit's flush:
+                // its time in flight was the batching window.
+                batched = true;
             }
             if !batched {
                 batched = true;
@@ -1686,6 +1709,9 @@ impl Fs {
             };
             let cut_seq = cut.as_ref().and_then(|c| c.seq);
             let upto = g.fc_seq();
+            let arrivals = self
+                .fsync_arrivals
+                .load(std::sync::atomic::Ordering::Acquire);
             let written = match &cut {
                 Some(c) if g.fc_data_csum => c.overlay(),
                 _ => Default::default(),
@@ -1709,6 +1735,16 @@ impl Fs {
                 g = self.lock()?;
             }
             let (tid, blocks, flush, logged) = match plan? {
+                fc::FcPlan::Nothing if !g.fc.pending.is_empty() => {
+                    // Everything tracked went out in chained fast commits not
+                    // yet durable: this one's turn comes with the last of them.
+                    let gen = g.fc.pending.back().map_or(0, |p| p.gen);
+                    g.fc.pending.push_back(fc::FcPending { gen, upto, cut_seq });
+                    drop(g);
+                    _fcl = None;
+                    j.wait_data(gen)?;
+                    continue;
+                }
                 fc::FcPlan::Nothing => {
                     // Everything tracked is durable (or was never tracked: the
                     // full commit that pruned it is durable); data may not be.
@@ -1763,32 +1799,88 @@ impl Fs {
             };
             drop(g);
             let t_io = std::time::Instant::now();
-            let wrote = j.fast_commit_mode(tid, &blocks, flush)?;
+            // Chain (leave the TAIL to the next fast commit's flush) when an
+            // fsync entered after this plan: it may need that successor.
+            let chain = || {
+                self.fsync_arrivals
+                    .load(std::sync::atomic::Ordering::Acquire)
+                    != arrivals
+            };
+            let wrote = j.fast_commit_chained(tid, &blocks, flush, &chain)?;
             let io_ns = t_io.elapsed().as_nanos() as u64;
             let mut g = self.lock()?;
             let st = &mut g.fc.stats;
-            if wrote {
-                st.commits += 1;
-                st.io_ns += io_ns;
-                st.blocks += blocks.len() as u64;
-                st.single_block += (blocks.len() == 1) as u64;
-                st.total_ns += t0.elapsed().as_nanos() as u64;
-                g.fc_logged(&logged);
-                g.fc.durable_upto = g.fc.durable_upto.max(upto);
-                if let (Some(pc), Some(s)) = (&self.pc, cut_seq) {
-                    pc.cut_durable(s);
-                }
-            } else {
+            if wrote == commitfs_journal::FcWritten::NotWritten {
                 // A full commit took the transaction (and waited for it): loop to
                 // check what it covered.
                 st.skipped += 1;
+                continue;
             }
-            if wrote {
+            st.commits += 1;
+            st.io_ns += io_ns;
+            st.blocks += blocks.len() as u64;
+            st.single_block += (blocks.len() == 1) as u64;
+            st.total_ns += t0.elapsed().as_nanos() as u64;
+            // Logged once written: the next plan (possibly before this one is
+            // durable) must not repeat its records; a failed write aborts.
+            g.fc_logged(&logged);
+            if let commitfs_journal::FcWritten::Pending(gen) = wrote {
+                g.fc.pending.push_back(fc::FcPending { gen, upto, cut_seq });
                 drop(g);
-                // The fast commit's flush (if any) covers data written before it.
+                // Let the successor lead while this one waits for its flush.
+                _fcl = None;
+                j.wait_data(gen)?;
+                let mut g = self.lock()?;
+                self.fc_harvest(&mut g);
+                drop(g);
                 return wait_data(j);
             }
+            g.fc.durable_upto = g.fc.durable_upto.max(upto);
+            if let (Some(pc), Some(s)) = (&self.pc, cut_seq) {
+                pc.cut_durable(s);
+            }
+            drop(g);
+            // The fast commit's flush (if any) covers data written before it.
+            return wait_data(j);
         }
+    }
+
+    /// Chained fast commits that a later flush has made durable: what they
+    /// covered counts as durable now (in order: flush generations grow).
+    fn fc_harvest(&self, g: &mut Inner) {
+        while let Some(p) = g.fc.pending.front() {
+            if !self.journal.flushed_since(p.gen) {
+                break;
+            }
+            let p = g.fc.pending.pop_front().expect("front");
+            g.fc.durable_upto = g.fc.durable_upto.max(p.upto);
+            if let (Some(pc), Some(s)) = (&self.pc, p.cut_seq) {
+                pc.cut_durable(s);
+            }
+        }
+    }
+
+    /// The flush generation to wait for when chained fast commits written but
+    /// not yet durable (with what is durable already) cover an fsync that
+    /// entered at `entry_seq`/`entry_tid` after cached writes up to `wseq`.
+    fn fc_pending_cover(
+        &self,
+        g: &Inner,
+        entry_seq: u64,
+        entry_tid: u32,
+        wseq: Option<u64>,
+    ) -> Option<u64> {
+        let last = g.fc.pending.back()?;
+        let upto = g.fc.pending.iter().map(|p| p.upto).max().unwrap_or(0);
+        let cut = g.fc.pending.iter().filter_map(|p| p.cut_seq).max();
+        let meta =
+            g.fc_covered(entry_seq) || upto >= entry_seq || self.journal.is_committed(entry_tid);
+        let cache = match (wseq, cut) {
+            (None, _) => true,
+            (Some(w), Some(c)) if c >= w => true,
+            (Some(_), _) => self.cache_covered(wseq),
+        };
+        (meta && cache).then_some(last.gen)
     }
 
     /// Batching for a fast-commit leader (jbd2's `min_batch_time` /

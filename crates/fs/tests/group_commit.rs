@@ -98,12 +98,13 @@ fn run(mode: Mode) {
     eprintln!(
         "{mode:?}: {fsyncs} fsyncs, {flushes} device flushes ({ratio:.3} per fsync), \
          {commits} full commits, {fast} fast commits, {} commits by {} flushes (max {}), \
-         max {} in flight, {} coalescing unlocks, fallbacks {:?}",
+         max {} in flight, {} coalescing unlocks, {} fast commits chained, fallbacks {:?}",
         j(|s| s.commits_by_flush),
         j(|s| s.commit_flushes),
         s1.journal.max_commits_per_flush,
         s1.journal.max_inflight,
         j(|s| s.lock_unlocks),
+        j(|s| s.fc_chained),
         fc1.ineligible
     );
     assert_eq!(fsyncs, (THREADS * ROUNDS) as u64);

@@ -45,6 +45,18 @@ pub use fc_scan::{
     hold_log_for_fast_commits, read_fast_commits, read_fast_commits_with, FcArea,
 };
 pub use log::{FcFlush, JournalMap, LogOptions};
+
+/// What [`Journal::fast_commit_chained`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FcWritten {
+    /// Nothing: a full commit took the transaction (and is durable).
+    NotWritten,
+    /// Written and durable.
+    Durable,
+    /// Written, its TAIL without FUA: durable once a flush numbered after this
+    /// generation completes ([`Journal::wait_data`], [`Journal::flushed_since`]).
+    Pending(u64),
+}
 pub use pipeline::{BadPipelineOption, PipelineOptions};
 pub use recovery::{
     read_superblock, recover, recover_with, scan, scan_with, RecoverOptions, RecoveryReport,
@@ -271,6 +283,9 @@ pub struct JournalStats {
     /// Fast commits written and their blocks.
     pub fc_commits: u64,
     pub fc_blocks: u64,
+    /// Fast commits whose TAIL went out without FUA, made durable by the next
+    /// fast commit's flush (chained fast commits).
+    pub fc_chained: u64,
     /// Device flushes the journal issued (commits, fast commits, data-only
     /// fsyncs, checkpoints).
     pub flushes: u64,
@@ -427,6 +442,13 @@ pub(crate) struct TxQueue {
     pub fc_ongoing: bool,
     /// The flush thread is flushing.
     pub flush_busy: bool,
+    /// Flush generation after the last chained fast commit's TAIL was written
+    /// without FUA (0: none): durable once a flush numbered after it completes.
+    pub fc_pending: u64,
+    /// Until then the flush thread holds back flush requests: the successor of
+    /// a chained fast commit is expected to claim the slot, and its pre-tail
+    /// flush serves both (`Core::fast_commit_chained`).
+    pub fc_handoff: Option<std::time::Instant>,
     /// Holders that need the pipeline empty and still (checkpoint, close).
     pub hold: u32,
     /// Some waiter needs `FlushGens::done >= flush_req`.
@@ -622,6 +644,8 @@ impl Core {
                 force: None,
                 fc_ongoing: false,
                 flush_busy: false,
+                fc_pending: 0,
+                fc_handoff: None,
                 hold: 0,
                 flush_req: 0,
                 running_handles_total: 0,
@@ -1405,6 +1429,8 @@ impl Core {
                 && q.hold == 0
             {
                 q.fc_ongoing = true;
+                // The successor a chained fast commit waited for is here.
+                q.fc_handoff = None;
                 return Ok(true);
             }
             self.cv.wait_for(&mut q, WAIT_SLICE);
@@ -1519,26 +1545,62 @@ impl Core {
     /// Waits while a full commit is in flight; when that commit took `tid`, waits
     /// for it to be durable and returns `false`.
     pub fn fast_commit_mode(&self, tid: u32, blocks: &[Vec<u8>], mode: FcFlush) -> Result<bool> {
+        Ok(
+            match self.fast_commit_chained(tid, blocks, mode, &|| false)? {
+                FcWritten::NotWritten => false,
+                FcWritten::Durable => true,
+                FcWritten::Pending(g) => {
+                    self.wait_data(g)?;
+                    true
+                }
+            },
+        )
+    }
+
+    /// [`Self::fast_commit_mode`] that may leave the last block of an `Ordered`
+    /// fast commit to a later flush (chained fast commits, CJFS §4.1/§4.4 on the
+    /// fast-commit area; docs/ARCHITECTURE.md "Chained fast commits"): when
+    /// `chain()` says, just before that write, that a successor is expected, the
+    /// TAIL goes out without FUA and the slot is released at once; the
+    /// successor's pre-tail flush (forced while a chained TAIL is not durable)
+    /// makes it durable, and one flush then serves two fast commits. Recovery
+    /// stops at the first block whose tag or checksum chain fails, so the
+    /// successor never replays without it. The caller waits for
+    /// [`FcWritten::Pending`] with [`Self::wait_data`] (the flush thread holds
+    /// such a request back briefly for the expected successor).
+    pub fn fast_commit_chained(
+        &self,
+        tid: u32,
+        blocks: &[Vec<u8>],
+        mode: FcFlush,
+        chain: &dyn Fn() -> bool,
+    ) -> Result<FcWritten> {
         let Some(l) = &self.log else {
             return Err(JournalError::BadJournal("no journal log".into()));
         };
         if !self.claim_fc(tid)? {
-            return Ok(false);
+            return Ok(FcWritten::NotWritten);
         }
+        let chained_before = {
+            let q = self.txq.lock();
+            q.fc_pending != 0 && !self.flushed_since(q.fc_pending)
+        };
         let mode = match mode {
-            FcFlush::Ordered { .. } if self.home_unflushed.swap(false, Ordering::AcqRel) => {
-                FcFlush::Ordered { flush_first: true }
-            }
+            FcFlush::Ordered { flush_first } => FcFlush::Ordered {
+                // A chained predecessor's TAIL must be durable before this one's.
+                flush_first: flush_first
+                    | chained_before
+                    | self.home_unflushed.swap(false, Ordering::AcqRel),
+            },
             m => m,
         };
-        let flushes = self.gens.started.load(Ordering::Acquire);
         // The log lock only to plan and to advance: never across the I/O (see
         // `log::FcIo`).
-        let write = || -> Result<()> {
+        let write = || -> Result<(bool, u32)> {
             let io = l.lock().fc_plan_io(blocks, mode)?;
-            io.issue(&*self.dev, blocks)?;
+            let r = io.issue_chained(&*self.dev, blocks, chain)?;
             l.lock().fc_written(&io);
-            Ok(())
+            Ok(r)
         };
         let r = if mode == FcFlush::Together {
             // Its flush makes the data written so far durable.
@@ -1546,16 +1608,28 @@ impl Core {
         } else {
             write()
         };
-        let flushed = self.gens.started.load(Ordering::Acquire) - flushes;
+        let out = match &r {
+            Ok((true, _)) => FcWritten::Durable,
+            // Written before the slot is released: any flush numbered after
+            // this makes it durable.
+            Ok((false, _)) => FcWritten::Pending(self.gens.started.load(Ordering::Acquire)),
+            Err(_) => FcWritten::NotWritten,
+        };
+        if let FcWritten::Pending(g) = out {
+            let mut q = self.txq.lock();
+            q.fc_pending = g;
+            q.fc_handoff = Some(std::time::Instant::now() + self.flush_batch());
+        }
         self.release_fc(r.is_ok());
         // A failed fast commit leaves the area in an unknown state; the kernel
         // falls back to a full commit, which then writes the same device: abort.
-        self.or_abort(r)?;
+        let (_, flushed) = self.or_abort(r)?;
         let mut s = self.stats.lock();
         s.fc_commits += 1;
         s.fc_blocks += blocks.len() as u64;
-        s.flushes += flushed;
-        Ok(true)
+        s.flushes += flushed as u64;
+        s.fc_chained += matches!(out, FcWritten::Pending(_)) as u64;
+        Ok(out)
     }
 
     /// `fc_data_csum`: make the last fast commit of `tid` (whose data checksums

@@ -620,6 +620,7 @@ impl LogState {
             flush_before,
             fua,
             flush_after,
+            chainable: matches!(mode, FcFlush::Ordered { .. }),
             n,
         })
     }
@@ -700,29 +701,50 @@ pub struct FcIo {
     flush_before: bool,
     fua: bool,
     flush_after: bool,
+    /// `Ordered`: the last block may be left to a later flush
+    /// ([`Self::issue_chained`]).
+    chainable: bool,
     n: u32,
 }
 
 impl FcIo {
     /// Issue the writes (and flushes) for `blocks`, the blocks it was planned for.
     pub fn issue(&self, dev: &dyn BlockDevice, blocks: &[Vec<u8>]) -> Result<()> {
+        self.issue_chained(dev, blocks, &|| false).map(|_| ())
+    }
+
+    /// [`Self::issue`], except that an `Ordered` commit's last block is written
+    /// without FUA when `chain()` says so just before that write (a successor
+    /// is expected: its pre-tail flush will make this one durable, CJFS §4.4
+    /// compound flush, docs/ARCHITECTURE.md "Chained fast commits"). Returns
+    /// `(last block durable, flushes issued)`.
+    pub fn issue_chained(
+        &self,
+        dev: &dyn BlockDevice,
+        blocks: &[Vec<u8>],
+        chain: &dyn Fn() -> bool,
+    ) -> Result<(bool, u32)> {
+        let mut flushes = 0;
         for &(at, i, len) in &self.runs {
             let bufs = blocks[i..i + len].iter().map(|b| b.as_slice());
             write_run(dev, at, bufs, IoCategory::FastCommit)?;
         }
         if self.flush_before {
             dev.flush()?;
+            flushes += 1;
         }
+        let fua = self.fua && !(self.chainable && chain());
         dev.write_at(
             self.last_at,
             &blocks[self.last],
             IoCategory::FastCommit,
-            self.fua,
+            fua,
         )?;
         if self.flush_after {
             dev.flush()?;
+            flushes += 1;
         }
-        Ok(())
+        Ok((fua || self.flush_after, flushes))
     }
 }
 

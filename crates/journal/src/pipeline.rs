@@ -494,6 +494,28 @@ impl Core {
         {
             self.cv.wait_until(&mut q, until);
         }
+        // A chained fast commit expects a successor whose pre-tail flush makes
+        // it durable: hold a flush that only its waiters asked for until the
+        // successor claims the slot (or the hand-off time is up).
+        while let Some(d) = q.fc_handoff {
+            if std::time::Instant::now() >= d
+                || self.is_aborted()
+                || q.stop
+                || q.inflight.front().is_some_and(Self::log_written)
+            {
+                q.fc_handoff = None;
+                break;
+            }
+            self.cv.wait_until(&mut q, d);
+        }
+        if q.fc_ongoing
+            || !(q.inflight.front().is_some_and(Self::log_written)
+                || q.flush_req > self.gens.done.load(Ordering::Acquire))
+        {
+            // A fast commit claimed the slot meanwhile (its flush may serve
+            // the request), or nothing is wanted any more: look again.
+            return Ok(true);
+        }
         // The prefix whose writes are complete: this flush makes it durable (log
         // blocks, or commit blocks already written).
         let snap: Vec<(u32, TxState)> = q

@@ -87,6 +87,7 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
             "max_commits_per_flush": j.max_commits_per_flush,
             "handles_per_commit": if j.commits == 0 { 0.0 } else { j.commit_handles as f64 / j.commits as f64 },
             "coalescing_unlocks": j.lock_unlocks,
+            "fast_commits_chained": j.fc_chained,
             "durability_waits": j.durability_waits,
             "avg_durability_wait_us": if j.durability_waits == 0 { 0.0 } else { j.durability_wait_ns as f64 / j.durability_waits as f64 / 1000.0 },
             "commit_phases_us": {
@@ -223,7 +224,7 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
     );
     println!(
         "pipeline: {} fsyncs ({} fdatasyncs with data only), {:.3} flushes per fsync, {} in flight (max {}), {:.2} commits per flush \
-         (max {}), {:.1} handles per commit, {} coalescing unlocks, avg durability wait {:.0} us",
+         (max {}), {:.1} handles per commit, {} coalescing unlocks, {} fast commits chained, avg durability wait {:.0} us",
         j["fsyncs"],
         j["fdatasyncs_data_only"],
         j["flushes_per_fsync"].as_f64().unwrap_or(0.0),
@@ -233,6 +234,7 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
         j["max_commits_per_flush"],
         j["handles_per_commit"].as_f64().unwrap_or(0.0),
         j["coalescing_unlocks"],
+        j["fast_commits_chained"],
         j["avg_durability_wait_us"].as_f64().unwrap_or(0.0)
     );
     let ph = &j["commit_phases_us"];
