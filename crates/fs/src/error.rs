@@ -59,6 +59,10 @@ pub enum FsError {
     /// on the device (reported once, by the next fsync; EIO).
     #[error("I/O error: an earlier write of this file's data failed")]
     DataWriteFailed,
+    /// `sync` found cached data it could not write back after repeated
+    /// commits (no space to map it, or the cache stayed busy); EIO.
+    #[error("I/O error: cached data could not be written back")]
+    WritebackIncomplete,
     /// `errors=panic` after an I/O error: the file system serves nothing more.
     #[error("I/O error: file system stopped after a device error (errors=panic)")]
     Shutdown,

@@ -171,6 +171,10 @@ pub struct Fs {
     _hooks: Option<Arc<dyn commitfs_journal::CommitHooks>>,
 }
 
+/// Commits `sync` forces, at most, to cut every cached write made before it
+/// (a cut gives up after 2 s on a busy cache, or leaves pages it cannot map).
+const SYNC_COMMITS: u32 = 8;
+
 /// One fast-commit leader at a time. Followers wait for the leader to finish
 /// and then all check at once whether its fast commit covered them, instead of
 /// queueing on a mutex one by one (the leader's batching would otherwise wait
@@ -791,11 +795,22 @@ impl Fs {
         let wseq = self.pc.as_ref().map(|pc| pc.wseq());
         let r = if !self.cache_covered(wseq) {
             let pc = self.pc.as_ref().expect("cached writes need a cache");
-            pc.ask_cut();
-            let mut r = journal.commit_forced().map_err(FsError::from);
-            // data_order=file: a commit that locked before the request took
-            // it without covering these writes; the next one cuts.
-            if r.is_ok() && !self.cache_covered(wseq) {
+            // Until a durable cut covers every write made before the call: a
+            // commit that locked before the request took it without covering
+            // these writes (data_order=file), and a cut gives up when the
+            // cache's barrier stays busy (2 s, `CacheHooks::cut`); sync waits
+            // as the kernel's does, and never returns with data left out.
+            let mut r = Ok(());
+            let mut tries = 0u32;
+            while r.is_ok() && !self.cache_covered(wseq) {
+                tries += 1;
+                if tries > SYNC_COMMITS {
+                    r = Err(FsError::WritebackIncomplete);
+                    break;
+                }
+                if tries > 2 {
+                    tracing::warn!("sync: cached data not yet cut after {} commits", tries - 1);
+                }
                 pc.ask_cut();
                 r = journal.commit_forced().map_err(FsError::from);
             }
@@ -1532,6 +1547,17 @@ impl Fs {
         // written).
         self.writeback_file(ino)?;
         if let Some(pc) = &self.pc {
+            // data_order=file: a fast commit may carry other files'
+            // truncates to zero; their rewritten data goes first (as every
+            // full commit's cut does, `CacheHooks::cut`). Best effort, as
+            // ext4's auto_da_alloc: a failure is that file's next fsync's.
+            for m in pc.da_alloc_dirty() {
+                if m != ino {
+                    if let Err(e) = self.writeback_file(m) {
+                        tracing::warn!("fsync: write-back of inode {m} after truncate: {e}");
+                    }
+                }
+            }
             pc.wait_written(ino, &|| self.journal.is_aborted());
         }
         let (j, entry_tid, entry_seq, dgen, fc_on, stamp) = {

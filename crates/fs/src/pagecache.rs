@@ -277,6 +277,25 @@ impl PageCache {
         }
     }
 
+    /// Files marked by [`Self::note_truncated_to_zero`] that have dirty
+    /// pages: every commit and fast commit writes them back, since through
+    /// FUSE a close sends no request (the kernel's `auto_da_alloc` writes
+    /// them at close, before any later commit can expose the truncate alone).
+    pub fn da_alloc_dirty(&self) -> Vec<u32> {
+        if !self.per_file {
+            return Vec::new();
+        }
+        let marked: Vec<u32> = self.da_alloc_close.lock().iter().copied().collect();
+        if marked.is_empty() {
+            return marked;
+        }
+        let files = self.files.lock();
+        marked
+            .into_iter()
+            .filter(|i| files.get(i).is_some_and(|f| f.dirty > 0))
+            .collect()
+    }
+
     /// Whether closing `ino` must write it back (see
     /// [`Self::note_truncated_to_zero`]); the mark is taken.
     pub fn take_da_alloc_close(&self, ino: u32) -> bool {

@@ -169,9 +169,23 @@ impl Inner {
         let Some(pc) = self.pc.clone() else {
             return Ok((Vec::new(), true));
         };
+        let inos = pc.dirty_inos_before(t);
+        self.cut_inos(h, inos, t.is_none())
+    }
+
+    /// The cut of the files `inos` only; `complete` when they are every dirty
+    /// file (the cut then covers every write so far).
+    pub fn cut_inos(
+        &mut self,
+        h: &Handle,
+        inos: Vec<u32>,
+        mut complete: bool,
+    ) -> Result<(Vec<WbRun>, bool)> {
+        let Some(pc) = self.pc.clone() else {
+            return Ok((Vec::new(), true));
+        };
         let mut all: Vec<WbRun> = Vec::new();
-        let mut complete = t.is_none();
-        for ino in pc.dirty_inos_before(t) {
+        for ino in inos {
             let Some(t) = pc.take_dirty(ino, &|| self.journal.is_aborted()) else {
                 continue;
             };
@@ -325,10 +339,17 @@ impl CacheHooks {
 impl CommitHooks for CacheHooks {
     fn cut(&self, tid: u32, lock: &mut dyn FnMut() -> bool) -> commitfs_journal::Result<()> {
         let what = self.pc.take_cut();
-        if what == CutWhat::Nothing {
-            // data_order=file, nobody asked: a file's data goes out with its
-            // own write-back (which moves its on-disk size and mapping in the
-            // same handle), never with other files' commits.
+        // data_order=file, nobody asked: a file's data goes out with its own
+        // write-back (which moves its on-disk size and mapping in the same
+        // handle), never with other files' commits; except files truncated to
+        // zero and being rewritten (auto_da_alloc), whose truncate this
+        // commit may carry.
+        let marked = if what == CutWhat::Nothing {
+            self.pc.da_alloc_dirty()
+        } else {
+            Vec::new()
+        };
+        if what == CutWhat::Nothing && marked.is_empty() {
             lock();
             return Ok(());
         }
@@ -348,7 +369,9 @@ impl CommitHooks for CacheHooks {
             // Every cached write so far is in this transaction or an earlier
             // one (a write-back under way started its handle before it took
             // its pages, so in one of them).
-            self.pc.note_cut(tid);
+            if what != CutWhat::Nothing {
+                self.pc.note_cut(tid);
+            }
             lock();
             return Ok(());
         }
@@ -366,7 +389,11 @@ impl CommitHooks for CacheHooks {
             return Ok(());
         };
         let h = g.start(64).map_err(to_journal)?;
-        let cut = g.cut_dirtied_before(&h, before);
+        let cut = if what == CutWhat::Nothing {
+            g.cut_inos(&h, marked, false)
+        } else {
+            g.cut_dirtied_before(&h, before)
+        };
         drop(h);
         let guard = g.inflight.begin(crate::dataio::CUT_WRITES);
         drop(g);
