@@ -1091,6 +1091,69 @@ fn cached_writes_and_closes_through_the_mount() {
     }
 }
 
+/// `-o data_order=file` through the mount: an fsync writes back its own file
+/// only (a 1 MiB file written before it stays cached), a file truncated to
+/// zero by `O_TRUNC` and rewritten goes out with the next fsync's commit even
+/// though its close sent no request (auto_da_alloc), and everything is on the
+/// image after unmount.
+#[test]
+fn data_order_file_through_the_mount() {
+    let img = mkfs("fuse-order", 64, &["-b", "4096", "-O", "fast_commit"]);
+    let mut m = Mount::new(&img.path, &["-o", "data_order=file,commit=60"]);
+    let stats = || -> serde_json::Value {
+        let s = std::process::Command::new(BIN)
+            .arg("stats")
+            .arg(&m.dir)
+            .arg("--json")
+            .output()
+            .expect("commitfs stats");
+        serde_json::from_slice(&s.stdout).expect("stats JSON")
+    };
+    let data_bytes = |v: &serde_json::Value| v["data_bytes"].as_u64().unwrap();
+    assert_eq!(stats()["page_cache"]["data_order"], "file");
+    let big = pattern(1 << 20, 3);
+    let small = pattern(8192, 4);
+    fs::write(m.p("big"), &big).unwrap();
+    let before = data_bytes(&stats());
+    let f = File::create(m.p("small")).unwrap();
+    (&f).write_all(&small).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let wrote = data_bytes(&stats()) - before;
+    assert_eq!(
+        wrote,
+        small.len() as u64,
+        "the fsync wrote other files' data"
+    );
+
+    // Truncate-and-rewrite without fsync, then another file's fsync.
+    let cfg = pattern(12288, 5);
+    let f = File::create(m.p("cfg")).unwrap();
+    (&f).write_all(&pattern(4096, 6)).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    fs::write(m.p("cfg"), &cfg).unwrap(); // O_TRUNC, write, close: no request
+    let before = data_bytes(&stats());
+    let f = File::create(m.p("other")).unwrap();
+    (&f).write_all(&small).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let wrote = data_bytes(&stats()) - before;
+    assert_eq!(
+        wrote,
+        (small.len() + cfg.len()) as u64,
+        "the rewritten file did not go out with the commit carrying its truncate"
+    );
+    m.unmount();
+    assert_fsck_clean(&img.path);
+    assert!(lib_read(&img.path, "/big") == big, "big after unmount");
+    assert!(lib_read(&img.path, "/cfg") == cfg, "cfg after unmount");
+    assert!(
+        lib_read(&img.path, "/other") == small,
+        "other after unmount"
+    );
+}
+
 /// mmap through the mount, interleaved with write, read, truncate and a
 /// punched hole, all through the daemon's page cache: every view (read(2),
 /// the mapping, the image after unmount) agrees with a model of the file.
