@@ -312,8 +312,45 @@ fn names(dir: &Path) -> Vec<String> {
 
 #[test]
 fn every_fuse_operation_end_to_end() {
+    every_operation(&["-o", "noio_uring"], false);
+}
+
+/// The same through FUSE over io_uring (`-o io_uring`, the kernel's switch
+/// turned on for the test): every request of the run but FORGET comes
+/// through the rings. Other tests of this binary that mount meanwhile use
+/// the rings too (both transports serve the same operations).
+#[test]
+fn every_fuse_operation_end_to_end_through_io_uring() {
+    let _on = UringSwitch::on();
+    every_operation(&["-o", "io_uring"], true);
+}
+
+/// Turns the kernel's FUSE-over-io_uring switch on while alive (root), and
+/// back to what it was after.
+struct UringSwitch(String);
+
+const URING_PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
+
+impl UringSwitch {
+    fn on() -> UringSwitch {
+        let old = fs::read_to_string(URING_PARAM).unwrap_or_else(|e| {
+            panic!("{URING_PARAM}: {e} (a kernel without CONFIG_FUSE_IO_URING?)")
+        });
+        fs::write(URING_PARAM, "Y")
+            .unwrap_or_else(|e| panic!("cannot turn on FUSE over io_uring ({URING_PARAM}): {e}"));
+        UringSwitch(old.trim().to_string())
+    }
+}
+
+impl Drop for UringSwitch {
+    fn drop(&mut self) {
+        let _ = fs::write(URING_PARAM, &self.0);
+    }
+}
+
+fn every_operation(opts: &[&str], want_ring: bool) {
     let img = mkfs("fuse-ops", 64, &[]);
-    let mut m = Mount::new(&img.path, &[]);
+    let mut m = Mount::new(&img.path, opts);
     assert_eq!(mount_fstype(&m.dir).as_deref(), Some("fuse.commitfs"));
 
     // statfs
@@ -633,6 +670,37 @@ fn every_fuse_operation_end_to_end() {
 
     let sv2 = nix_statvfs(&m.dir);
     assert!(sv2.f_bfree < sv.f_bfree, "statfs sees the allocations");
+
+    // Which transport served them.
+    let st = Command::new(BIN)
+        .arg("stats")
+        .arg(&m.dir)
+        .arg("--json")
+        .output()
+        .expect("commitfs stats");
+    let st: serde_json::Value = serde_json::from_slice(&st.stdout).expect("stats JSON");
+    let served: u64 = st["fuse_requests"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.as_str() != "forget")
+        .map(|(_, v)| v["count"].as_u64().unwrap())
+        .sum();
+    let ring = (
+        st["fuse_ring"]["queues"].as_u64().unwrap(),
+        st["fuse_ring"]["requests"].as_u64().unwrap(),
+    );
+    if want_ring {
+        let cpus = std::thread::available_parallelism().unwrap().get() as u64;
+        assert!(ring.0 >= cpus, "one ring queue per CPU: {ring:?}");
+        assert!(
+            ring.1 >= served,
+            "{served} requests served but only {} through the rings",
+            ring.1
+        );
+    } else {
+        assert_eq!(ring, (0, 0), "-o noio_uring served through rings");
+    }
 
     m.unmount();
     assert_fsck_clean(&img.path);

@@ -121,6 +121,8 @@ fn group_commit_through_fuse(mode: &str, fast_commit: bool, opts: &str) {
 /// One measurement on a fresh device: `(fsyncs, device flushes)`, after
 /// checking that every file is there with its bytes and the image is clean.
 fn measure(mode: &str, fast_commit: bool, opts: &str) -> (f64, f64) {
+    let ring = opts.split(',').any(|o| o == "io_uring");
+    let _on = ring.then(UringSwitch::on);
     let mut d = device(&format!("fconc-{mode}"), 512 * MIB);
     let dev = d.e.dev.clone();
     mkfs(&dev, fast_commit);
@@ -166,6 +168,18 @@ fn measure(mode: &str, fast_commit: bool, opts: &str) -> (f64, f64) {
         fsyncs / flushes.max(1.0),
         num(&s1, &["flushes"]) - num(&s0, &["flushes"]),
     );
+    let through_ring = num(&s1, &["fuse_ring", "requests"]) - num(&s0, &["fuse_ring", "requests"]);
+    if ring {
+        assert!(
+            through_ring as f64 >= 2.0 * fsyncs,
+            "{mode}: only {through_ring} requests through the rings"
+        );
+    } else {
+        assert_eq!(
+            through_ring, 0,
+            "{mode}: requests through rings with noio_uring"
+        );
+    }
     // The daemon's request counters saw every fsync and create, and timed them
     // (a create is a MKNOD: CREATE is answered ENOSYS, see CommitFuse::create).
     for op in ["fsync", "mknod"] {
@@ -218,17 +232,59 @@ fn measure(mode: &str, fast_commit: bool, opts: &str) -> (f64, f64) {
 
 #[test]
 fn group_commit_through_fuse_jbd2() {
-    group_commit_through_fuse("jbd2", false, "nofast_commit");
+    group_commit_through_fuse("jbd2", false, "nofast_commit,noio_uring");
 }
 
 #[test]
 fn group_commit_through_fuse_fast_commit() {
-    group_commit_through_fuse("fast_commit", true, "fast_commit");
+    group_commit_through_fuse("fast_commit", true, "fast_commit,noio_uring");
 }
 
 #[test]
 fn group_commit_through_fuse_fc_data_csum() {
-    group_commit_through_fuse("fc_data_csum", true, "fast_commit,fc_data_csum");
+    group_commit_through_fuse("fc_data_csum", true, "fast_commit,fc_data_csum,noio_uring");
+}
+
+/// The same three through FUSE over io_uring (the kernel's switch on for the
+/// test, `-o io_uring`): fsyncs are served inline by the rings' threads, one
+/// per entry, and must batch as well. `measure` checks that the requests
+/// came through the rings.
+#[test]
+fn group_commit_through_fuse_over_io_uring() {
+    for (mode, fc, opts) in [
+        ("ring-jbd2", false, "nofast_commit,io_uring"),
+        ("ring-fast_commit", true, "fast_commit,io_uring"),
+        (
+            "ring-fc_data_csum",
+            true,
+            "fast_commit,fc_data_csum,io_uring",
+        ),
+    ] {
+        group_commit_through_fuse(mode, fc, opts);
+    }
+}
+
+/// Turns the kernel's FUSE-over-io_uring switch on while alive (root), and
+/// back to what it was after.
+struct UringSwitch(String);
+
+const URING_PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
+
+impl UringSwitch {
+    fn on() -> UringSwitch {
+        let old = std::fs::read_to_string(URING_PARAM).unwrap_or_else(|e| {
+            panic!("{URING_PARAM}: {e} (a kernel without CONFIG_FUSE_IO_URING?)")
+        });
+        std::fs::write(URING_PARAM, "Y")
+            .unwrap_or_else(|e| panic!("cannot turn on FUSE over io_uring ({URING_PARAM}): {e}"));
+        UringSwitch(old.trim().to_string())
+    }
+}
+
+impl Drop for UringSwitch {
+    fn drop(&mut self) {
+        let _ = std::fs::write(URING_PARAM, &self.0);
+    }
 }
 
 /// Flush latency of the storm test: long against the storm (a few hundred
@@ -246,7 +302,7 @@ fn requests_are_served_while_fsyncs_wait_for_a_slow_flush() {
     mkfs(&dev, true);
     // noatime: a readdir must not start a handle (a relatime update could wait
     // behind the commit in the journal, which is not what this test is about).
-    let mut m = FuseMount::mount(bin(), &dev, &["-o", "fast_commit,noatime"]).unwrap();
+    let mut m = FuseMount::mount(bin(), &dev, &["-o", "fast_commit,noatime,noio_uring"]).unwrap();
     let _wd = Watchdog::new("storm".into(), 300, m.pid(), Some(m.dir.clone()));
     let root = m.path().to_path_buf();
     fs::create_dir(root.join("d")).unwrap();
@@ -373,7 +429,7 @@ fn serving_process(monitor: u32) -> u32 {
 fn daemon_serves_on_cloned_descriptors_inside_the_sandbox() {
     let img = commitfs_fs::testutil::mkfs("fconc-threads", 32, &["-O", "fast_commit"]);
     for threads in [1usize, 5] {
-        let opt = format!("threads={threads},fsync_threads=3");
+        let opt = format!("threads={threads},fsync_threads=3,noio_uring");
         let mut m = FuseMount::mount(bin(), &img.path, &["-o", &opt]).unwrap();
         fs::write(m.path().join(format!("t{threads}")), b"x").unwrap();
         File::open(m.path().join(format!("t{threads}")))

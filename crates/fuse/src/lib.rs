@@ -11,6 +11,7 @@ pub mod convert;
 mod ops;
 pub mod opstats;
 mod pool;
+pub mod uring;
 
 use std::io;
 use std::path::Path;
@@ -57,6 +58,13 @@ pub struct FuseConfig {
     /// need no LOOKUP per name), the kernel choosing when (`READDIRPLUS_AUTO`);
     /// `-o noreaddirplus` turns it off.
     pub readdirplus: bool,
+    /// Serve requests through FUSE over io_uring when the kernel allows it
+    /// (the default; `-o noio_uring` turns it off): one ring per CPU, served
+    /// on that CPU ([`uring`]). Needs the kernel's `enable_uring` module
+    /// parameter; without it the mount serves `/dev/fuse`.
+    pub io_uring: bool,
+    /// `-o io_uring` was given: say so when the kernel does not allow it.
+    pub io_uring_asked: bool,
 }
 
 impl Default for FuseConfig {
@@ -72,6 +80,8 @@ impl Default for FuseConfig {
             dev: true,
             suid: true,
             readdirplus: true,
+            io_uring: true,
+            io_uring_asked: false,
         }
     }
 }
@@ -226,11 +236,51 @@ pub struct FuseSession {
 pub fn mount(fs: Arc<Fs>, mountpoint: &Path, cfg: &FuseConfig) -> io::Result<FuseSession> {
     let status: UnmountStatus = Arc::new(Mutex::new(None));
     let gate = Arc::new(Gate::opened());
-    let fsys = CommitFuse::new(fs, cfg, status.clone(), gate.clone())?;
+    let mut fsys = CommitFuse::new(fs, cfg, status.clone(), gate.clone())?;
     let stats = fsys.stats();
     let shared = fsys.shared();
-    let session = fuser::Session::new(fsys, mountpoint, &cfg.fuser_config())?;
+    // The rings first: the capability is asked for only when they exist,
+    // since once granted the kernel holds requests until every queue is
+    // registered.
+    let rings = if !cfg.io_uring {
+        None
+    } else if !uring::kernel_allows() {
+        if cfg.io_uring_asked {
+            tracing::warn!(
+                "-o io_uring: the kernel does not allow FUSE over io_uring \
+                 (/sys/module/fuse/parameters/enable_uring is not Y); serving /dev/fuse"
+            );
+        }
+        None
+    } else {
+        match uring::Rings::prepare() {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!("-o io_uring: cannot set up the rings ({e}); serving /dev/fuse");
+                None
+            }
+        }
+    };
+    if rings.is_some() {
+        fsys.want_uring();
+    }
+    let granted = fsys.uring_granted.clone();
+    let mut session = fuser::Session::new(fsys, mountpoint, &cfg.fuser_config())?;
     let _ = shared.notifier.set(session.notifier());
+    if let Some(rings) = rings.filter(|_| granted.load(Ordering::Acquire)) {
+        use std::os::fd::AsFd;
+        let started = session
+            .as_fd()
+            .try_clone_to_owned()
+            .and_then(|fd| rings.start(fd, session.raw_dispatcher(), &stats));
+        if let Err(e) = started {
+            // The kernel holds requests until the queues are registered:
+            // nothing could be served.
+            let _ = session.unmount();
+            return Err(io::Error::other(format!("FUSE over io_uring: {e}")));
+        }
+        tracing::info!("serving through FUSE over io_uring, one ring per CPU");
+    }
     Ok(FuseSession {
         session,
         stats,

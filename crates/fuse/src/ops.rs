@@ -87,6 +87,10 @@ pub struct CommitFuse {
     readdirplus: bool,
     threads: usize,
     status: UnmountStatus,
+    /// FUSE over io_uring: asked for (the rings exist), and granted by the
+    /// kernel at INIT.
+    uring_wanted: bool,
+    pub(crate) uring_granted: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for CommitFuse {
@@ -186,7 +190,14 @@ impl CommitFuse {
             readdirplus: cfg.readdirplus,
             threads: cfg.threads.max(1),
             status,
+            uring_wanted: false,
+            uring_granted: Arc::default(),
         })
+    }
+
+    /// Ask the kernel for FUSE over io_uring at INIT (the rings are ready).
+    pub(crate) fn want_uring(&mut self) {
+        self.uring_wanted = true;
     }
 
     /// The per-request counters of this front end.
@@ -209,6 +220,11 @@ impl CommitFuse {
     /// event loops keep serving while commits are in flight (with `threads`
     /// concurrent fsyncs inline, every event loop would sleep in a commit).
     fn run_durable(&self, op: Op, job: impl FnOnce(&Shared) + Send + 'static) {
+        if crate::uring::in_ring_thread() {
+            // FUSE over io_uring: one thread per ring entry, enough of them
+            // for group commit; the entry is held until the reply anyway.
+            return self.run(op, job);
+        }
         self.gate.pass();
         let t0 = Instant::now();
         self.pool.submit(Box::new(move |s: &Shared| {
@@ -262,6 +278,19 @@ impl Filesystem for CommitFuse {
         let bg = u16::try_from(self.threads.max(16)).unwrap_or(u16::MAX);
         let _ = config.set_max_background(bg);
         let _ = config.set_congestion_threshold(bg);
+        if self.uring_wanted {
+            // Ring entries hold a whole request: no larger than a request
+            // can be anyway (max_pages), and the buffers are sized for it.
+            let _ = config.set_max_write(crate::uring::MAX_WRITE);
+            match config.add_capabilities(InitFlags::FUSE_OVER_IO_URING) {
+                Ok(()) => self
+                    .uring_granted
+                    .store(true, std::sync::atomic::Ordering::Release),
+                Err(missing) => tracing::warn!(
+                    "kernel does not offer FUSE over io_uring ({missing:?}); serving /dev/fuse"
+                ),
+            }
+        }
         tracing::info!("FUSE session initialised");
         Ok(())
     }

@@ -92,6 +92,10 @@ impl Op {
 pub struct FuseStats {
     count: [AtomicU64; Op::COUNT],
     nanos: [AtomicU64; Op::COUNT],
+    /// FUSE over io_uring: queues serving (0: `/dev/fuse` only) and the
+    /// requests that came through them.
+    pub(crate) ring_queues: AtomicU64,
+    pub(crate) ring_requests: AtomicU64,
 }
 
 impl Default for FuseStats {
@@ -99,6 +103,8 @@ impl Default for FuseStats {
         FuseStats {
             count: std::array::from_fn(|_| AtomicU64::new(0)),
             nanos: std::array::from_fn(|_| AtomicU64::new(0)),
+            ring_queues: AtomicU64::new(0),
+            ring_requests: AtomicU64::new(0),
         }
     }
 }
@@ -117,6 +123,15 @@ impl FuseStats {
         let i = op as usize;
         self.count[i].fetch_add(1, Ordering::Relaxed);
         self.nanos[i].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// FUSE over io_uring: `(queues, requests served through them)`;
+    /// `(0, 0)` when requests come through `/dev/fuse` only.
+    pub fn ring(&self) -> (u64, u64) {
+        (
+            self.ring_queues.load(Ordering::Relaxed),
+            self.ring_requests.load(Ordering::Relaxed),
+        )
     }
 
     /// The kinds served at least once.

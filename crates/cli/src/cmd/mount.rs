@@ -29,6 +29,9 @@ pub struct MountCmdOptions {
     pub writeback_cache: bool,
     /// `noreaddirplus`: plain READDIR only.
     pub noreaddirplus: bool,
+    /// `io_uring` / `noio_uring`: serve FUSE over io_uring (one ring per
+    /// CPU); `None`: when the kernel allows it.
+    pub io_uring: Option<bool>,
     pub allow_other: bool,
     /// `nofast_commit`: full JBD2 commits only, even on `fast_commit` images.
     pub no_fast_commit: bool,
@@ -86,6 +89,7 @@ impl Default for MountCmdOptions {
             commit: MountOptions::default().commit_interval,
             writeback_cache: false,
             noreaddirplus: false,
+            io_uring: None,
             allow_other: false,
             no_fast_commit: false,
             fast_commit: false,
@@ -146,6 +150,8 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
             "writeback_cache" => o.writeback_cache = true,
             "noreaddirplus" => o.noreaddirplus = true,
             "readdirplus" => o.noreaddirplus = false,
+            "io_uring" => o.io_uring = Some(true),
+            "noio_uring" => o.io_uring = Some(false),
             "allow_other" => o.allow_other = true,
             "nofast_commit" => o.no_fast_commit = true,
             "fast_commit" => o.fast_commit = true,
@@ -237,7 +243,8 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                 } else {
                     bail!(
                         "unknown mount option {opt:?} (supported: ro, rw, commit=N, \
-                         writeback_cache, readdirplus, noreaddirplus, allow_other, fast_commit, \
+                         writeback_cache, readdirplus, noreaddirplus, io_uring, noio_uring, \
+                         allow_other, fast_commit, \
                          nofast_commit, fc_data_csum, \
                          errors=continue|remount-ro|panic, acl, noacl, strictatime, relatime, \
                          noatime, nodiratime, lazytime, dev, nodev, suid, nosuid, \
@@ -452,6 +459,8 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         read_only: o.read_only || fs.is_read_only(),
         writeback_cache: o.writeback_cache && !o.read_only,
         readdirplus: !o.noreaddirplus,
+        io_uring: o.io_uring != Some(false),
+        io_uring_asked: o.io_uring == Some(true),
         allow_other: o.allow_other,
         fsname: req.image.display().to_string().replace(',', "_"),
         acl: !o.noacl,

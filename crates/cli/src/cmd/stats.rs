@@ -108,6 +108,10 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
             "ineligible": fc.ineligible,
         },
         "fuse_requests": fuse_json(fuse),
+        "fuse_ring": {
+            "queues": fuse.map_or(0, |f| f.ring().0),
+            "requests": fuse.map_or(0, |f| f.ring().1),
+        },
         "page_cache": fs.cache_stats().map(|c| json!({
             "cached_bytes": c.cached_bytes,
             "dirty_bytes": c.dirty_bytes,
