@@ -690,6 +690,21 @@ fn every_operation(opts: &[&str], want_ring: bool) {
         st["fuse_ring"]["queues"].as_u64().unwrap(),
         st["fuse_ring"]["requests"].as_u64().unwrap(),
     );
+    let human = Command::new(BIN)
+        .arg("stats")
+        .arg(&m.dir)
+        .output()
+        .expect("commitfs stats");
+    let human = String::from_utf8_lossy(&human.stdout).to_string();
+    let want_line = if want_ring {
+        "FUSE transport: io_uring"
+    } else {
+        "FUSE transport: /dev/fuse"
+    };
+    assert!(
+        human.contains(want_line),
+        "stats lacks {want_line:?}:\n{human}"
+    );
     if want_ring {
         let cpus = std::thread::available_parallelism().unwrap().get() as u64;
         assert!(ring.0 >= cpus, "one ring queue per CPU: {ring:?}");

@@ -313,6 +313,14 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
             "FUSE requests (count x mean time in the daemon, most time first): {}",
             rows.iter().map(row).collect::<Vec<_>>().join(", ")
         );
+        let ring = &v["fuse_ring"];
+        match ring["queues"].as_u64().unwrap_or(0) {
+            0 => println!("FUSE transport: /dev/fuse"),
+            q => println!(
+                "FUSE transport: io_uring, {q} queues (one per CPU), {} requests through the rings",
+                ring["requests"]
+            ),
+        }
     }
     Ok(())
 }
