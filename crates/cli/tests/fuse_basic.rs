@@ -15,8 +15,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod common;
+
 use commitfs::cmd::fsck;
 use commitfs::testutil::{mkfs, TempImage};
+use common::UringSwitch;
 
 const BIN: &str = env!("CARGO_BIN_EXE_commitfs");
 
@@ -113,6 +116,17 @@ impl Mount {
 
     fn p(&self, rel: &str) -> PathBuf {
         self.dir.join(rel)
+    }
+
+    /// `commitfs stats DIR --json`, parsed.
+    fn stats(&self) -> serde_json::Value {
+        let s = Command::new(BIN)
+            .arg("stats")
+            .arg(&self.dir)
+            .arg("--json")
+            .output()
+            .expect("commitfs stats");
+        serde_json::from_slice(&s.stdout).expect("stats JSON")
     }
 
     fn log_text(&self) -> String {
@@ -323,29 +337,6 @@ fn every_fuse_operation_end_to_end() {
 fn every_fuse_operation_end_to_end_through_io_uring() {
     let _on = UringSwitch::on();
     every_operation(&["-o", "io_uring"], true);
-}
-
-/// Turns the kernel's FUSE-over-io_uring switch on while alive (root), and
-/// back to what it was after.
-struct UringSwitch(String);
-
-const URING_PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
-
-impl UringSwitch {
-    fn on() -> UringSwitch {
-        let old = fs::read_to_string(URING_PARAM).unwrap_or_else(|e| {
-            panic!("{URING_PARAM}: {e} (a kernel without CONFIG_FUSE_IO_URING?)")
-        });
-        fs::write(URING_PARAM, "Y")
-            .unwrap_or_else(|e| panic!("cannot turn on FUSE over io_uring ({URING_PARAM}): {e}"));
-        UringSwitch(old.trim().to_string())
-    }
-}
-
-impl Drop for UringSwitch {
-    fn drop(&mut self) {
-        let _ = fs::write(URING_PARAM, &self.0);
-    }
 }
 
 fn every_operation(opts: &[&str], want_ring: bool) {
@@ -672,13 +663,7 @@ fn every_operation(opts: &[&str], want_ring: bool) {
     assert!(sv2.f_bfree < sv.f_bfree, "statfs sees the allocations");
 
     // Which transport served them.
-    let st = Command::new(BIN)
-        .arg("stats")
-        .arg(&m.dir)
-        .arg("--json")
-        .output()
-        .expect("commitfs stats");
-    let st: serde_json::Value = serde_json::from_slice(&st.stdout).expect("stats JSON");
+    let st = m.stats();
     let served: u64 = st["fuse_requests"]
         .as_object()
         .unwrap()
@@ -1116,15 +1101,7 @@ fn forget_releases_unlinked_inodes_and_cached_ones_stay_usable() {
 fn cached_writes_and_closes_through_the_mount() {
     let img = mkfs("fuse-cache", 64, &["-b", "4096"]);
     let mut m = Mount::new(&img.path, &["-o", "commit=60"]);
-    let stats = || -> serde_json::Value {
-        let s = std::process::Command::new(BIN)
-            .arg("stats")
-            .arg(&m.dir)
-            .arg("--json")
-            .output()
-            .expect("commitfs stats");
-        serde_json::from_slice(&s.stdout).expect("stats JSON")
-    };
+    let stats = || m.stats();
     let before = stats();
     let data = pattern(200_000, 9);
     for k in 0..20 {
@@ -1183,15 +1160,7 @@ fn cached_writes_and_closes_through_the_mount() {
 fn data_order_file_through_the_mount() {
     let img = mkfs("fuse-order", 64, &["-b", "4096", "-O", "fast_commit"]);
     let mut m = Mount::new(&img.path, &["-o", "data_order=file,commit=60"]);
-    let stats = || -> serde_json::Value {
-        let s = std::process::Command::new(BIN)
-            .arg("stats")
-            .arg(&m.dir)
-            .arg("--json")
-            .output()
-            .expect("commitfs stats");
-        serde_json::from_slice(&s.stdout).expect("stats JSON")
-    };
+    let stats = || m.stats();
     let data_bytes = |v: &serde_json::Value| v["data_bytes"].as_u64().unwrap();
     assert_eq!(stats()["page_cache"]["data_order"], "file");
     let big = pattern(1 << 20, 3);

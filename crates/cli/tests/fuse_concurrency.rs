@@ -25,7 +25,9 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use commitfs_bench::emu::{self, Profile};
-use common::{check_fsck, commitfs_stats_json, lib_resolve, open_lib, run, FuseMount, Watchdog};
+use common::{
+    check_fsck, commitfs_stats_json, lib_resolve, open_lib, run, FuseMount, UringSwitch, Watchdog,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_commitfs");
 
@@ -261,29 +263,6 @@ fn group_commit_through_fuse_over_io_uring() {
         ),
     ] {
         group_commit_through_fuse(mode, fc, opts);
-    }
-}
-
-/// Turns the kernel's FUSE-over-io_uring switch on while alive (root), and
-/// back to what it was after.
-struct UringSwitch(String);
-
-const URING_PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
-
-impl UringSwitch {
-    fn on() -> UringSwitch {
-        let old = std::fs::read_to_string(URING_PARAM).unwrap_or_else(|e| {
-            panic!("{URING_PARAM}: {e} (a kernel without CONFIG_FUSE_IO_URING?)")
-        });
-        std::fs::write(URING_PARAM, "Y")
-            .unwrap_or_else(|e| panic!("cannot turn on FUSE over io_uring ({URING_PARAM}): {e}"));
-        UringSwitch(old.trim().to_string())
-    }
-}
-
-impl Drop for UringSwitch {
-    fn drop(&mut self) {
-        let _ = std::fs::write(URING_PARAM, &self.0);
     }
 }
 

@@ -280,8 +280,10 @@ impl Filesystem for CommitFuse {
         let _ = config.set_congestion_threshold(bg);
         if self.uring_wanted {
             // Ring entries hold a whole request: no larger than a request
-            // can be anyway (max_pages), and the buffers are sized for it.
+            // can be anyway (max_pages), and the buffers are sized for it
+            // (`uring::PAYLOAD`; fuser derives max_pages from both).
             let _ = config.set_max_write(crate::uring::MAX_WRITE);
+            let _ = config.set_max_readahead(crate::uring::MAX_WRITE);
             match config.add_capabilities(InitFlags::FUSE_OVER_IO_URING) {
                 Ok(()) => self
                     .uring_granted

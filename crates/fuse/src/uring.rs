@@ -112,17 +112,10 @@ fn possible_cpus() -> io::Result<usize> {
     Ok(max.max(1))
 }
 
-/// The payload buffer the kernel requires: `max(8192, max_write,
-/// max_pages × page)`, `max_pages` at most `max_pages_limit`.
-fn payload_size() -> usize {
-    let page = 4096usize;
-    let limit = std::fs::read_to_string("/proc/sys/fs/fuse/max_pages_limit")
-        .ok()
-        .and_then(|s| s.trim().parse::<usize>().ok())
-        .unwrap_or(256);
-    let max_pages = limit.min((MAX_WRITE as usize).div_ceil(page).max(256));
-    (MAX_WRITE as usize).max(max_pages * page).max(8192)
-}
+/// The payload buffer the kernel requires, `max(8192, max_write, max_pages ×
+/// page)`: [`MAX_WRITE`], since with the rings on INIT negotiates `max_write`
+/// and `max_readahead` (from which fuser derives `max_pages`) no larger.
+const PAYLOAD: usize = MAX_WRITE as usize;
 
 /// One ring entry's buffers.
 struct Slot {
@@ -335,7 +328,7 @@ impl Rings {
     /// requests that use it reach.
     pub(crate) fn prepare() -> io::Result<Rings> {
         let n = possible_cpus()?;
-        let payload = payload_size();
+        let payload = PAYLOAD;
         let per = THREADS_TOTAL.div_ceil(n).max(THREADS_MIN);
         let mut queues = Vec::with_capacity(n * per);
         for q in 0..n {

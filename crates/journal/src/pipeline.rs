@@ -479,34 +479,35 @@ impl Core {
             }
             self.cv.wait_for(&mut q, WAIT_SLICE);
         }
-        // The commit thread is about to write, or writing, a successor's log
-        // blocks: let this flush cover them too (CJFS §4.4: one flush for
-        // consecutive commits), for at most a fraction of a flush.
+        // A successor's writes are coming, which this flush could cover too
+        // (CJFS §4.4: one flush for consecutive commits): the commit thread is
+        // about to write, or writing, a successor's log blocks; or a chained
+        // fast commit expects the next fast commit, whose pre-tail flush then
+        // serves its waiters' request (`TxQueue::fc_handoff`, never held for a
+        // full commit whose log is written). Wait for at most a fraction of a
+        // flush.
         let until = std::time::Instant::now() + self.flush_batch();
-        while (self.commit_wanted(&q)
-            || q.running.locked
-            || q.inflight.back().is_some_and(|t| {
-                t.state == TxState::Committing && t.commit.is_none() && t.bufs.is_empty()
-            }))
-            && std::time::Instant::now() < until
-            && !self.is_aborted()
-            && !q.stop
-        {
-            self.cv.wait_until(&mut q, until);
-        }
-        // A chained fast commit expects a successor whose pre-tail flush makes
-        // it durable: hold a flush that only its waiters asked for until the
-        // successor claims the slot (or the hand-off time is up).
-        while let Some(d) = q.fc_handoff {
-            if std::time::Instant::now() >= d
-                || self.is_aborted()
-                || q.stop
+        loop {
+            let now = std::time::Instant::now();
+            if now >= until || self.is_aborted() || q.stop {
+                break;
+            }
+            if q.fc_handoff.is_some_and(|d| now >= d)
                 || q.inflight.front().is_some_and(Self::log_written)
             {
                 q.fc_handoff = None;
+            }
+            let successor = self.commit_wanted(&q)
+                || q.running.locked
+                || q.inflight.back().is_some_and(|t| {
+                    t.state == TxState::Committing && t.commit.is_none() && t.bufs.is_empty()
+                })
+                || q.fc_handoff.is_some();
+            if !successor {
                 break;
             }
-            self.cv.wait_until(&mut q, d);
+            let wake = q.fc_handoff.map_or(until, |d| d.min(until));
+            self.cv.wait_until(&mut q, wake);
         }
         if q.fc_ongoing
             || !(q.inflight.front().is_some_and(Self::log_written)

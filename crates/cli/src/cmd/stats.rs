@@ -39,6 +39,7 @@ pub fn socket_path(dir: &Path) -> PathBuf {
 pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
     let s = fs.stats();
     let fc = fs.fc_stats();
+    let ring = fuse.map_or((0, 0), |f| f.ring());
     let mut dev = serde_json::Map::new();
     for c in IoCategory::ALL {
         let k = s.device.category(c);
@@ -109,8 +110,8 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
         },
         "fuse_requests": fuse_json(fuse),
         "fuse_ring": {
-            "queues": fuse.map_or(0, |f| f.ring().0),
-            "requests": fuse.map_or(0, |f| f.ring().1),
+            "queues": ring.0,
+            "requests": ring.1,
         },
         "page_cache": fs.cache_stats().map(|c| json!({
             "cached_bytes": c.cached_bytes,

@@ -632,6 +632,30 @@ impl ContentHasher {
     }
 }
 
+/// Turns the kernel's FUSE-over-io_uring switch on while alive (root), and
+/// back to what it was after (tests of `-o io_uring`; the switch only
+/// matters when a mount is made).
+pub struct UringSwitch(String);
+
+const URING_PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
+
+impl UringSwitch {
+    pub fn on() -> UringSwitch {
+        let old = std::fs::read_to_string(URING_PARAM).unwrap_or_else(|e| {
+            panic!("{URING_PARAM}: {e} (a kernel without CONFIG_FUSE_IO_URING?)")
+        });
+        std::fs::write(URING_PARAM, "Y")
+            .unwrap_or_else(|e| panic!("cannot turn on FUSE over io_uring ({URING_PARAM}): {e}"));
+        UringSwitch(old.trim().to_string())
+    }
+}
+
+impl Drop for UringSwitch {
+    fn drop(&mut self) {
+        let _ = std::fs::write(URING_PARAM, &self.0);
+    }
+}
+
 /// The output of `commitfs stats DIR --json` for a commitfs mount (`bin`: the
 /// commitfs binary); an error for anything else (a kernel mount has no stats
 /// socket). Text, not parsed: not every crate sharing this module has a JSON
