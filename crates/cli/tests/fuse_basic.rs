@@ -388,6 +388,32 @@ fn every_operation(opts: &[&str], want_ring: bool) {
     assert_eq!(fs::read(m.p("d/a.bin")).unwrap(), want);
     assert_eq!(fs::metadata(m.p("d/a.bin")).unwrap().len(), 160_000);
 
+    // Large reads from the daemon (the kernel's pages dropped first): READ
+    // replies of up to max_write, which the rings copy into their payload.
+    let big = pattern(3 << 20, 7);
+    fs::write(m.p("d/big.bin"), &big).unwrap();
+    let f = File::open(m.p("d/big.bin")).unwrap();
+    f.sync_all().unwrap();
+    // SAFETY: a valid descriptor; advice only.
+    let r = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(r, 0, "fadvise");
+    let reads_before = m.stats()["fuse_requests"]["read"]["count"]
+        .as_u64()
+        .unwrap_or(0);
+    let mut got = Vec::new();
+    (&f).read_to_end(&mut got).unwrap();
+    assert!(got == big, "3 MiB read back through the daemon differs");
+    let reads = m.stats()["fuse_requests"]["read"]["count"]
+        .as_u64()
+        .unwrap_or(0)
+        - reads_before;
+    assert!(
+        reads >= 3,
+        "the kernel read from the daemon ({reads} READs)"
+    );
+    drop(f);
+    fs::remove_file(m.p("d/big.bin")).unwrap();
+
     // setattr: chmod, chown, utimensat (explicit and UTIME_NOW), ctime moves
     let p = m.p("d/a.bin");
     fs::set_permissions(&p, fs::Permissions::from_mode(0o4640)).unwrap();

@@ -286,16 +286,21 @@ impl Queue {
         // SAFETY: the reply owns the entry until its commit (module doc).
         let (hdr, pl) = unsafe { (&mut *s.hdr.get(), &mut *s.payload.get()) };
         let total: usize = data.iter().map(|d| d.len()).sum();
-        let mut at = 0usize;
         let mut too_big = total.saturating_sub(OUT_HDR) > pl.len();
+        // The out header's bytes into the entry's header, the rest into the
+        // payload: slice copies (a READ reply is up to `MAX_WRITE` bytes).
+        let mut at = 0usize;
         for d in data {
-            for (i, &b) in d.iter().enumerate() {
-                let k = at + i;
-                if k < OUT_HDR {
-                    hdr[k] = b;
-                } else if !too_big {
-                    pl[k - OUT_HDR] = b;
-                }
+            let mut d: &[u8] = d;
+            if at < OUT_HDR {
+                let n = d.len().min(OUT_HDR - at);
+                hdr[at..at + n].copy_from_slice(&d[..n]);
+                at += n;
+                d = &d[n..];
+            }
+            if !d.is_empty() && !too_big {
+                let o = at - OUT_HDR;
+                pl[o..o + d.len()].copy_from_slice(d);
             }
             at += d.len();
         }
