@@ -103,6 +103,11 @@ pub struct Stats {
 pub struct MetaCacheStats {
     /// Metadata buffers cached (each one block).
     pub buffers: usize,
+    /// Buffers the running transaction holds, and the size at which the
+    /// journal commits it whatever operation grew it (a share of the
+    /// buffers' budget, at most a quarter of the log).
+    pub running_buffers: usize,
+    pub running_cap: u64,
     pub inodes: InodeCacheStats,
     pub dirs: DirCacheStats,
     /// Changes the fast-commit tracker holds (not a cache, but it grew with
@@ -718,6 +723,8 @@ impl Fs {
         let g = self.inner.lock();
         MetaCacheStats {
             buffers: g.journal.cached_buffers(),
+            running_buffers: g.journal.pending(),
+            running_cap: g.journal.max_transaction_blocks(),
             inodes: g.itable.cache_stats(),
             dirs: g.dirs.stats(),
             fc_tracked: g.fc_tracked(),

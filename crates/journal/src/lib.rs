@@ -958,6 +958,21 @@ impl Core {
             }
             self.cv.wait_for(&mut q, WAIT_SLICE);
         }
+        // A running transaction past its size bound is committed now, by the
+        // commit thread, whatever operation grew it (jbd2 starts a commit in
+        // `add_transaction_credits` when a handle would take the running
+        // transaction past `j_max_transaction_buffers`): it holds a frozen
+        // copy of every buffer it logged, so its size is memory.
+        if !nested
+            && self.log.is_some()
+            && q.running.buffers.len() as u64 >= self.max_tx_blocks.load(Ordering::Relaxed)
+        {
+            let t = q.running.tid;
+            if q.commit_req == 0 || !tid_le(t, q.commit_req) {
+                q.commit_req = t;
+                self.cv.notify_all();
+            }
+        }
         q.running.handles += 1;
         HELD.with(|h| h.borrow_mut().push(key));
         q.running_handles_total += 1;

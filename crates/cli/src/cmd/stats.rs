@@ -129,6 +129,8 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
         })),
         "metadata_caches": json!({
                 "buffers": m.buffers,
+                "running_buffers": m.running_buffers,
+                "running_cap": m.running_cap,
                 "inodes": m.inodes.cached,
                 "inode_cap": m.inodes.cap,
                 "inodes_evicted": m.inodes.evicted,
@@ -286,9 +288,12 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
     let m = &v["metadata_caches"];
     if m.is_object() {
         println!(
-            "metadata caches: {} buffers; {} inodes (cap {}, {} evicted); {} directories, {} B \
+            "metadata caches: {} buffers ({} in the running transaction, committed at {}); \
+             {} inodes (cap {}, {} evicted); {} directories, {} B \
              (budget {} B; {} loaded, {} evicted, {} lookups by htree probe)",
             m["buffers"],
+            m["running_buffers"],
+            m["running_cap"],
             m["inodes"],
             m["inode_cap"],
             m["inodes_evicted"],
