@@ -159,6 +159,19 @@ impl InodeTable {
         Some(crate::ops::attr_from(ino, i, bs))
     }
 
+    /// `f` of a cached inode that is live (as [`Self::cached_attr`]), without
+    /// `Inner` and without copying it: `None` when it is not cached,
+    /// `Some(Err(NotFound))` when it is freed or unlinked and closed.
+    pub fn with_live<R>(&self, ino: u32, f: impl FnOnce(&Inode) -> R) -> Option<crate::Result<R>> {
+        let mut st = self.st.lock();
+        let open = st.open.get(&ino).is_some_and(|&c| c > 0);
+        let i = st.touch(ino)?;
+        if i.mode == 0 || (i.links_count == 0 && !open) {
+            return Some(Err(crate::FsError::NotFound));
+        }
+        Some(Ok(f(i)))
+    }
+
     /// `f` of the cached inode, without copying it.
     pub fn with<R>(&self, ino: u32, f: impl FnOnce(&Inode) -> R) -> Option<R> {
         self.st.lock().touch(ino).map(f)
@@ -217,14 +230,49 @@ impl InodeTable {
         st.unlinked_open.remove(&ino)
     }
 
+    /// [`Self::release`] unless this is the last handle of an inode unlinked
+    /// while open (`false`: nothing done, the caller releases it under
+    /// `Inner` and frees it). Decided and counted under one lock with
+    /// [`Self::mark_unlinked_if_open`], so a close racing the removal of the
+    /// last link either leaves it open (the removal keeps it for this close
+    /// to free) or closed (the removal frees it).
+    pub fn release_unless_last_unlinked(&self, ino: u32) -> bool {
+        let mut st = self.st.lock();
+        let last = st.open.get(&ino).is_none_or(|&c| c <= 1);
+        if last && st.unlinked_open.contains(&ino) {
+            return false;
+        }
+        match st.open.get_mut(&ino) {
+            Some(c) if *c > 1 => *c -= 1,
+            Some(_) => {
+                st.open.remove(&ino);
+            }
+            None => {}
+        }
+        true
+    }
+
+    /// `ino` lost its last link: `true` (and marked unlinked-open, freed at
+    /// its last close) when a handle has it open, `false` when it can be
+    /// freed now.
+    pub fn mark_unlinked_if_open(&self, ino: u32) -> bool {
+        let mut st = self.st.lock();
+        if st.open.get(&ino).is_some_and(|&c| c > 0) {
+            st.unlinked_open.insert(ino);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Undo [`Self::mark_unlinked_if_open`] (the removal failed).
+    pub fn unmark_unlinked_open(&self, ino: u32) {
+        self.st.lock().unlinked_open.remove(&ino);
+    }
+
     /// `ino` was freed: no handle counts for it any more.
     pub fn forget_open(&self, ino: u32) {
         self.st.lock().open.remove(&ino);
-    }
-
-    /// `ino` lost its last link while open: freed at the last close.
-    pub fn mark_unlinked_open(&self, ino: u32) {
-        self.st.lock().unlinked_open.insert(ino);
     }
 
     /// Every open-unlinked inode, forgetting their handles (unmount frees them).

@@ -383,17 +383,22 @@ impl Inner {
                 // (fc.rs, FcReason::UnlinkLast).
                 self.fc_ineligible(FcReason::UnlinkLast, h.tid());
             }
-            if self.itable.is_open(ino) {
+            if self.itable.mark_unlinked_if_open(ino) {
                 // Still open: keep it, on the orphan list so a crash frees it. A
                 // fast commit stays possible, as in the kernel: it carries the
                 // UNLINK of the last name (the caller tracked it), whose replay
                 // drops the last link and frees the inode; the orphan list only
                 // matters to full commits. `fc_plan` logs no INODE or range of an
                 // inode without links (the kernel's replay refuses such an INODE).
-                self.write_inode(h, ino, &i)?;
-                self.orphan_add(h, ino)?;
-                self.itable.mark_unlinked_open(ino);
-                return Ok(());
+                // Marked first: a close from now on releases it under `Inner`,
+                // after this (`InodeTable::release_unless_last_unlinked`).
+                let r = self
+                    .write_inode(h, ino, &i)
+                    .and_then(|()| self.orphan_add(h, ino));
+                if r.is_err() {
+                    self.itable.unmark_unlinked_open(ino);
+                }
+                return r;
             }
             self.fc_track_inode(ino, h.tid(), Some((0, 1u64 << 32)));
             return self.evict_with(h, ino, i);
@@ -409,13 +414,16 @@ impl Inner {
     fn drop_dir(&mut self, h: &Handle, ino: u32, mut i: Inode) -> Result<()> {
         i.links_count = 0;
         i.ctime = now();
-        if !self.itable.is_open(ino) {
+        if !self.itable.mark_unlinked_if_open(ino) {
             return self.evict_with(h, ino, i);
         }
-        self.write_inode(h, ino, &i)?;
-        self.orphan_add(h, ino)?;
-        self.itable.mark_unlinked_open(ino);
-        Ok(())
+        let r = self
+            .write_inode(h, ino, &i)
+            .and_then(|()| self.orphan_add(h, ino));
+        if r.is_err() {
+            self.itable.unmark_unlinked_open(ino);
+        }
+        r
     }
 
     pub fn rmdir(&mut self, parent: u32, name: &[u8]) -> Result<()> {

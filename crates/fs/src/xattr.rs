@@ -59,6 +59,13 @@ fn parse_name(name: &[u8]) -> Result<(u8, &[u8])> {
     }
 }
 
+/// The (index, suffix) of a name [`Inner::xattr_get`] would look up as it
+/// is, without the file-system lock: `None` for names it rejects and for
+/// ACLs (which depend on the mount's `acl` option and are converted).
+pub(crate) fn split_for_get(name: &[u8]) -> Option<(u8, &[u8])> {
+    parse_name(name).ok().filter(|(index, _)| !is_acl(*index))
+}
+
 fn is_acl(index: u8) -> bool {
     index == fx::index::POSIX_ACL_ACCESS || index == fx::index::POSIX_ACL_DEFAULT
 }

@@ -518,6 +518,72 @@ fn cached_getattr_needs_no_fs_lock() {
     fs.unmount().unwrap();
 }
 
+/// `getxattr` of a cached inode without an xattr block is answered from its
+/// in-inode area without the file-system lock (the kernel's GETXATTR of
+/// `security.capability` before writes): present and absent names return
+/// while another thread holds that lock across a metadata read.
+#[test]
+fn cached_getxattr_needs_no_fs_lock() {
+    let (_img, dev, fs, f) = image_with_gated_dir("cc-getxattr", &pattern(2, 100));
+    fs.setxattr(f, b"user.k", b"value", XattrFlags::default())
+        .unwrap();
+    assert_eq!(fs.getxattr(f, b"user.k").unwrap(), b"value");
+    let got = while_fs_lock_held(&fs, &dev, || {
+        (
+            fs.getxattr(f, b"user.k"),
+            fs.getxattr(f, b"security.capability"),
+        )
+    });
+    let (present, absent) =
+        got.expect("getxattr did not return while the file-system lock was held");
+    assert_eq!(present.unwrap(), b"value");
+    assert!(matches!(absent, Err(FsError::NoData)), "{absent:?}");
+    fs.unmount().unwrap();
+}
+
+/// A close counts in the inode table without the file-system lock unless it
+/// is the last one of a file unlinked while open; an unlink and a close of
+/// the same file racing each other must still free the inode exactly once:
+/// either the unlink finds it closed and frees it, or it keeps it for the
+/// close to free (the inode lock orders them; the inode table decides and
+/// marks under one lock besides). 8 threads, each 250 times: create, open, then an unlink
+/// and a close at once (two threads through a barrier); afterwards every
+/// inode is free again and e2fsck finds nothing.
+#[test]
+fn racing_close_and_unlink_free_each_inode_once() {
+    let img = mkfs("cc-close-unlink", 64, &["-b", "4096", "-N", "4096"]);
+    let fs = Fs::open_path(&img.path, opts()).unwrap();
+    let free0 = fs.statfs().unwrap().files_free;
+    std::thread::scope(|s| {
+        for t in 0..8 {
+            let fs = &fs;
+            s.spawn(move || {
+                for i in 0..250 {
+                    let name = format!("f{t}-{i}");
+                    let a = fs.create(ROOT_INO, name.as_bytes(), 0o644, 0, 0).unwrap();
+                    fs.open_inode(a.ino).unwrap();
+                    let go = std::sync::Barrier::new(2);
+                    std::thread::scope(|s2| {
+                        s2.spawn(|| {
+                            go.wait();
+                            fs.release(a.ino).unwrap();
+                        });
+                        go.wait();
+                        fs.unlink(ROOT_INO, name.as_bytes()).unwrap();
+                    });
+                }
+            });
+        }
+    });
+    assert_eq!(
+        fs.statfs().unwrap().files_free,
+        free0,
+        "an inode unlinked and closed at once was not freed"
+    );
+    fs.unmount().unwrap();
+    assert_clean(&img.path, "after racing closes and unlinks");
+}
+
 /// A read the page cache answers takes no file-system lock: it returns while
 /// another thread holds that lock across a metadata read. The first read of
 /// the file (after a remount: nothing cached) keeps its blocks, so the second
