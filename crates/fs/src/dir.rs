@@ -163,6 +163,8 @@ pub struct DirCache {
     bytes: usize,
     budget: usize,
     stats: DirCacheStats,
+    /// Renames in progress ([`Renaming`]).
+    renaming: u32,
 }
 
 impl Default for DirCache {
@@ -172,6 +174,7 @@ impl Default for DirCache {
             bytes: 0,
             budget: DEFAULT_BUDGET,
             stats: DirCacheStats::default(),
+            renaming: 0,
         }
     }
 }
@@ -247,6 +250,42 @@ impl DirCache {
     fn remove(&mut self, dir: u32) {
         let _ = self.take(dir);
     }
+
+    /// `name` in `dir` if `dir`'s state is cached and not in use by an
+    /// operation (`None`: ask `Inner`): `Some(None)` when it is absent. Used
+    /// without the file-system lock (`Fs::lookup_cached`); a state is only
+    /// changed while out of the map, so what is in it is whole, and no rename
+    /// is half done ([`Renaming`]).
+    pub(crate) fn peek(&mut self, dir: u32, name: &[u8]) -> Option<Option<u32>> {
+        if self.renaming > 0 {
+            return None;
+        }
+        let st = self.map.get_mut(&dir)?;
+        st.used = true;
+        Some(match name {
+            b"." => Some(st.dot),
+            b".." => Some(st.dotdot),
+            _ => st.names.get(name).map(|s| s.ino),
+        })
+    }
+}
+
+/// A rename in progress (`Inner::rename`): its steps change two directory
+/// states one after the other, so [`DirCache::peek`] answers nothing until
+/// it ends (a name must never be seen in neither or both places).
+pub(crate) struct Renaming(Arc<parking_lot::Mutex<DirCache>>);
+
+impl Renaming {
+    pub(crate) fn start(dirs: &Arc<parking_lot::Mutex<DirCache>>) -> Renaming {
+        dirs.lock().renaming += 1;
+        Renaming(dirs.clone())
+    }
+}
+
+impl Drop for Renaming {
+    fn drop(&mut self) {
+        self.0.lock().renaming -= 1;
+    }
 }
 
 /// readdir cookie of a name (module docs): a 64-bit mix of the bytes, shifted to 63
@@ -301,11 +340,12 @@ impl Inner {
         dir: u32,
         f: impl FnOnce(&mut Inner, &mut DirState) -> Result<R>,
     ) -> Result<R> {
-        let mut st = match self.dirs.take(dir) {
+        let taken = self.dirs.lock().take(dir);
+        let mut st = match taken {
             Some(s) => s,
             None => {
                 let st = self.load_dir(dir)?;
-                self.dirs.stats.loads += 1;
+                self.dirs.lock().stats.loads += 1;
                 st
             }
         };
@@ -318,7 +358,7 @@ impl Inner {
     }
 
     fn cache_dir(&mut self, dir: u32, st: DirState) {
-        self.dirs.put(dir, st);
+        self.dirs.lock().put(dir, st);
     }
 
     // ---- loading -----------------------------------------------------------------
@@ -575,7 +615,7 @@ impl Inner {
     /// cached is probed on disk instead of loaded whole (so a lookup stays a
     /// few block reads after the state was evicted).
     pub fn dir_lookup(&mut self, dir: u32, name: &[u8]) -> Result<Option<(u32, u8)>> {
-        if name != b"." && name != b".." && !self.dirs.map.contains_key(&dir) {
+        if name != b"." && name != b".." && !self.dirs.lock().map.contains_key(&dir) {
             let inode = self.read_inode(dir)?;
             let blocks = inode.size / self.bs64();
             if inode.is_dir()
@@ -586,7 +626,7 @@ impl Inner {
                 && blocks <= u32::MAX as u64 / 2
             {
                 if let Some(found) = self.dx_lookup(dir, &inode, name)? {
-                    self.dirs.stats.probes += 1;
+                    self.dirs.lock().stats.probes += 1;
                     return Ok(found);
                 }
             }
@@ -813,7 +853,7 @@ impl Inner {
 
     /// Forget the in-memory state of `dir` (after rmdir, or to save memory).
     pub fn dir_forget(&mut self, dir: u32) {
-        self.dirs.remove(dir);
+        self.dirs.lock().remove(dir);
     }
 
     // ---- htree entry points (bodies in dir/htree.rs) ----------------------------------

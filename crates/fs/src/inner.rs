@@ -75,7 +75,10 @@ pub(crate) struct Inner {
     /// (itable.rs: its own lock, design C.1).
     pub itable: Arc<crate::itable::InodeTable>,
     /// Directory state owned by `dir.rs` (in-memory indexes).
-    pub dirs: crate::dir::DirCache,
+    /// Behind its own lock (taken after `Inner`, never before it), so that
+    /// a lookup in a cached directory needs no file-system lock
+    /// (`Fs::lookup_cached`).
+    pub dirs: std::sync::Arc<parking_lot::Mutex<crate::dir::DirCache>>,
     /// Blocks freed by transactions that are not committed yet: start -> (end, tid).
     /// The allocator skips them (see `alloc.rs`).
     pub pending_free: std::collections::BTreeMap<u64, (u64, u32)>,

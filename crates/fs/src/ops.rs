@@ -481,6 +481,9 @@ impl Inner {
         if flags.exchange && flags.noreplace {
             return Err(FsError::Invalid("RENAME_EXCHANGE with RENAME_NOREPLACE"));
         }
+        // Its directory steps are separate (remove here, add there): lookups
+        // without the file-system lock stand aside until all are done.
+        let _renaming = crate::dir::Renaming::start(&self.dirs);
         if name == b"." || name == b".." {
             return Err(FsError::Invalid("rename of . or .."));
         }

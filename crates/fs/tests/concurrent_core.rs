@@ -541,6 +541,87 @@ fn cached_getxattr_needs_no_fs_lock() {
     fs.unmount().unwrap();
 }
 
+/// A lookup in a cached directory of a cached inode is answered without the
+/// file-system lock: present and absent names in the root return while
+/// another thread holds that lock across the read of another directory's
+/// block.
+#[test]
+fn cached_lookup_needs_no_fs_lock() {
+    let (_img, dev, fs, f) = image_with_gated_dir("cc-lookup", &pattern(4, 100));
+    assert_eq!(fs.lookup(ROOT_INO, b"f").unwrap().ino, f);
+    let got = while_fs_lock_held(&fs, &dev, || {
+        (fs.lookup(ROOT_INO, b"f"), fs.lookup(ROOT_INO, b"nope"))
+    });
+    let (present, absent) = got.expect("lookup did not return while the file-system lock was held");
+    assert_eq!(present.unwrap().ino, f);
+    assert!(matches!(absent, Err(FsError::NotFound)), "{absent:?}");
+    fs.unmount().unwrap();
+}
+
+/// Lookups without the file-system lock during renames: while one thread
+/// moves a file between two directories and back, and another keeps renaming
+/// new files over a fixed name, lookups of the moving name find it with its
+/// own inode or not at all (in both directories over the run), and the fixed
+/// name is always found (a rename over it never shows it missing).
+#[test]
+fn lookups_during_renames_see_whole_renames() {
+    let img = mkfs("cc-lookup-rename", 64, &["-b", "4096", "-N", "4096"]);
+    let fs = Fs::open_path(&img.path, opts()).unwrap();
+    let a = fs.mkdir(ROOT_INO, b"a", 0o755, 0, 0).unwrap().ino;
+    let b = fs.mkdir(ROOT_INO, b"b", 0o755, 0, 0).unwrap().ino;
+    let m = fs.create(a, b"m", 0o644, 0, 0).unwrap().ino;
+    fs.create(ROOT_INO, b"fixed", 0o644, 0, 0).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (mut seen_a, mut seen_b, mut lookups) = (0u64, 0u64, 0u64);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for _ in 0..1500 {
+                fs.rename(a, b"m", b, b"m", RenameFlags::default()).unwrap();
+                fs.rename(b, b"m", a, b"m", RenameFlags::default()).unwrap();
+            }
+            stop.store(true, Ordering::Release);
+        });
+        s.spawn(|| {
+            let mut i = 0;
+            while !stop.load(Ordering::Acquire) {
+                let tmp = format!("tmp{i}");
+                fs.create(ROOT_INO, tmp.as_bytes(), 0o644, 0, 0).unwrap();
+                fs.rename(
+                    ROOT_INO,
+                    tmp.as_bytes(),
+                    ROOT_INO,
+                    b"fixed",
+                    RenameFlags::default(),
+                )
+                .unwrap();
+                i += 1;
+            }
+        });
+        while !stop.load(Ordering::Acquire) {
+            for (dir, seen) in [(a, &mut seen_a), (b, &mut seen_b)] {
+                match fs.lookup(dir, b"m") {
+                    Ok(at) => {
+                        assert_eq!(at.ino, m, "m found with another inode");
+                        *seen += 1;
+                    }
+                    Err(FsError::NotFound) => {}
+                    Err(e) => panic!("lookup of m: {e}"),
+                }
+            }
+            if let Err(e) = fs.lookup(ROOT_INO, b"fixed") {
+                panic!("the fixed name was not found during a rename over it: {e}");
+            }
+            lookups += 1;
+        }
+    });
+    assert!(
+        lookups > 100 && seen_a > 0 && seen_b > 0,
+        "{lookups} {seen_a} {seen_b}"
+    );
+    fs.unmount().unwrap();
+    assert_clean(&img.path, "after renames and lookups");
+}
+
 /// A close counts in the inode table without the file-system lock unless it
 /// is the last one of a file unlinked while open; an unlink and a close of
 /// the same file racing each other must still free the inode exactly once:

@@ -258,7 +258,9 @@ fn dir_index_state(fs: &Fs, dir: u32) -> (bool, Option<(u8, usize)>) {
     let mut g = fs.inner.lock();
     let i = g.read_inode(dir).unwrap();
     g.dir_lookup(dir, b".").unwrap();
-    let st = g.dirs.map.get(&dir).unwrap();
+    let dirs = g.dirs.clone();
+    let d = dirs.lock();
+    let st = d.map.get(&dir).unwrap();
     (
         i.has_flag(FL_INDEX),
         st.dx.as_ref().map(|d| (d.levels, d.root.len())),
@@ -789,7 +791,8 @@ fn corrupt_blocks_give_typed_errors() {
     let pblocks = {
         let mut g = fs.inner.lock();
         g.dir_lookup(d, b".").unwrap();
-        g.dirs.map[&d].pblocks.clone()
+        let p = g.dirs.lock().map[&d].pblocks.clone();
+        p
     };
     finish(fs, &img);
     assert!(pblocks.len() >= 3);
@@ -835,7 +838,7 @@ fn index_blocks_verify_after_growth() {
     }
     let mut g = fs.inner.lock();
     g.dir_lookup(d, b".").unwrap();
-    let st = g.dirs.map.remove(&d).unwrap();
+    let st = g.dirs.lock().map.remove(&d).unwrap();
     let geo = g.dx_geo();
     let b0 = g.read_meta(st.pblocks[0]).unwrap().data().to_vec();
     dx::verify_csum(&b0, dx::ROOT_COUNT_OFFSET, st.seed, 0).unwrap();
