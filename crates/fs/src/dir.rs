@@ -251,6 +251,21 @@ impl DirCache {
         let _ = self.take(dir);
     }
 
+    /// [`Inner::dir_readdir`] of an idle cached state (`false`: not cached,
+    /// in use or a rename half done; ask `Inner`), without the file-system
+    /// lock (`Fs::readdir`): `f` runs under this cache's lock.
+    pub(crate) fn peek_readdir(&mut self, dir: u32, offset: u64, f: &mut ReaddirFn<'_>) -> bool {
+        if self.renaming > 0 {
+            return false;
+        }
+        let Some(st) = self.map.get_mut(&dir) else {
+            return false;
+        };
+        st.used = true;
+        readdir_state(st, offset, f);
+        true
+    }
+
     /// `name` in `dir` if `dir`'s state is cached and not in use by an
     /// operation (`None`: ask `Inner`): `Some(None)` when it is absent. Used
     /// without the file-system lock (`Fs::lookup_cached`); a state is only
@@ -267,6 +282,40 @@ impl DirCache {
             b".." => Some(st.dotdot),
             _ => st.names.get(name).map(|s| s.ino),
         })
+    }
+}
+
+/// The entries of `st` from `offset` on ("." and ".." first), to `f` until
+/// it answers false.
+fn readdir_state(st: &DirState, offset: u64, f: &mut ReaddirFn<'_>) {
+    if offset == 0 && !f(st.dot, FT_DIR, b".", 1) {
+        return;
+    }
+    if offset <= 1 && !f(st.dotdot, FT_DIR, b"..", 2) {
+        return;
+    }
+    let start = offset.max(2);
+    if start >= u64::MAX >> 1 {
+        return;
+    }
+    let from: (u64, Arc<[u8]>) = (start + 1, Arc::from(&[][..]));
+    let mut it = st
+        .order
+        .range((Bound::Included(from), Bound::Unbounded))
+        .peekable();
+    let mut prev = start;
+    while let Some((c, name)) = it.next() {
+        let same_next = matches!(it.peek(), Some((c2, _)) if c2 == c);
+        let next_off = if same_next { prev } else { *c };
+        let Some(slot) = st.names.get(name) else {
+            continue;
+        };
+        if !f(slot.ino, slot.ft, name, next_off) {
+            return;
+        }
+        if !same_next {
+            prev = *c;
+        }
     }
 }
 
@@ -818,35 +867,7 @@ impl Inner {
     /// next_offset)` returns false to stop.
     pub fn dir_readdir(&mut self, dir: u32, offset: u64, f: &mut ReaddirFn<'_>) -> Result<()> {
         self.with_dir(dir, |_, st| {
-            if offset == 0 && !f(st.dot, FT_DIR, b".", 1) {
-                return Ok(());
-            }
-            if offset <= 1 && !f(st.dotdot, FT_DIR, b"..", 2) {
-                return Ok(());
-            }
-            let start = offset.max(2);
-            if start >= u64::MAX >> 1 {
-                return Ok(());
-            }
-            let from: (u64, Arc<[u8]>) = (start + 1, Arc::from(&[][..]));
-            let mut it = st
-                .order
-                .range((Bound::Included(from), Bound::Unbounded))
-                .peekable();
-            let mut prev = start;
-            while let Some((c, name)) = it.next() {
-                let same_next = matches!(it.peek(), Some((c2, _)) if c2 == c);
-                let next_off = if same_next { prev } else { *c };
-                let Some(slot) = st.names.get(name) else {
-                    continue;
-                };
-                if !f(slot.ino, slot.ft, name, next_off) {
-                    return Ok(());
-                }
-                if !same_next {
-                    prev = *c;
-                }
-            }
+            readdir_state(st, offset, f);
             Ok(())
         })
     }

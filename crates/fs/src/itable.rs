@@ -255,14 +255,34 @@ impl InodeTable {
     /// `ino` lost its last link: `true` (and marked unlinked-open, freed at
     /// its last close) when a handle has it open, `false` when it can be
     /// freed now.
+    ///
+    /// When it can be freed, its cached copy goes at once, in the same
+    /// critical section: [`Self::open_if_live`] then sends an open racing the
+    /// removal to `Inner`, which serialises it after the free.
     pub fn mark_unlinked_if_open(&self, ino: u32) -> bool {
         let mut st = self.st.lock();
         if st.open.get(&ino).is_some_and(|&c| c > 0) {
             st.unlinked_open.insert(ino);
             true
         } else {
+            st.inodes.remove(&ino);
+            st.lazy.remove(&ino);
             false
         }
+    }
+
+    /// One more reference to a cached live inode, without `Inner`
+    /// (`Fs::open_inode`): `None` when it is not cached or not live (the
+    /// caller asks `Inner`, which answers the exact error).
+    pub fn open_if_live(&self, ino: u32) -> Option<()> {
+        let mut st = self.st.lock();
+        let open = st.open.get(&ino).is_some_and(|&c| c > 0);
+        let i = st.touch(ino)?;
+        if i.mode == 0 || (i.links_count == 0 && !open) {
+            return None;
+        }
+        *st.open.entry(ino).or_insert(0) += 1;
+        Some(())
     }
 
     /// Undo [`Self::mark_unlinked_if_open`] (the removal failed).

@@ -973,12 +973,9 @@ impl Fs {
         offset: u64,
         mut f: impl FnMut(DirEntry) -> bool,
     ) -> Result<()> {
-        let mut g = self.lock()?;
-        let d = g.read_inode(ino)?;
-        if !d.is_dir() {
-            return Err(FsError::NotDir);
-        }
-        g.dir_readdir(ino, offset, &mut |ino, ft, name, next| {
+        // An idle cached directory is listed without the file-system lock
+        // (as `lookup_cached`); its atime only takes the lock when due.
+        let mut entry = |ino, ft, name: &[u8], next| {
             let kind = FileType::from_dirent_type(ft).unwrap_or(FileType::Regular);
             f(DirEntry {
                 ino,
@@ -986,12 +983,37 @@ impl Fs {
                 name: name.to_vec(),
                 next_offset: next,
             })
-        })?;
+        };
+        if self.dirs.lock().peek_readdir(ino, offset, &mut entry) {
+            self.readdir_atime(ino);
+            return Ok(());
+        }
+        let mut g = self.lock()?;
+        let d = g.read_inode(ino)?;
+        if !d.is_dir() {
+            return Err(FsError::NotDir);
+        }
+        g.dir_readdir(ino, offset, &mut entry)?;
         if g.touch_atime(ino) {
             drop(g);
             self.commit_after_access();
         }
         Ok(())
+    }
+
+    /// The atime update of a listing made without the file-system lock:
+    /// decided on the inode cache, taken under the lock only when due.
+    fn readdir_atime(&self, ino: Ino) {
+        if !atime::atime_maybe_due(&self.opts, &self.itable, ino) {
+            return;
+        }
+        let touched = match self.lock() {
+            Ok(mut g) => g.touch_atime(ino),
+            Err(_) => false,
+        };
+        if touched {
+            self.commit_after_access();
+        }
     }
 
     /// readdir with each entry's attributes (FUSE readdirplus): `f(entry,
@@ -1006,6 +1028,9 @@ impl Fs {
         offset: u64,
         mut f: impl FnMut(&DirEntry, &Attr) -> bool,
     ) -> Result<()> {
+        if let Some(r) = self.readdir_plus_cached(ino, offset, &mut f) {
+            return r;
+        }
         let mut g = self.lock()?;
         let d = g.read_inode(ino)?;
         if !d.is_dir() {
@@ -1042,6 +1067,80 @@ impl Fs {
             self.commit_after_access();
         }
         Ok(())
+    }
+
+    /// [`Fs::readdir_plus`] of an idle cached directory whose entries' inodes
+    /// are cached, without the file-system lock (`None`: ask `Inner`). The
+    /// batch is read from the directory cache, the attributes from the inode
+    /// table, and the names checked again before any is handed out (as
+    /// [`Self::lookup_cached`]); a batch with an inode not cached goes to
+    /// `Inner` whole.
+    fn readdir_plus_cached(
+        &self,
+        ino: Ino,
+        offset: u64,
+        f: &mut impl FnMut(&DirEntry, &Attr) -> bool,
+    ) -> Option<Result<()>> {
+        self.errors.write_deferred();
+        if self.errors.is_dead() {
+            return Some(Err(FsError::Shutdown));
+        }
+        let mut entries = Vec::new();
+        let listed = self
+            .dirs
+            .lock()
+            .peek_readdir(ino, offset, &mut |ino, ft, name, next| {
+                let kind = FileType::from_dirent_type(ft).unwrap_or(FileType::Regular);
+                entries.push(DirEntry {
+                    ino,
+                    kind,
+                    name: name.to_vec(),
+                    next_offset: next,
+                });
+                entries.len() < READDIRPLUS_BATCH
+            });
+        if !listed {
+            return None;
+        }
+        let bs = self.block_size as usize;
+        let mut attrs: Vec<Attr> = Vec::with_capacity(entries.len());
+        for e in &entries {
+            match self.itable.cached_attr(e.ino, bs) {
+                Some(Ok(mut a)) => {
+                    if let Some(pc) = &self.pc {
+                        pc.patch_attr(&mut a);
+                    }
+                    attrs.push(a);
+                }
+                // Not cached (a cold listing), or gone meanwhile: the whole
+                // batch under `Inner`, which reads the inodes (a short batch
+                // would cost the kernel one more request).
+                _ => return None,
+            }
+        }
+        {
+            // Under the cache's lock: each name checked again, handed out and
+            // its reference taken before a removal can take the state out of
+            // the map (which then finds the inode open and keeps it).
+            let mut d = self.dirs.lock();
+            for (k, (e, a)) in entries.iter().zip(&attrs).enumerate() {
+                let dots = e.name == b"." || e.name == b"..";
+                if !dots && d.peek(ino, &e.name) != Some(Some(e.ino)) {
+                    if k == 0 {
+                        return None;
+                    }
+                    break;
+                }
+                if !f(e, a) {
+                    break;
+                }
+                if !dots {
+                    self.itable.open(e.ino);
+                }
+            }
+        }
+        self.readdir_atime(ino);
+        Some(Ok(()))
     }
 
     /// All entries of a directory, including "." and "..".
@@ -1244,6 +1343,11 @@ impl Fs {
 
     /// Note an open file handle (an unlinked file stays until its last close).
     pub fn open_inode(&self, ino: Ino) -> Result<()> {
+        // Every LOOKUP reply takes one: a cached live inode counts in the
+        // inode table alone (`InodeTable::open_if_live`).
+        if self.itable.open_if_live(ino).is_some() {
+            return Ok(());
+        }
         let mut g = self.lock()?;
         g.read_inode(ino)?;
         g.itable.open(ino);

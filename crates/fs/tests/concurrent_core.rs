@@ -558,6 +558,55 @@ fn cached_lookup_needs_no_fs_lock() {
     fs.unmount().unwrap();
 }
 
+/// Listing a cached directory (readdir and readdirplus, whose entries' inodes
+/// are cached) needs no file-system lock either, and a LOOKUP's reference
+/// to a cached inode (`open_inode`) neither.
+#[test]
+fn cached_listings_and_references_need_no_fs_lock() {
+    let (_img, dev, fs, f) = image_with_gated_dir("cc-readdir", &pattern(5, 100));
+    let names = |v: &[DirEntry]| {
+        let mut n: Vec<Vec<u8>> = v.iter().map(|e| e.name.clone()).collect();
+        n.sort();
+        n
+    };
+    let all0 = fs.readdir_all(ROOT_INO).unwrap();
+    for e in &all0 {
+        // Every entry's inode cached (getattr reads it).
+        fs.getattr(e.ino).unwrap();
+    }
+    let want = names(&all0);
+    let mut plus0 = Vec::new();
+    fs.readdir_plus(ROOT_INO, 0, |e, a| {
+        plus0.push((e.name.clone(), a.ino));
+        true
+    })
+    .unwrap();
+    let got = while_fs_lock_held(&fs, &dev, || {
+        let all = fs.readdir_all(ROOT_INO);
+        let mut plus = Vec::new();
+        let r = fs.readdir_plus(ROOT_INO, 0, |e, a| {
+            plus.push((e.name.clone(), a.ino));
+            true
+        });
+        let opened = fs.open_inode(f);
+        (all, r.map(|()| plus), opened)
+    });
+    let (all, plus, opened) =
+        got.expect("a listing did not return while the file-system lock was held");
+    assert_eq!(names(&all.unwrap()), want);
+    assert_eq!(plus.unwrap(), plus0);
+    opened.unwrap();
+    // References taken by the listings and the open: released again.
+    for (name, ino) in plus0.iter().chain(plus0.iter()) {
+        if name != b"." && name != b".." {
+            fs.release(*ino).unwrap();
+        }
+    }
+    fs.release(f).unwrap();
+    assert!(want.contains(&b"f".to_vec()) && want.contains(&b"d".to_vec()));
+    fs.unmount().unwrap();
+}
+
 /// Lookups without the file-system lock during renames: while one thread
 /// moves a file between two directories and back, and another keeps renaming
 /// new files over a fixed name, lookups of the moving name find it with its
