@@ -667,7 +667,8 @@ impl Bench {
                 run.commitfs = Some(breakdown(&a, &b));
             }
             (Some(FsStats::Json(a)), Some(FsStats::Json(b))) => {
-                let d = json_delta(&a, &b);
+                let mut d = json_delta(&a, &b);
+                rederive(&mut d, &b);
                 run.commitfs = breakdown_from_json(&d);
                 run.commitfs_stats = Some(d);
             }
@@ -863,9 +864,84 @@ fn json_delta(a: &serde_json::Value, b: &serde_json::Value) -> serde_json::Value
     }
 }
 
+/// After [`json_delta`] of two `commitfs stats --json` snapshots: averages
+/// and ratios recomputed from the interval's sums and counts (their own
+/// difference means nothing), gauges and maxima taken from the later
+/// snapshot (`after`; they are since mount).
+fn rederive(d: &mut serde_json::Value, after: &serde_json::Value) {
+    use serde_json::Value;
+    let num = |v: &Value, k: &str| v.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    if let Some(fr) = d.get_mut("fuse_requests").and_then(Value::as_object_mut) {
+        for v in fr.values_mut() {
+            let m = ratio(num(v, "total_us"), num(v, "count"));
+            v["mean_us"] = Value::from(m);
+        }
+    }
+    let fsyncs = d["journal"]["fsyncs"].as_f64().unwrap_or(0.0);
+    let flushes = num(d, "flushes");
+    let Some(j) = d.get_mut("journal").filter(|j| j.is_object()) else {
+        return;
+    };
+    let t = j["totals"].clone();
+    let commits = num(j, "commits");
+    j["avg_durability_wait_us"] = Value::from(ratio(
+        num(&t, "durability_wait_us"),
+        num(j, "durability_waits"),
+    ));
+    j["commit_phases_us"] = serde_json::json!({
+        "batch": ratio(num(&t, "batch_us"), commits),
+        "lock": ratio(num(&t, "lock_us"), commits),
+        "log_write": ratio(num(&t, "log_write_us"), commits),
+        "to_durable": ratio(num(&t, "to_durable_us"), commits),
+    });
+    j["commits_per_flush"] = Value::from(ratio(
+        num(&t, "commits_by_flush"),
+        num(&t, "commit_flushes"),
+    ));
+    j["handles_per_commit"] = Value::from(ratio(num(&t, "commit_handles"), commits));
+    j["flushes_per_fsync"] = Value::from(ratio(flushes, fsyncs));
+    for k in [
+        "in_flight",
+        "max_in_flight",
+        "max_commits_per_flush",
+        "avg_flush_us",
+    ] {
+        j[k] = after["journal"][k].clone();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Averages of an interval come from its sums, not from the difference
+    /// of two averages; maxima are the later snapshot's.
+    #[test]
+    fn stats_deltas_rederive_averages() {
+        let snap = |waits: u64, wait_us: u64, commits: u64, batch_us: u64, maxf: u64| {
+            serde_json::json!({
+                "flushes": commits,
+                "fuse_requests": { "lookup": { "count": waits, "total_us": wait_us, "mean_us": 0.0 } },
+                "journal": {
+                    "commits": commits, "fsyncs": waits, "durability_waits": waits,
+                    "avg_durability_wait_us": 0.0, "max_in_flight": maxf,
+                    "totals": { "durability_wait_us": wait_us, "batch_us": batch_us,
+                                "commit_flushes": commits, "commits_by_flush": commits }
+                }
+            })
+        };
+        let a = snap(10, 1_000, 5, 500, 2);
+        let b = snap(30, 7_000, 15, 2_500, 3);
+        let mut d = json_delta(&a, &b);
+        rederive(&mut d, &b);
+        assert_eq!(d["journal"]["avg_durability_wait_us"], 300.0);
+        assert_eq!(d["journal"]["commit_phases_us"]["batch"], 200.0);
+        assert_eq!(d["journal"]["max_in_flight"], 3);
+        assert_eq!(d["journal"]["commits_per_flush"], 1.0);
+        assert_eq!(d["journal"]["flushes_per_fsync"], 0.5);
+        assert_eq!(d["fuse_requests"]["lookup"]["mean_us"], 300.0);
+    }
 
     #[test]
     fn journal_split_by_region() {

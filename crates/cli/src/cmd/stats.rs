@@ -98,6 +98,19 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
                 "to_durable": per_commit(j.commit_ns),
             },
             "avg_flush_us": j.flush_avg_ns as f64 / 1000.0,
+            // Sums behind the averages and ratios above, so that a reader
+            // taking the difference of two snapshots (`commitfs bench`) can
+            // derive them for the interval.
+            "totals": {
+                "durability_wait_us": j.durability_wait_ns / 1000,
+                "batch_us": j.batch_ns / 1000,
+                "lock_us": j.lock_ns / 1000,
+                "log_write_us": j.log_write_ns / 1000,
+                "to_durable_us": j.commit_ns / 1000,
+                "commit_flushes": j.commit_flushes,
+                "commits_by_flush": j.commits_by_flush,
+                "commit_handles": j.commit_handles,
+            },
         },
         "fast_commit": {
             "commits": fc.commits,
