@@ -966,7 +966,8 @@ impl Fs {
     }
 
     /// Call `f` for each entry from `offset` on (0 starts at "."); stop when it
-    /// returns false.
+    /// returns false. `f` runs under a lock of the file system (the
+    /// directory cache's or `Inner`): it must not call into this `Fs`.
     pub fn readdir(
         &self,
         ino: Ino,
@@ -1021,7 +1022,8 @@ impl Fs {
     /// than "." and "..", a reference is held as for a lookup
     /// ([`Fs::open_inode`]; the kernel's FORGET drops it). Reads at most
     /// [`READDIRPLUS_BATCH`] entries per call; continue from the last taken
-    /// entry's `next_offset`.
+    /// entry's `next_offset`. As for [`Fs::readdir`], `f` must not call into
+    /// this `Fs`.
     pub fn readdir_plus(
         &self,
         ino: Ino,
