@@ -13,6 +13,53 @@ use commitfs_journal::Handle;
 use crate::error::{FsError, Result};
 use crate::inner::Inner;
 
+/// Free blocks and inodes of every group and their totals, mirrored from
+/// the group descriptors at every descriptor write (`Inner::write_gd`) and
+/// load, so that statfs needs no file-system lock (`Fs::statfs`; under many
+/// clients its waits on `Inner` were as many as GETXATTR's).
+#[derive(Default)]
+pub(crate) struct FreeCounts {
+    st: parking_lot::Mutex<FreeState>,
+}
+
+#[derive(Default)]
+struct FreeState {
+    /// (free blocks, free inodes) per group, as last written.
+    groups: Vec<(u32, u32)>,
+    blocks: u64,
+    inodes: u64,
+}
+
+impl FreeCounts {
+    /// Start over from the descriptors (mount, reload after recovery).
+    pub(crate) fn init(&self, gds: &[commitfs_format::group_desc::GroupDesc]) {
+        let mut st = self.st.lock();
+        st.groups = gds
+            .iter()
+            .map(|g| (g.free_blocks_count, g.free_inodes_count))
+            .collect();
+        st.blocks = st.groups.iter().map(|g| g.0 as u64).sum();
+        st.inodes = st.groups.iter().map(|g| g.1 as u64).sum();
+    }
+
+    /// Group `g` now has `blocks` and `inodes` free.
+    pub(crate) fn set(&self, g: u32, blocks: u32, inodes: u32) {
+        let mut st = self.st.lock();
+        let Some(&(b0, i0)) = st.groups.get(g as usize) else {
+            return;
+        };
+        st.groups[g as usize] = (blocks, inodes);
+        st.blocks = st.blocks + blocks as u64 - b0 as u64;
+        st.inodes = st.inodes + inodes as u64 - i0 as u64;
+    }
+
+    /// (free blocks, free inodes) over all groups.
+    pub(crate) fn totals(&self) -> (u64, u64) {
+        let st = self.st.lock();
+        (st.blocks, st.inodes)
+    }
+}
+
 impl Inner {
     /// Group containing block `blk`.
     pub fn block_group(&self, blk: u64) -> u32 {

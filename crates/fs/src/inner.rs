@@ -63,6 +63,8 @@ pub(crate) struct Inner {
     pub sb: Superblock,
     pub sb_dirty: bool,
     pub gds: Vec<GroupDesc>,
+    /// The descriptors' free counts, for statfs without `Inner` (alloc.rs).
+    pub free: Arc<crate::alloc::FreeCounts>,
     pub csum: CsumCtx,
     /// Block size in bytes.
     pub bs: usize,
@@ -250,6 +252,7 @@ impl Inner {
             sb,
             sb_dirty: false,
             gds: Vec::with_capacity(groups as usize),
+            free: Default::default(),
             read_only,
             itable: Default::default(),
             dirs: Default::default(),
@@ -490,6 +493,7 @@ impl Inner {
             drop(data);
             self.gds.push(gd);
         }
+        self.free.init(&self.gds);
         Ok(())
     }
 
@@ -634,6 +638,7 @@ impl Inner {
         let o = off % self.bs;
         let gd = self.gds[g as usize];
         let csum = self.csum;
+        self.free.set(g, gd.free_blocks_count, gd.free_inodes_count);
         self.modify_meta(h, blk, |d| gd.serialize(&mut d[o..o + ds], g, &csum))
     }
 

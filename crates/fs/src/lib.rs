@@ -165,6 +165,10 @@ pub struct Fs {
     itable: Arc<itable::InodeTable>,
     /// Shared with `Inner`: directory states (dir.rs), for lookups without it.
     dirs: Arc<parking_lot::Mutex<dir::DirCache>>,
+    /// Shared with `Inner`: the descriptors' free counts (alloc.rs), for statfs.
+    free: Arc<alloc::FreeCounts>,
+    /// Blocks, reserved blocks, inodes: fixed while mounted (statfs).
+    geometry: (u64, u64, u64),
     /// Shared with `Inner`: data write failures for the next fsync.
     data_errors: Arc<dataio::DataErrors>,
     /// The file-data page cache (pagecache.rs), shared with `Inner`.
@@ -354,6 +358,12 @@ impl Fs {
         let data_errors = inner.data_errors.0.clone();
         let itable = inner.itable.clone();
         let dirs = inner.dirs.clone();
+        let free = inner.free.clone();
+        let geometry = (
+            inner.sb.blocks_count(),
+            inner.sb.r_blocks_count(),
+            inner.sb.inodes_count() as u64,
+        );
         let fc_data_csum = inner.fc_data_csum;
         let opts = inner.opts.clone();
         let (block_size, read_only) = (inner.bs as u32, inner.read_only);
@@ -378,6 +388,8 @@ impl Fs {
             opts,
             itable,
             dirs,
+            free,
+            geometry,
             ilocks: Default::default(),
             dio,
             data_errors,
@@ -839,22 +851,40 @@ impl Fs {
         Ok(())
     }
 
+    /// Free counts from the descriptors' mirror (`FreeCounts`), without the
+    /// file-system lock; the geometry does not change while mounted.
     pub fn statfs(&self) -> Result<StatFs> {
-        let g = self.lock()?;
-        let (fb, fi) = g.free_counts();
+        self.errors.write_deferred();
+        if self.errors.is_dead() {
+            return Err(FsError::Shutdown);
+        }
+        let (fb, fi) = self.free.totals();
+        Ok(self.statfs_of(fb, fi))
+    }
+
+    fn statfs_of(&self, fb: u64, fi: u64) -> StatFs {
         // Blocks reserved by cached writes are as good as used (ext4 subtracts
         // its dirty clusters the same way).
         let fb = fb.saturating_sub(self.pc.as_ref().map_or(0, |pc| pc.reserved()));
-        let r = g.sb.r_blocks_count();
-        Ok(StatFs {
-            block_size: g.bs as u32,
-            blocks: g.sb.blocks_count(),
+        let (blocks, r, files) = self.geometry;
+        StatFs {
+            block_size: self.block_size,
+            blocks,
             blocks_free: fb,
             blocks_avail: fb.saturating_sub(r),
-            files: g.sb.inodes_count() as u64,
+            files,
             files_free: fi,
             name_max: 255,
-        })
+        }
+    }
+
+    /// [`Fs::statfs`] summed from the group descriptors under the file-system
+    /// lock (what it was before the mirror; tests compare the two).
+    #[doc(hidden)]
+    pub fn statfs_exact(&self) -> Result<StatFs> {
+        let g = self.lock()?;
+        let (fb, fi) = g.free_counts();
+        Ok(self.statfs_of(fb, fi))
     }
 
     /// A cached inode is answered by the inode table alone (its own short lock,

@@ -671,6 +671,92 @@ fn lookups_during_renames_see_whole_renames() {
     assert_clean(&img.path, "after renames and lookups");
 }
 
+/// statfs reads a mirror of the group descriptors' free counts instead of
+/// summing them under the file-system lock: after creates, writes (cached and
+/// written back), truncates, unlinks, directories made and removed, fsyncs
+/// (fast commits) and syncs, from several threads, and again after a
+/// remount, it equals the sum under the lock; and it returns while that lock
+/// is held.
+#[test]
+fn statfs_mirror_matches_the_descriptors() {
+    let img = mkfs(
+        "cc-statfs",
+        64,
+        &["-b", "4096", "-N", "4096", "-O", "fast_commit"],
+    );
+    let mount = || {
+        Fs::open_path(
+            &img.path,
+            MountOptions {
+                fast_commit: true,
+                ..opts()
+            },
+        )
+        .unwrap()
+    };
+    let fs = mount();
+    let same = |fs: &Fs, when: &str| {
+        assert_eq!(fs.statfs().unwrap(), fs.statfs_exact().unwrap(), "{when}");
+    };
+    same(&fs, "after mount");
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let fs = &fs;
+            s.spawn(move || {
+                let d = fs
+                    .mkdir(ROOT_INO, format!("d{t}").as_bytes(), 0o755, 0, 0)
+                    .unwrap()
+                    .ino;
+                for i in 0..60 {
+                    let name = format!("f{i}");
+                    let a = fs.create(d, name.as_bytes(), 0o644, 0, 0).unwrap();
+                    fs.write(a.ino, 0, &pattern(i as u64, 3000 + 700 * (i % 9)))
+                        .unwrap();
+                    if i % 7 == 0 {
+                        fs.fsync(a.ino, false).unwrap();
+                    }
+                    if i % 5 == 0 {
+                        fs.setattr(
+                            a.ino,
+                            &SetAttr {
+                                size: Some(100),
+                                ..Default::default()
+                            },
+                        )
+                        .unwrap();
+                    }
+                    if i % 3 == 0 {
+                        fs.unlink(d, name.as_bytes()).unwrap();
+                    }
+                }
+                let e = fs.mkdir(d, b"empty", 0o755, 0, 0).unwrap();
+                assert!(e.ino > 0);
+                fs.rmdir(d, b"empty").unwrap();
+            });
+        }
+    });
+    same(&fs, "after the threads");
+    fs.sync().unwrap();
+    same(&fs, "after sync");
+    fs.unmount().unwrap();
+    drop(fs);
+    let fs = mount();
+    same(&fs, "after remount");
+    fs.unmount().unwrap();
+    drop(fs);
+    assert_clean(&img.path, "after the statfs workload");
+
+    let (_img, dev, fs, _f) = image_with_gated_dir("cc-statfs-lock", &pattern(6, 100));
+    let want = fs.statfs().unwrap();
+    let got = while_fs_lock_held(&fs, &dev, || fs.statfs());
+    assert_eq!(
+        got.expect("statfs did not return while the file-system lock was held")
+            .unwrap(),
+        want
+    );
+    fs.unmount().unwrap();
+}
+
 /// A close counts in the inode table without the file-system lock unless it
 /// is the last one of a file unlinked while open; an unlink and a close of
 /// the same file racing each other must still free the inode exactly once:
