@@ -68,6 +68,14 @@ impl State {
         self.inodes.insert(ino, Entry { inode, used: true });
     }
 
+    /// A cached inode (`None`: not cached) if it is live: in use, and linked
+    /// or referenced (`Some(None)`: freed, or unlinked and unreferenced).
+    fn touch_live(&mut self, ino: u32) -> Option<Option<&Inode>> {
+        let open = self.open.get(&ino).is_some_and(|&c| c > 0);
+        let i = self.touch(ino)?;
+        Some((i.mode != 0 && (i.links_count > 0 || open)).then_some(i))
+    }
+
     fn touch(&mut self, ino: u32) -> Option<&Inode> {
         let e = self.inodes.get_mut(&ino)?;
         e.used = true;
@@ -150,13 +158,8 @@ impl InodeTable {
     /// `Inner`: `None` when it is not cached (the caller asks `Inner`),
     /// `Some(Err(NotFound))` when it is freed or unlinked and closed.
     pub fn cached_attr(&self, ino: u32, bs: usize) -> Option<crate::Result<crate::Attr>> {
-        let mut st = self.st.lock();
-        let open = st.open.get(&ino).is_some_and(|&c| c > 0);
-        let i = st.touch(ino)?;
-        if i.mode == 0 || (i.links_count == 0 && !open) {
-            return Some(Err(crate::FsError::NotFound));
-        }
-        Some(crate::ops::attr_from(ino, i, bs))
+        self.with_live(ino, |i| crate::ops::attr_from(ino, i, bs))
+            .map(|r| r.and_then(|a| a))
     }
 
     /// `f` of a cached inode that is live (as [`Self::cached_attr`]), without
@@ -164,12 +167,10 @@ impl InodeTable {
     /// `Some(Err(NotFound))` when it is freed or unlinked and closed.
     pub fn with_live<R>(&self, ino: u32, f: impl FnOnce(&Inode) -> R) -> Option<crate::Result<R>> {
         let mut st = self.st.lock();
-        let open = st.open.get(&ino).is_some_and(|&c| c > 0);
-        let i = st.touch(ino)?;
-        if i.mode == 0 || (i.links_count == 0 && !open) {
-            return Some(Err(crate::FsError::NotFound));
-        }
-        Some(Ok(f(i)))
+        Some(match st.touch_live(ino)? {
+            Some(i) => Ok(f(i)),
+            None => Err(crate::FsError::NotFound),
+        })
     }
 
     /// `f` of the cached inode, without copying it.
@@ -276,11 +277,7 @@ impl InodeTable {
     /// caller asks `Inner`, which answers the exact error).
     pub fn open_if_live(&self, ino: u32) -> Option<()> {
         let mut st = self.st.lock();
-        let open = st.open.get(&ino).is_some_and(|&c| c > 0);
-        let i = st.touch(ino)?;
-        if i.mode == 0 || (i.links_count == 0 && !open) {
-            return None;
-        }
+        st.touch_live(ino)??;
         *st.open.entry(ino).or_insert(0) += 1;
         Some(())
     }

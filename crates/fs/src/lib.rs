@@ -414,12 +414,31 @@ impl Fs {
 
     /// The file-system lock; `Err(Shutdown)` once errors=panic fired.
     fn lock(&self) -> Result<parking_lot::MutexGuard<'_, Inner>> {
-        // An error reported under the lock is recorded on disk here, outside it.
+        self.live()?;
+        Ok(self.inner.lock())
+    }
+
+    /// What every operation checks first, with or without the lock: an error
+    /// reported under the lock is recorded on disk here, outside it;
+    /// `Err(Shutdown)` once errors=panic fired.
+    fn live(&self) -> Result<()> {
         self.errors.write_deferred();
         if self.errors.is_dead() {
             return Err(FsError::Shutdown);
         }
-        Ok(self.inner.lock())
+        Ok(())
+    }
+
+    /// The attributes of a cached inode from the inode table alone, sizes of
+    /// cached writes included (`None`: not cached).
+    fn cached_attr(&self, ino: Ino) -> Option<Result<Attr>> {
+        let a = self.itable.cached_attr(ino, self.block_size as usize)?;
+        Some(a.map(|mut a| {
+            if let Some(pc) = &self.pc {
+                pc.patch_attr(&mut a);
+            }
+            a
+        }))
     }
 
     /// Pass on the result of a journal operation; a failure that aborted the
@@ -854,10 +873,7 @@ impl Fs {
     /// Free counts from the descriptors' mirror (`FreeCounts`), without the
     /// file-system lock; the geometry does not change while mounted.
     pub fn statfs(&self) -> Result<StatFs> {
-        self.errors.write_deferred();
-        if self.errors.is_dead() {
-            return Err(FsError::Shutdown);
-        }
+        self.live()?;
         let (fb, fi) = self.free.totals();
         Ok(self.statfs_of(fb, fi))
     }
@@ -890,17 +906,9 @@ impl Fs {
     /// A cached inode is answered by the inode table alone (its own short lock,
     /// itable.rs), without the file-system lock; a miss reads it under `Inner`.
     pub fn getattr(&self, ino: Ino) -> Result<Attr> {
-        self.errors.write_deferred();
-        if self.errors.is_dead() {
-            return Err(FsError::Shutdown);
-        }
-        if let Some(a) = self.itable.cached_attr(ino, self.block_size as usize) {
-            return a.map(|mut a| {
-                if let Some(pc) = &self.pc {
-                    pc.patch_attr(&mut a);
-                }
-                a
-            });
+        self.live()?;
+        if let Some(a) = self.cached_attr(ino) {
+            return a;
         }
         self.lock()?.getattr(ino)
     }
@@ -925,24 +933,18 @@ impl Fs {
         if name.len() > 255 {
             return Some(Err(FsError::NameTooLong));
         }
-        self.errors.write_deferred();
-        if self.errors.is_dead() {
-            return Some(Err(FsError::Shutdown));
+        if let Err(e) = self.live() {
+            return Some(Err(e));
         }
         let ino = match self.dirs.lock().peek(parent, name)? {
             Some(ino) => ino,
             None => return Some(Err(FsError::NotFound)),
         };
-        let a = self.itable.cached_attr(ino, self.block_size as usize)?;
+        let a = self.cached_attr(ino)?;
         if self.dirs.lock().peek(parent, name)? != Some(ino) {
             return None;
         }
-        Some(a.map(|mut a| {
-            if let Some(pc) = &self.pc {
-                pc.patch_attr(&mut a);
-            }
-            a
-        }))
+        Some(a)
     }
 
     /// Resolve an absolute path (without following symlinks), e.g. `/a/b`.
@@ -1006,15 +1008,7 @@ impl Fs {
     ) -> Result<()> {
         // An idle cached directory is listed without the file-system lock
         // (as `lookup_cached`); its atime only takes the lock when due.
-        let mut entry = |ino, ft, name: &[u8], next| {
-            let kind = FileType::from_dirent_type(ft).unwrap_or(FileType::Regular);
-            f(DirEntry {
-                ino,
-                kind,
-                name: name.to_vec(),
-                next_offset: next,
-            })
-        };
+        let mut entry = |ino, ft, name: &[u8], next| f(DirEntry::of(ino, ft, name, next));
         if self.dirs.lock().peek_readdir(ino, offset, &mut entry) {
             self.readdir_atime(ino);
             return Ok(());
@@ -1070,13 +1064,7 @@ impl Fs {
         }
         let mut entries = Vec::new();
         g.dir_readdir(ino, offset, &mut |ino, ft, name, next| {
-            let kind = FileType::from_dirent_type(ft).unwrap_or(FileType::Regular);
-            entries.push(DirEntry {
-                ino,
-                kind,
-                name: name.to_vec(),
-                next_offset: next,
-            });
+            entries.push(DirEntry::of(ino, ft, name, next));
             entries.len() < READDIRPLUS_BATCH
         })?;
         for (k, e) in entries.iter().enumerate() {
@@ -1113,37 +1101,24 @@ impl Fs {
         offset: u64,
         f: &mut impl FnMut(&DirEntry, &Attr) -> bool,
     ) -> Option<Result<()>> {
-        self.errors.write_deferred();
-        if self.errors.is_dead() {
-            return Some(Err(FsError::Shutdown));
+        if let Err(e) = self.live() {
+            return Some(Err(e));
         }
         let mut entries = Vec::new();
         let listed = self
             .dirs
             .lock()
             .peek_readdir(ino, offset, &mut |ino, ft, name, next| {
-                let kind = FileType::from_dirent_type(ft).unwrap_or(FileType::Regular);
-                entries.push(DirEntry {
-                    ino,
-                    kind,
-                    name: name.to_vec(),
-                    next_offset: next,
-                });
+                entries.push(DirEntry::of(ino, ft, name, next));
                 entries.len() < READDIRPLUS_BATCH
             });
         if !listed {
             return None;
         }
-        let bs = self.block_size as usize;
         let mut attrs: Vec<Attr> = Vec::with_capacity(entries.len());
         for e in &entries {
-            match self.itable.cached_attr(e.ino, bs) {
-                Some(Ok(mut a)) => {
-                    if let Some(pc) = &self.pc {
-                        pc.patch_attr(&mut a);
-                    }
-                    attrs.push(a);
-                }
+            match self.cached_attr(e.ino) {
+                Some(Ok(a)) => attrs.push(a),
                 // Not cached (a cold listing), or gone meanwhile: the whole
                 // batch under `Inner`, which reads the inodes (a short batch
                 // would cost the kernel one more request).
@@ -1664,9 +1639,8 @@ impl Fs {
     /// `Inner` in nine was a GETXATTR's). `None`: ask `Inner` (not cached,
     /// an xattr block, an ACL, a name or area it would reject).
     fn getxattr_cached(&self, ino: Ino, name: &[u8]) -> Option<Result<Vec<u8>>> {
-        self.errors.write_deferred();
-        if self.errors.is_dead() {
-            return Some(Err(FsError::Shutdown));
+        if let Err(e) = self.live() {
+            return Some(Err(e));
         }
         let (index, suffix) = xattr::split_for_get(name)?;
         let r = self.itable.with_live(ino, |i| {

@@ -114,6 +114,19 @@ pub struct DirEntry {
     pub next_offset: u64,
 }
 
+impl DirEntry {
+    /// An entry as the directory code reports it (`ft`: the dirent's file
+    /// type byte; an unknown one reads as a regular file).
+    pub(crate) fn of(ino: Ino, ft: u8, name: &[u8], next_offset: u64) -> DirEntry {
+        DirEntry {
+            ino,
+            kind: FileType::from_dirent_type(ft).unwrap_or(FileType::Regular),
+            name: name.to_vec(),
+            next_offset,
+        }
+    }
+}
+
 /// `statfs` results.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StatFs {
