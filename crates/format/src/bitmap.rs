@@ -88,6 +88,60 @@ pub fn zero_run(b: &[u8], start: usize, end: usize, max: usize) -> usize {
     n - start
 }
 
+/// Word `wi` of a bitmap with `mask` ORed in (`mask` in the layout of
+/// `u64::from_le_bytes` over `b`; words past its end are zero).
+fn masked_word(b: &[u8], mask: &[u64], wi: usize) -> u64 {
+    u64::from_le_bytes(b[wi * 8..wi * 8 + 8].try_into().unwrap())
+        | mask.get(wi).copied().unwrap_or(0)
+}
+
+fn masked_bit(b: &[u8], mask: &[u64], n: usize) -> bool {
+    test_bit(b, n) || mask.get(n / 64).is_some_and(|w| w & (1 << (n % 64)) != 0)
+}
+
+/// [`find_zero`] over `b | mask`: the first bit at or after `start` that is
+/// clear in both (the allocator's view of a group with blocks that may not
+/// be reused yet).
+pub fn find_zero_masked(b: &[u8], mask: &[u64], start: usize, end: usize) -> Option<usize> {
+    let mut n = start;
+    while n < end {
+        if n.is_multiple_of(64) && n + 64 <= end {
+            let w = masked_word(b, mask, n / 64);
+            if w == u64::MAX {
+                n += 64;
+                continue;
+            }
+            return Some(n + (!w).trailing_zeros() as usize);
+        }
+        if !masked_bit(b, mask, n) {
+            return Some(n);
+        }
+        n += 1;
+    }
+    None
+}
+
+/// [`zero_run`] over `b | mask`.
+pub fn zero_run_masked(b: &[u8], mask: &[u64], start: usize, end: usize, max: usize) -> usize {
+    let mut n = start;
+    let lim = end.min(start.saturating_add(max));
+    while n < lim {
+        if n.is_multiple_of(64) && n + 64 <= lim {
+            let w = masked_word(b, mask, n / 64);
+            if w == 0 {
+                n += 64;
+                continue;
+            }
+            return n + w.trailing_zeros() as usize - start;
+        }
+        if masked_bit(b, mask, n) {
+            break;
+        }
+        n += 1;
+    }
+    n - start
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,5 +163,39 @@ mod tests {
         set_padding(&mut z, 100);
         assert_eq!(count_zeros(&z, 256), 100);
         assert!(test_bit(&z, 100) && !test_bit(&z, 99));
+    }
+
+    proptest::proptest! {
+        /// The masked searches answer as the plain ones over `b | mask`.
+        #[test]
+        fn masked_searches_are_searches_of_the_union(
+            b in proptest::collection::vec(proptest::prelude::any::<u8>(), 32),
+            sparse in proptest::collection::vec(0usize..256, 0..40),
+            mask_words in 0usize..5,
+            start in 0usize..256,
+            end in 0usize..=256,
+            max in 1usize..300,
+        ) {
+            let mut mask = vec![0u64; mask_words];
+            for &i in &sparse {
+                if i / 64 < mask.len() {
+                    mask[i / 64] |= 1 << (i % 64);
+                }
+            }
+            let mut union = b.clone();
+            for (wi, w) in mask.iter().enumerate() {
+                for (k, byte) in w.to_le_bytes().iter().enumerate() {
+                    union[wi * 8 + k] |= byte;
+                }
+            }
+            let want = find_zero(&union, start, end);
+            proptest::prop_assert_eq!(find_zero_masked(&b, &mask, start, end), want);
+            if let Some(z) = want {
+                proptest::prop_assert_eq!(
+                    zero_run_masked(&b, &mask, z, end, max),
+                    zero_run(&union, z, end, max)
+                );
+            }
+        }
     }
 }

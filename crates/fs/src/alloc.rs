@@ -216,7 +216,6 @@ impl Inner {
         let gd = self.gds[g as usize];
         let nbits = self.sb.blocks_in_group(g) as usize;
         let buf = self.read_meta(gd.block_bitmap)?;
-        let gbase = self.sb.group_first_block(g);
         let (bit, run) = {
             let d = buf.data();
             self.check_bitmap_csum(
@@ -225,7 +224,7 @@ impl Inner {
                 self.sb.clusters_per_group(),
                 gd.block_bitmap,
             )?;
-            let Some(first) = self.next_free_run(&d, gbase, start.min(nbits), nbits, count) else {
+            let Some(first) = self.next_free_run(&d, g, start.min(nbits), nbits, count) else {
                 return Ok(None);
             };
             // Prefer a run that satisfies the whole request if one starts soon after.
@@ -233,7 +232,7 @@ impl Inner {
             let mut probe = first.0 + first.1;
             let mut tries = 0;
             while best.1 < count as usize && tries < 8 {
-                let Some(r) = self.next_free_run(&d, gbase, probe, nbits, count) else {
+                let Some(r) = self.next_free_run(&d, g, probe, nbits, count) else {
                     break;
                 };
                 if r.1 > best.1 {
@@ -273,28 +272,22 @@ impl Inner {
     fn next_free_run(
         &self,
         d: &[u8],
-        gbase: u64,
-        mut from: usize,
+        g: u32,
+        from: usize,
         nbits: usize,
         count: u32,
     ) -> Option<(usize, usize)> {
-        loop {
-            let bit = bitmap::find_zero(d, from, nbits)?;
-            let mut run = bitmap::zero_run(d, bit, nbits, count as usize);
-            let (s, e) = (gbase + bit as u64, gbase + (bit + run) as u64);
-            // A pending range covering the start: skip past it.
-            if let Some((_, &(pe, _))) = self.pending_free.range(..=s).next_back() {
-                if pe > s {
-                    from = (pe - gbase) as usize;
-                    continue;
-                }
+        let count = count as usize;
+        Some(match self.pending_free.group_overlay(g) {
+            None => {
+                let bit = bitmap::find_zero(d, from, nbits)?;
+                (bit, bitmap::zero_run(d, bit, nbits, count))
             }
-            // A pending range starting inside the run: stop the run before it.
-            if let Some((&ps, _)) = self.pending_free.range(s + 1..e).next() {
-                run = (ps - s) as usize;
+            Some(m) => {
+                let bit = bitmap::find_zero_masked(d, m, from, nbits)?;
+                (bit, bitmap::zero_run_masked(d, m, bit, nbits, count))
             }
-            return Some((bit, run));
-        }
+        })
     }
 
     /// Free inodes of group `g` that may be allocated now (not pending).
@@ -336,13 +329,7 @@ impl Inner {
     /// Forget pending frees whose transactions are now durable.
     pub fn prune_pending_free(&mut self) {
         let j = self.journal.clone();
-        prune_durable(
-            &mut self.pending_free_order,
-            &mut self.pending_free,
-            |e| e.1,
-            |tid| j.is_committed(tid),
-            |_| {},
-        );
+        self.pending_free.prune(|tid| j.is_committed(tid));
     }
 
     /// Free `count` blocks starting at `start` (may cross groups). Freed blocks are
@@ -361,8 +348,7 @@ impl Inner {
         // Single-flush commits (fc_data_csum): the freeing commit does not
         // checksum these blocks' data any more.
         self.journal.forget_data(start, count);
-        self.pending_free.insert(start, (end, h.tid()));
-        self.pending_free_order.push_back((h.tid(), start));
+        self.pending_free.insert(start, end, h.tid());
         let mut b = start;
         while b < end {
             let g = self.block_group(b);

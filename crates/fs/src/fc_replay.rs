@@ -195,8 +195,8 @@ impl Inner {
 
     /// Apply scanned records and commit them to the current journal (steps 3–4).
     pub(crate) fn fc_replay(&mut self, scan: &FcScan) -> Result<FcReplayReport> {
-        let saved_pending = std::mem::take(&mut self.pending_free);
-        let saved_order = std::mem::take(&mut self.pending_free_order);
+        let empty = self.pending_free.empty_like();
+        let saved_pending = std::mem::replace(&mut self.pending_free, empty);
         let saved_inodes = std::mem::take(&mut self.pending_free_inodes);
         let saved_inodes_order = std::mem::take(&mut self.pending_free_inodes_order);
         let saved_in_group = std::mem::replace(
@@ -211,7 +211,6 @@ impl Inner {
             .set_feature_incompat(saved_incompat | sbf::INCOMPAT_RECOVER);
         let r = self.fc_replay_inner(scan);
         self.pending_free = saved_pending;
-        self.pending_free_order = saved_order;
         self.pending_free_inodes = saved_inodes;
         self.pending_free_inodes_order = saved_inodes_order;
         self.pending_free_inodes_in_group = saved_in_group;

@@ -81,14 +81,9 @@ pub(crate) struct Inner {
     /// a lookup in a cached directory needs no file-system lock
     /// (`Fs::lookup_cached`).
     pub dirs: std::sync::Arc<parking_lot::Mutex<crate::dir::DirCache>>,
-    /// Blocks freed by transactions that are not committed yet: start -> (end, tid).
-    /// The allocator skips them (see `alloc.rs`).
-    pub pending_free: std::collections::BTreeMap<u64, (u64, u32)>,
-    /// `(tid, start)` of every `pending_free` insertion, in order (tids never
-    /// decrease): pruning pops the durable front instead of scanning the map on
-    /// every allocation (thousands of entries build up between full commits
-    /// in fast-commit mode).
-    pub pending_free_order: std::collections::VecDeque<(u32, u64)>,
+    /// Blocks freed by transactions that are not committed yet: the
+    /// allocator skips them (`pending.rs`).
+    pub pending_free: crate::pending::PendingBlocks,
     /// Inode numbers freed by transactions that are not committed yet: ino -> tid.
     /// Not reused until then (like the kernel's `recently_deleted`): a fast
     /// commit's INODE record of a reused number would overwrite, at replay, the
@@ -229,6 +224,8 @@ impl Inner {
         };
         let journal = Arc::new(Journal::new(dev.clone(), bs, read_only));
         let groups = sb.group_count();
+        let first_data_block = sb.first_data_block() as u64;
+        let blocks_per_group = sb.blocks_per_group();
         let mode = opts
             .errors
             .unwrap_or_else(|| crate::types::ErrorsBehavior::from_superblock(sb.errors_behavior()));
@@ -256,8 +253,7 @@ impl Inner {
             read_only,
             itable: Default::default(),
             dirs: Default::default(),
-            pending_free: Default::default(),
-            pending_free_order: Default::default(),
+            pending_free: crate::pending::PendingBlocks::new(first_data_block, blocks_per_group),
             pending_free_inodes: Default::default(),
             pending_free_inodes_order: Default::default(),
             pending_free_inodes_in_group: vec![0; groups as usize],

@@ -21,6 +21,7 @@ mod itable;
 mod ops;
 mod orphan;
 mod pagecache;
+mod pending;
 pub mod probe;
 mod types;
 mod writeback;
@@ -892,6 +893,18 @@ impl Fs {
             files_free: fi,
             name_max: 255,
         }
+    }
+
+    /// The physical blocks mapped to a file, in logical order (tests check
+    /// the allocator's choices with it; delayed pages have none yet).
+    #[doc(hidden)]
+    pub fn mapped_blocks(&self, ino: Ino) -> Result<Vec<u64>> {
+        let mut g = self.lock()?;
+        let inode = g.read_inode(ino)?;
+        Ok(g.ext_list(ino, &inode)?
+            .iter()
+            .flat_map(|m| m.pblk..m.pblk + m.len as u64)
+            .collect())
     }
 
     /// [`Fs::statfs`] summed from the group descriptors under the file-system

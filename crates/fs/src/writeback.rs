@@ -503,7 +503,7 @@ impl Fs {
             }
             // Near full: exact, without slack, and without the blocks that
             // only a commit makes reusable.
-            let pending: u64 = g.pending_free.iter().map(|(s, (e, _))| e - s).sum();
+            let pending = g.pending_free.blocks();
             let exact = avail.saturating_sub(pending);
             if exact >= want || (exact > 0 && (committed || pending == 0)) {
                 let n = exact.min(want);

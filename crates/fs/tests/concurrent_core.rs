@@ -621,12 +621,26 @@ fn lookups_during_renames_see_whole_renames() {
     let m = fs.create(a, b"m", 0o644, 0, 0).unwrap().ino;
     fs.create(ROOT_INO, b"fixed", 0o644, 0, 0).unwrap();
     let stop = std::sync::atomic::AtomicBool::new(false);
+    let rounds = std::sync::atomic::AtomicU64::new(0);
     let (mut seen_a, mut seen_b, mut lookups) = (0u64, 0u64, 0u64);
     std::thread::scope(|s| {
         s.spawn(|| {
-            for _ in 0..1500 {
+            // Every 100th position is held until the lookups have gone round
+            // twice, so that both directories are seen whatever the
+            // scheduler does; the others race the lookups.
+            let hold = |k: u32| {
+                if k.is_multiple_of(100) {
+                    let r = rounds.load(Ordering::Acquire);
+                    while rounds.load(Ordering::Acquire) < r + 2 {
+                        std::thread::yield_now();
+                    }
+                }
+            };
+            for k in 0..1500 {
                 fs.rename(a, b"m", b, b"m", RenameFlags::default()).unwrap();
+                hold(k);
                 fs.rename(b, b"m", a, b"m", RenameFlags::default()).unwrap();
+                hold(k);
             }
             stop.store(true, Ordering::Release);
         });
@@ -661,6 +675,7 @@ fn lookups_during_renames_see_whole_renames() {
                 panic!("the fixed name was not found during a rename over it: {e}");
             }
             lookups += 1;
+            rounds.fetch_add(1, Ordering::Release);
         }
     });
     assert!(

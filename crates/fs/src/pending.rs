@@ -1,0 +1,194 @@
+//! Blocks freed by transactions that are not durable yet.
+//!
+//! A block freed by transaction T may not be reused before T is committed:
+//! a crash before that would replay the old owner's metadata over the new
+//! owner's data (jbd2's rule; ext4 keeps such blocks out of the buddy cache
+//! until the commit callback, `ext4_process_freed_data`). In fast-commit mode
+//! full commits are seconds apart, so thousands of freed ranges build up
+//! (varmail deletes a file per loop).
+//!
+//! The ranges are kept three ways, one per question asked of them:
+//! - by start (`ranges`): which range covers a block, for checks and sums;
+//! - by freeing tid (`order`): pruning pops the durable front instead of
+//!   scanning the map at every allocation;
+//! - per block group, as a bitmap of pending bits (`overlay`), which the
+//!   allocator ORs with the group's block bitmap word by word. Before it, an
+//!   allocation near the group's start stepped over the pending ranges one
+//!   at a time (a bitmap scan and two map lookups each): 4% of all CPU
+//!   samples under varmail with 16 threads, all under the file-system lock.
+//!
+//! An overlay exists only for a group with pending blocks, and is dropped
+//! when its last one is pruned.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+/// Pending bits of one block group, bit `i` of word `w` = block `64 w + i`
+/// of the group (the layout of `u64::from_le_bytes` over an ext4 bitmap).
+#[derive(Debug, Clone, Default)]
+struct Overlay {
+    words: Vec<u64>,
+    set: u64,
+}
+
+/// Blocks freed by transactions not yet committed (see the module doc).
+#[derive(Debug, Clone)]
+pub struct PendingBlocks {
+    /// start -> (end, freeing tid).
+    ranges: BTreeMap<u64, (u64, u32)>,
+    /// `(tid, start)` of every insertion, in order (tids never decrease).
+    order: VecDeque<(u32, u64)>,
+    overlay: HashMap<u32, Overlay>,
+    /// Blocks in `ranges` (exactly: a range inserted twice counts once).
+    blocks: u64,
+    first_data_block: u64,
+    blocks_per_group: u64,
+}
+
+impl PendingBlocks {
+    pub fn new(first_data_block: u64, blocks_per_group: u32) -> Self {
+        PendingBlocks {
+            ranges: BTreeMap::new(),
+            order: VecDeque::new(),
+            overlay: HashMap::new(),
+            blocks: 0,
+            first_data_block,
+            blocks_per_group: blocks_per_group.max(1) as u64,
+        }
+    }
+
+    /// An empty set over the same geometry.
+    pub fn empty_like(&self) -> Self {
+        Self::new(self.first_data_block, self.blocks_per_group as u32)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+
+    /// How many blocks are pending.
+    pub fn blocks(&self) -> u64 {
+        self.blocks
+    }
+
+    /// Record blocks `start..end` freed by transaction `tid`.
+    pub fn insert(&mut self, start: u64, end: u64, tid: u32) {
+        if end <= start {
+            return;
+        }
+        self.ranges.insert(start, (end, tid));
+        self.order.push_back((tid, start));
+        self.set_bits(start, end, true);
+    }
+
+    /// Forget the ranges whose freeing transactions are durable.
+    pub fn prune(&mut self, durable: impl Fn(u32) -> bool) {
+        while let Some(&(tid, start)) = self.order.front() {
+            if !durable(tid) {
+                break;
+            }
+            self.order.pop_front();
+            let Some(&(end, t)) = self.ranges.get(&start) else {
+                continue;
+            };
+            if t != tid {
+                continue;
+            }
+            self.ranges.remove(&start);
+            self.set_bits(start, end, false);
+            // Ranges overlap only if a block was freed twice (a corrupt
+            // image): whatever other range still covers these blocks keeps
+            // its bits.
+            let still: Vec<(u64, u64)> = self
+                .ranges
+                .range(..end)
+                .rev()
+                .take_while(|(_, &(e, _))| e > start)
+                .map(|(&s, &(e, _))| (s.max(start), e.min(end)))
+                .collect();
+            for (s, e) in still {
+                self.set_bits(s, e, true);
+            }
+        }
+    }
+
+    /// The pending bits of group `g`, if it has any.
+    pub fn group_overlay(&self, g: u32) -> Option<&[u64]> {
+        self.overlay.get(&g).map(|o| o.words.as_slice())
+    }
+
+    /// Whether block `b` is pending.
+    #[cfg(test)]
+    pub fn contains(&self, b: u64) -> bool {
+        self.ranges
+            .range(..=b)
+            .next_back()
+            .is_some_and(|(_, &(e, _))| e > b)
+    }
+
+    fn set_bits(&mut self, start: u64, end: u64, on: bool) {
+        let mut b = start.max(self.first_data_block);
+        while b < end {
+            let rel = b - self.first_data_block;
+            let g = (rel / self.blocks_per_group) as u32;
+            let gfirst = self.first_data_block + g as u64 * self.blocks_per_group;
+            let gend = (gfirst + self.blocks_per_group).min(end);
+            let words = self.blocks_per_group.div_ceil(64) as usize;
+            let o = self.overlay.entry(g).or_insert_with(|| Overlay {
+                words: vec![0; words],
+                set: 0,
+            });
+            for i in (b - gfirst)..(gend - gfirst) {
+                let (w, m) = ((i / 64) as usize, 1u64 << (i % 64));
+                let was = o.words[w] & m != 0;
+                if on && !was {
+                    o.words[w] |= m;
+                    o.set += 1;
+                    self.blocks += 1;
+                } else if !on && was {
+                    o.words[w] &= !m;
+                    o.set -= 1;
+                    self.blocks -= 1;
+                }
+            }
+            if o.set == 0 {
+                self.overlay.remove(&g);
+            }
+            b = gend;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlay_follows_the_ranges() {
+        let mut p = PendingBlocks::new(1, 8192);
+        p.insert(10, 20, 5);
+        p.insert(8190, 8196, 6); // crosses into group 1
+        assert_eq!(p.blocks(), 16);
+        let o0 = p.group_overlay(0).unwrap();
+        // Block 10 is bit 9 of group 0 (first data block 1).
+        assert_eq!(o0[0], 0x3ff << 9);
+        assert!(p.group_overlay(1).is_some());
+        assert!(p.contains(19) && !p.contains(20) && p.contains(8195));
+        p.prune(|t| t <= 5);
+        assert_eq!(p.blocks(), 6);
+        assert_eq!(p.group_overlay(0).unwrap()[0], 0);
+        p.prune(|t| t <= 6);
+        assert!(p.is_empty() && p.group_overlay(0).is_none() && p.group_overlay(1).is_none());
+        assert_eq!(p.blocks(), 0);
+    }
+
+    #[test]
+    fn a_double_free_keeps_the_other_ranges_bits() {
+        let mut p = PendingBlocks::new(0, 32768);
+        p.insert(100, 110, 1);
+        p.insert(105, 120, 2);
+        p.prune(|t| t <= 1);
+        assert!(!p.contains(104) && p.contains(105) && p.contains(119));
+        assert_eq!(p.group_overlay(0).unwrap()[1], 0x7fff << (105 - 64));
+        assert_eq!(p.blocks(), 15);
+    }
+}
