@@ -40,6 +40,9 @@ pub struct PendingBlocks {
     overlay: HashMap<u32, Overlay>,
     /// Blocks in `ranges` (exactly: a range inserted twice counts once).
     blocks: u64,
+    /// Some ranges overlap (a block freed twice: a corrupt image). Pruning a
+    /// range then looks at every other range before clearing its bits.
+    overlapping: bool,
     first_data_block: u64,
     blocks_per_group: u64,
 }
@@ -51,6 +54,7 @@ impl PendingBlocks {
             order: VecDeque::new(),
             overlay: HashMap::new(),
             blocks: 0,
+            overlapping: false,
             first_data_block,
             blocks_per_group: blocks_per_group.max(1) as u64,
         }
@@ -71,13 +75,21 @@ impl PendingBlocks {
     }
 
     /// Record blocks `start..end` freed by transaction `tid`.
-    pub fn insert(&mut self, start: u64, end: u64, tid: u32) {
+    pub fn insert(&mut self, start: u64, mut end: u64, tid: u32) {
         if end <= start {
             return;
         }
+        if let Some(&(e0, _)) = self.ranges.get(&start) {
+            // The same start freed again (a corrupt image): one range covering
+            // both, pending until the later free commits (tids never decrease).
+            end = end.max(e0);
+            self.overlapping = true;
+        }
         self.ranges.insert(start, (end, tid));
         self.order.push_back((tid, start));
-        self.set_bits(start, end, true);
+        if self.set_bits(start, end, true) < end - start {
+            self.overlapping = true;
+        }
     }
 
     /// Forget the ranges whose freeing transactions are durable.
@@ -95,19 +107,23 @@ impl PendingBlocks {
             }
             self.ranges.remove(&start);
             self.set_bits(start, end, false);
-            // Ranges overlap only if a block was freed twice (a corrupt
-            // image): whatever other range still covers these blocks keeps
-            // its bits.
-            let still: Vec<(u64, u64)> = self
-                .ranges
-                .range(..end)
-                .rev()
-                .take_while(|(_, &(e, _))| e > start)
-                .map(|(&s, &(e, _))| (s.max(start), e.min(end)))
-                .collect();
-            for (s, e) in still {
-                self.set_bits(s, e, true);
+            if self.overlapping {
+                // Whatever other range still covers these blocks keeps its
+                // bits. Every range is looked at: overlapping ranges need not
+                // be ordered by their ends.
+                let still: Vec<(u64, u64)> = self
+                    .ranges
+                    .range(..end)
+                    .filter(|(_, &(e, _))| e > start)
+                    .map(|(&s, &(e, _))| (s.max(start), e.min(end)))
+                    .collect();
+                for (s, e) in still {
+                    self.set_bits(s, e, true);
+                }
             }
+        }
+        if self.ranges.is_empty() {
+            self.overlapping = false;
         }
     }
 
@@ -116,16 +132,25 @@ impl PendingBlocks {
         self.overlay.get(&g).map(|o| o.words.as_slice())
     }
 
-    /// Whether block `b` is pending.
+    /// Whether block `b` is pending, as the allocator sees it (its overlay
+    /// bit).
     #[cfg(test)]
     pub fn contains(&self, b: u64) -> bool {
-        self.ranges
-            .range(..=b)
-            .next_back()
-            .is_some_and(|(_, &(e, _))| e > b)
+        let Some(rel) = b.checked_sub(self.first_data_block) else {
+            return false;
+        };
+        let (g, i) = (
+            (rel / self.blocks_per_group) as u32,
+            rel % self.blocks_per_group,
+        );
+        self.group_overlay(g)
+            .is_some_and(|w| w[(i / 64) as usize] & (1 << (i % 64)) != 0)
     }
 
-    fn set_bits(&mut self, start: u64, end: u64, on: bool) {
+    /// Set or clear the overlay bits of `start..end`; returns how many
+    /// changed.
+    fn set_bits(&mut self, start: u64, end: u64, on: bool) -> u64 {
+        let mut changed = 0;
         let mut b = start.max(self.first_data_block);
         while b < end {
             let rel = b - self.first_data_block;
@@ -144,10 +169,12 @@ impl PendingBlocks {
                     o.words[w] |= m;
                     o.set += 1;
                     self.blocks += 1;
+                    changed += 1;
                 } else if !on && was {
                     o.words[w] &= !m;
                     o.set -= 1;
                     self.blocks -= 1;
+                    changed += 1;
                 }
             }
             if o.set == 0 {
@@ -155,6 +182,7 @@ impl PendingBlocks {
             }
             b = gend;
         }
+        changed
     }
 }
 
@@ -178,6 +206,40 @@ mod tests {
         assert_eq!(p.group_overlay(0).unwrap()[0], 0);
         p.prune(|t| t <= 6);
         assert!(p.is_empty() && p.group_overlay(0).is_none() && p.group_overlay(1).is_none());
+        assert_eq!(p.blocks(), 0);
+    }
+
+    /// A range that covers a pruned one keeps its bits even when a range
+    /// between them in start order ends earlier (review of the first cut,
+    /// which stopped its look-back at that range).
+    #[test]
+    fn a_covering_range_behind_a_shorter_one_keeps_its_bits() {
+        let mut p = PendingBlocks::new(0, 32768);
+        p.insert(100, 110, 1);
+        p.insert(50, 200, 2);
+        p.insert(60, 70, 2);
+        p.prune(|t| t <= 1);
+        assert!((100..110).all(|b| p.contains(b)));
+        assert_eq!(p.group_overlay(0).unwrap()[1] >> (100 - 64) & 0x3ff, 0x3ff);
+        assert_eq!(p.blocks(), 150);
+        p.prune(|t| t <= 2);
+        assert!(p.is_empty() && p.group_overlay(0).is_none());
+        assert_eq!(p.blocks(), 0);
+    }
+
+    /// The same start freed again with a shorter length keeps the longer
+    /// range pending until the later free commits, and then forgets all of
+    /// it (the first cut left the tail's bits set for good).
+    #[test]
+    fn the_same_start_freed_twice_is_one_range() {
+        let mut p = PendingBlocks::new(0, 32768);
+        p.insert(100, 120, 1);
+        p.insert(100, 105, 2);
+        p.prune(|t| t <= 1);
+        assert!(p.contains(100) && p.contains(119));
+        assert_eq!(p.blocks(), 20);
+        p.prune(|t| t <= 2);
+        assert!(p.is_empty() && p.group_overlay(0).is_none());
         assert_eq!(p.blocks(), 0);
     }
 
