@@ -311,9 +311,18 @@ fn dead_mount_is_reported_cleaned_up_and_recovered() {
     let deadline = Instant::now() + Duration::from_secs(10);
     let e = loop {
         match fs::metadata(m.path()) {
-            // A request in flight when the connection died gets ECONNABORTED;
+            // A request in flight when the connection died gets ECONNABORTED
+            // (ECANCELED when it was queued on a FUSE-over-io_uring ring);
             // every later one ENOTCONN.
-            Err(e) if !alive(pid) && e.raw_os_error() != Some(libc::ECONNABORTED) => break e,
+            Err(e)
+                if !alive(pid)
+                    && !matches!(
+                        e.raw_os_error(),
+                        Some(libc::ECONNABORTED) | Some(libc::ECANCELED)
+                    ) =>
+            {
+                break e
+            }
             _ => {
                 assert!(Instant::now() < deadline, "daemon survived SIGKILL");
                 std::thread::sleep(Duration::from_millis(20));
