@@ -908,6 +908,70 @@ fn unlink_does_not_wait_for_a_fast_commit_flush() {
     fs.unmount().unwrap();
 }
 
+/// A fast commit reads the home copy of a changed inode's inode-table block
+/// (to decide whether the INODE record may take the short form) outside the
+/// file-system lock: a create returns while that read is held in the device.
+/// It used to read under `Inner`, queueing every operation behind the read.
+#[test]
+fn fast_commit_home_reads_hold_no_fs_lock() {
+    let img = mkfs(
+        "cc-fchome",
+        64,
+        &["-b", "4096", "-I", "256", "-O", "fast_commit"],
+    );
+    let dev = Arc::new(Hold::new(
+        Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        HoldOn::MetadataRead,
+    ));
+    let o = MountOptions {
+        fast_commit: true,
+        ..opts()
+    };
+    let fs = Fs::open(dev.clone(), o).unwrap();
+    let b = fs.create(ROOT_INO, b"b", 0o644, 0, 0).unwrap().ino;
+    fs.write(b, 0, &pattern(2, 5000)).unwrap();
+    // A full commit, then a fast commit: every block the next one touches is
+    // cached, so its only metadata read is the home copy.
+    fs.sync().unwrap();
+    fs.write(b, 5000, &pattern(3, 100)).unwrap();
+    fs.fsync(b, false).unwrap();
+    fs.write(b, 5100, &pattern(4, 100)).unwrap();
+    let before = fs.fc_stats().commits;
+    dev.arm();
+    std::thread::scope(|s| {
+        let t = s.spawn(|| fs.fsync(b, false));
+        let held = dev.wait_holding();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let fs = &fs;
+        s.spawn(move || {
+            let _ = tx.send(fs.create(ROOT_INO, b"c", 0o644, 0, 0).map(|a| a.ino));
+        });
+        let got = rx.recv_timeout(GATE_TIMEOUT);
+        let still_held = dev.holding();
+        dev.release();
+        assert!(held, "the fast commit read no metadata block");
+        assert!(
+            matches!(got, Ok(Ok(_))),
+            "create did not return while a fast commit read a home copy: {got:?}"
+        );
+        assert!(still_held, "the read was released early");
+        t.join().unwrap().unwrap();
+    });
+    assert_eq!(
+        fs.fc_stats().commits,
+        before + 1,
+        "fsync was not a fast commit"
+    );
+    fs.unmount().unwrap();
+    drop(fs);
+    drop(dev);
+    assert_clean(&img.path, "after a create during a fast commit's home read");
+    let fs = Fs::open_path(&img.path, opts()).unwrap();
+    assert_eq!(fs.getattr(fs.resolve("/b").unwrap()).unwrap().size, 5200);
+    assert!(fs.lookup(ROOT_INO, b"c").is_ok());
+    fs.unmount().unwrap();
+}
+
 // ---------------------------------------------------------------------------------
 // Stress
 // ---------------------------------------------------------------------------------
