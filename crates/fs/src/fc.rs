@@ -233,55 +233,16 @@ pub struct FcPending {
 /// What an fsync should do.
 pub enum FcPlan {
     /// Write these records as a fast commit of transaction `tid`; then call
-    /// [`Inner::fc_logged`] with `logged`. First, outside `Inner`,
-    /// [`shorten_inode_records`] with `shrink`.
+    /// [`Inner::fc_logged`] with `logged`.
     Fast {
         tid: u32,
         records: Vec<FcRecord>,
         logged: FcLogged,
-        shrink: Vec<ShrinkCheck>,
     },
     /// Fall back to a full commit.
     Full(FcReason),
     /// Nothing tracked: only file data may need a flush.
     Nothing,
-}
-
-/// An INODE record written in full that may take the short form if the
-/// home copy of its inode-table block holds the same in-inode xattr area
-/// (`fc_inode_record`): deciding needs a device read, made outside `Inner`.
-pub struct ShrinkCheck {
-    /// Index of the record in the plan's records.
-    record: usize,
-    blk: u64,
-    /// Byte offset of the inode in the block.
-    off: usize,
-    /// Length of the short form.
-    short: usize,
-}
-
-/// Shorten the INODE records whose home copies match (see [`ShrinkCheck`]);
-/// reads each inode-table block once. Call without holding `Inner`.
-pub fn shorten_inode_records(
-    journal: &commitfs_journal::Journal,
-    records: &mut [FcRecord],
-    checks: Vec<ShrinkCheck>,
-) -> Result<()> {
-    let mut homes: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
-    for c in checks {
-        if let std::collections::btree_map::Entry::Vacant(e) = homes.entry(c.blk) {
-            e.insert(journal.read_home(c.blk)?);
-        }
-        let home = &homes[&c.blk];
-        if let Some(Tlv::Inode { raw, .. }) = records.get_mut(c.record) {
-            let full = raw.len();
-            let same = home.get(c.off + c.short..c.off + full) == raw.get(c.short..);
-            if same && c.short < full {
-                raw.to_mut().truncate(c.short);
-            }
-        }
-    }
-    Ok(())
 }
 
 /// What a fast commit covered, to forget after it is durable.
@@ -432,7 +393,6 @@ impl Inner {
             return Ok(FcPlan::Full(FcReason::NoFullCommitYet));
         }
         let mut records = Vec::new();
-        let mut shrink = Vec::new();
         // Inodes whose ranges went out before their CREAT.
         let mut ranged = std::collections::BTreeSet::new();
         let dentries: Vec<DentryOp> = self.fc.dentries.iter().map(|(_, d)| d.clone()).collect();
@@ -519,9 +479,7 @@ impl Inner {
                 // the inode maps then (create f2; unlink f2; create f3 reusing the
                 // number: ranges at f2's CREAT were lost, f3 read zeros). The
                 // per-inode pass below then logs only its final INODE.
-                let (r, check) = self.fc_inode_record(*ino, records.len())?;
-                records.push(r);
-                shrink.extend(check);
+                records.push(self.fc_inode_record(*ino)?);
                 if last_creat.get(ino) == Some(&k) && ranged.insert(*ino) {
                     let range = self.fc.inodes.get(ino).and_then(|t| t.range);
                     if let Some(r) = range {
@@ -558,9 +516,7 @@ impl Inner {
             if let Some(r) = range.filter(|_| !ranged.contains(ino)) {
                 self.fc_range_records(*ino, r, &mut records)?;
             }
-            let (r, check) = self.fc_inode_record(*ino, records.len())?;
-            records.push(r);
-            shrink.extend(check);
+            records.push(self.fc_inode_record(*ino)?);
             touched.insert(*ino);
         }
         if let Some(jblk) = self
@@ -587,7 +543,6 @@ impl Inner {
             tid,
             records,
             logged,
-            shrink,
         })
     }
 
@@ -716,13 +671,7 @@ impl Inner {
         self.fc.protect.ranges.clear();
     }
 
-    /// The INODE record of `ino`, to go at `index` in the plan's records,
-    /// and the check that may shorten it once the home copy is read.
-    fn fc_inode_record(
-        &mut self,
-        ino: u32,
-        index: usize,
-    ) -> Result<(FcRecord, Option<ShrinkCheck>)> {
+    fn fc_inode_record(&mut self, ino: u32) -> Result<FcRecord> {
         let i = self.read_inode(ino)?;
         // The kernel's writer logs 128 + i_extra_isize bytes; replay copies the
         // record over the on-disk inode and keeps the rest (the in-inode xattr
@@ -734,34 +683,20 @@ impl Inner {
         let mut buf = vec![0u8; self.inode_size];
         i.serialize(&mut buf, ino, &self.csum);
         let short = (128 + i.extra_isize as usize).min(buf.len());
-        let mut check = None;
         if short < buf.len() {
             let (blk, off) = self.inode_location(ino)?;
-            let (bases, home_differs) = self.journal.replay_bases(blk)?;
+            let bases = self.journal.replay_bases(blk)?;
             let same = bases
                 .iter()
                 .all(|b| b.get(off + short..off + self.inode_size) == Some(&buf[short..]));
-            if same && !home_differs {
+            if same {
                 buf.truncate(short);
-            } else if same {
-                // The home copy decides; it is read outside `Inner`
-                // (`shorten_inode_records`). Until then the record is whole,
-                // which is always correct.
-                check = Some(ShrinkCheck {
-                    record: index,
-                    blk,
-                    off,
-                    short,
-                });
             }
         }
-        Ok((
-            Tlv::Inode {
-                ino,
-                raw: Cow::Owned(buf),
-            },
-            check,
-        ))
+        Ok(Tlv::Inode {
+            ino,
+            raw: Cow::Owned(buf),
+        })
     }
 
     /// ADD_RANGE for mapped runs and DEL_RANGE for holes in `[start, end)` (§9.4

@@ -1958,24 +1958,8 @@ impl Fs {
                 Some(c) if g.fc_data_csum => c.overlay(),
                 _ => Default::default(),
             };
-            let mut plan = g.fc_plan(&written);
+            let plan = g.fc_plan(&written);
             drop(bw);
-            if let Ok(fc::FcPlan::Fast {
-                records, shrink, ..
-            }) = &mut plan
-            {
-                if !shrink.is_empty() {
-                    // Home copies of inode-table blocks: device reads, never
-                    // under `Inner`. An error goes where a plan error goes
-                    // (after the cut's data is written, below).
-                    drop(g);
-                    let checks = std::mem::take(shrink);
-                    if let Err(e) = fc::shorten_inode_records(j, records, checks) {
-                        plan = Err(e);
-                    }
-                    g = self.lock()?;
-                }
-            }
             if let (Some(c), Some(pc)) = (cut, &self.pc) {
                 drop(g);
                 let r = writeback::write_runs(&self.dio, pc, &c.runs, true, &self.data_gens);
@@ -2023,7 +2007,6 @@ impl Fs {
                     tid,
                     records,
                     logged,
-                    ..
                 } => {
                     let packed = g
                         .journal

@@ -899,42 +899,28 @@ impl Core {
     }
 
     /// The versions of a metadata block that recovery could start from after a
-    /// crash now, as far as memory knows them: the last committed version (if
-    /// not yet home) and, when the live version is the home copy (clean,
-    /// nothing in flight), that one. Fast commits use this to tell which bytes
-    /// replay would leave as they are. `true` with them: the home copy differs
-    /// from the live version and only [`Self::read_home`] can tell what it is
-    /// (a device read, which callers make outside their locks).
-    pub fn replay_bases(&self, blocknr: u64) -> Result<(Vec<Arc<[u8]>>, bool)> {
+    /// crash now: the last committed version (if not yet home) and the home copy
+    /// (if the live version differs from it). Fast commits use this to tell which
+    /// bytes replay would leave as they are.
+    pub fn replay_bases(&self, blocknr: u64) -> Result<Vec<Vec<u8>>> {
         let b = self.bread(blocknr)?;
         let mut out = Vec::with_capacity(2);
         let committed = b.vers.lock().committed.clone();
         if let Some(c) = committed {
-            out.push(c);
+            out.push(c.to_vec());
         }
-        let home_differs = b.is_dirty() || b.versions_in_flight() > 0;
-        if !home_differs {
-            out.push(Arc::from(&b.data()[..]));
+        if b.is_dirty() || b.versions_in_flight() > 0 {
+            let mut home = vec![0u8; self.block_size];
+            self.dev.read_at(
+                blocknr * self.block_size as u64,
+                &mut home,
+                IoCategory::Metadata,
+            )?;
+            out.push(home);
+        } else {
+            out.push(b.data().to_vec());
         }
-        Ok((out, home_differs))
-    }
-
-    /// The home copy of a metadata block as the device has it now (see
-    /// [`Self::replay_bases`]). A checkpoint may be writing it meanwhile: then
-    /// this is the copy before or after it (an inode's bytes lie within one
-    /// sector), and the one after it is the committed version, which callers
-    /// compare with anyway.
-    pub fn read_home(&self, blocknr: u64) -> Result<Vec<u8>> {
-        if blocknr >= self.blocks {
-            return Err(JournalError::OutOfRange(blocknr));
-        }
-        let mut home = vec![0u8; self.block_size];
-        self.dev.read_at(
-            blocknr * self.block_size as u64,
-            &mut home,
-            IoCategory::Metadata,
-        )?;
-        Ok(home)
+        Ok(out)
     }
 
     /// A buffer for a newly allocated metadata block: zero-filled, never read from
