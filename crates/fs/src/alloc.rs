@@ -307,12 +307,12 @@ impl Inner {
     fn prune_pending_free_inodes(&mut self) {
         let j = self.journal.clone();
         let mut freed = Vec::new();
-        prune_durable(
+        crate::pending::prune_durable(
             &mut self.pending_free_inodes_order,
             &mut self.pending_free_inodes,
             |&tid| tid,
             |tid| j.is_committed(tid),
-            |ino| freed.push(ino),
+            |ino, _| freed.push(ino),
         );
         for ino in freed {
             let g = self.inode_group(ino) as usize;
@@ -536,29 +536,5 @@ impl Inner {
             self.gds.iter().map(|g| g.free_blocks_count as u64).sum(),
             self.gds.iter().map(|g| g.free_inodes_count as u64).sum(),
         )
-    }
-}
-
-/// Pending frees (blocks or inode numbers) whose freeing transaction is durable
-/// leave `map`: pop them from the front of `order` (`(tid, key)` in insertion
-/// order, tids never decreasing) instead of scanning the map. An entry a later
-/// free of the same key replaced (another tid) stays. `removed` sees each key
-/// that left.
-fn prune_durable<K: Ord + Copy, V>(
-    order: &mut std::collections::VecDeque<(u32, K)>,
-    map: &mut std::collections::BTreeMap<K, V>,
-    tid_of: impl Fn(&V) -> u32,
-    durable: impl Fn(u32) -> bool,
-    mut removed: impl FnMut(K),
-) {
-    while let Some(&(tid, key)) = order.front() {
-        if !durable(tid) {
-            break;
-        }
-        order.pop_front();
-        if map.get(&key).is_some_and(|v| tid_of(v) == tid) {
-            map.remove(&key);
-            removed(key);
-        }
     }
 }

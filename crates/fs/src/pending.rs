@@ -94,18 +94,15 @@ impl PendingBlocks {
 
     /// Forget the ranges whose freeing transactions are durable.
     pub fn prune(&mut self, durable: impl Fn(u32) -> bool) {
-        while let Some(&(tid, start)) = self.order.front() {
-            if !durable(tid) {
-                break;
-            }
-            self.order.pop_front();
-            let Some(&(end, t)) = self.ranges.get(&start) else {
-                continue;
-            };
-            if t != tid {
-                continue;
-            }
-            self.ranges.remove(&start);
+        let mut gone = Vec::new();
+        prune_durable(
+            &mut self.order,
+            &mut self.ranges,
+            |v| v.1,
+            durable,
+            |start, (end, _)| gone.push((start, end)),
+        );
+        for (start, end) in gone {
             self.set_bits(start, end, false);
             if self.overlapping {
                 // Whatever other range still covers these blocks keeps its
@@ -183,6 +180,31 @@ impl PendingBlocks {
             b = gend;
         }
         changed
+    }
+}
+
+/// Pending frees (blocks or inode numbers) whose freeing transaction is
+/// durable leave `map`: pop them from the front of `order` (`(tid, key)` in
+/// insertion order, tids never decreasing) instead of scanning the map. An
+/// entry a later free of the same key replaced (another tid) stays.
+/// `removed` sees each entry that left.
+pub(crate) fn prune_durable<K: Ord + Copy, V>(
+    order: &mut VecDeque<(u32, K)>,
+    map: &mut BTreeMap<K, V>,
+    tid_of: impl Fn(&V) -> u32,
+    durable: impl Fn(u32) -> bool,
+    mut removed: impl FnMut(K, V),
+) {
+    while let Some(&(tid, key)) = order.front() {
+        if !durable(tid) {
+            break;
+        }
+        order.pop_front();
+        if map.get(&key).is_some_and(|v| tid_of(v) == tid) {
+            if let Some(v) = map.remove(&key) {
+                removed(key, v);
+            }
+        }
     }
 }
 

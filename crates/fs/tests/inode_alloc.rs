@@ -9,19 +9,25 @@ use std::collections::BTreeSet;
 use commitfs_fs::testutil::{assert_fsck_clean, mkfs};
 use commitfs_fs::*;
 
+/// Mounted with no periodic commit: only the test's fsyncs and syncs
+/// commit (and the fast-commit area filling).
+fn open_without_periodic_commits(path: &std::path::Path) -> Fs {
+    Fs::open_path(
+        path,
+        MountOptions {
+            commit_interval: 0,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
 #[test]
 fn freed_inode_numbers_wait_for_their_commit_then_are_reused_lowest_first() {
     // 1 KiB blocks, 8 groups of 256 inodes.
     let img = mkfs("ialloc", 16, &["-b", "1024", "-N", "2048"]);
     {
-        let fs = Fs::open_path(
-            &img.path,
-            MountOptions {
-                commit_interval: 0,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let fs = open_without_periodic_commits(&img.path);
         let ipg = (fs.statfs().unwrap().files / 8) as u32;
         assert_eq!(ipg, 256, "the test wants 8 groups of 256 inodes");
         // More create/unlink pairs than group 0 has inodes, in one transaction.
@@ -59,14 +65,7 @@ fn freed_inode_numbers_wait_for_their_commit_then_are_reused_lowest_first() {
 fn freed_blocks_wait_for_their_commit_then_are_reused() {
     let img = mkfs("balloc", 32, &["-b", "1024", "-O", "fast_commit"]);
     {
-        let fs = Fs::open_path(
-            &img.path,
-            MountOptions {
-                commit_interval: 0,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let fs = open_without_periodic_commits(&img.path);
         let commits = || fs.stats().journal.commits;
         let data = vec![7u8; 3 * 1024];
         // Blocks freed since the last full commit completed, and that count.
