@@ -40,17 +40,6 @@ impl DataErrors {
     }
 }
 
-/// `Inner`'s handle on the shared [`DataErrors`]; `remove` keeps the map-like
-/// call of `Fs::fsync` (`g.data_errors.remove(&ino)`) as it was.
-#[derive(Default, Clone)]
-pub(crate) struct DataErrorsRef(pub Arc<DataErrors>);
-
-impl DataErrorsRef {
-    pub fn remove(&mut self, ino: &u32) -> bool {
-        self.0.take(*ino)
-    }
-}
-
 /// The key a page-cache cut's writes are in flight under: they span files,
 /// and no inode has number 0.
 pub(crate) const CUT_WRITES: u32 = 0;

@@ -127,9 +127,6 @@ pub(crate) struct Inner {
     pub opts: MountOptions,
     /// `errors=` handling, shared with `Fs` and the committer (errors.rs).
     pub errors: Arc<crate::errors::ErrorState>,
-    /// Inodes a data write failed for since their last fsync: the next fsync
-    /// reports EIO (errseq-like, once).
-    pub data_errors: crate::dataio::DataErrorsRef,
     /// What this mount's recovery replayed (`None`: the journal was empty).
     pub recovery: Option<crate::Recovery>,
     /// The file-data page cache (`None`: `-o nocache`, read-only, no journal).
@@ -270,7 +267,6 @@ impl Inner {
             next_generation: now().nsec ^ 0x9E37_79B9,
             opts,
             errors,
-            data_errors: Default::default(),
             recovery: None,
             pc: None,
             claiming: false,

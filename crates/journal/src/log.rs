@@ -526,6 +526,7 @@ impl LogState {
             let v = b.vers.lock().committed.take();
             if let Some(v) = v {
                 dev.write_at(blk * self.bs as u64, &v, IoCategory::Metadata, false)?;
+                b.vers.lock().written_home(&v);
             }
         }
         dev.flush()?;
