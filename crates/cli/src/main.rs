@@ -120,6 +120,12 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Make everything written through a mount durable now (sync(1) and
+    /// syncfs(2) never reach a FUSE file system: the kernel does not pass them on).
+    Sync {
+        /// Mount point.
+        dir: PathBuf,
+    },
     /// Crash-state harness: record a workload, check every crash state's recovery.
     Crashtest(crashtest_cmd::CrashtestArgs),
     /// Benchmark commitfs beside kernel ext4, XFS and fuse2fs on one device.
@@ -137,6 +143,16 @@ enum Cmd {
         #[arg(long, value_name = "N", default_value_t = demo::DEFAULT_MESSAGES)]
         messages: usize,
     },
+}
+
+/// Report commands end quietly when their reader goes away (`commitfs stats
+/// DIR | head`), as Unix tools do, instead of panicking on EPIPE: Rust
+/// ignores SIGPIPE by default. Not for the daemon, whose clients may hang up.
+fn quiet_on_closed_pipe() {
+    // SAFETY: restoring the default disposition of one signal.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
 }
 
 fn init_cli_logging() {
@@ -201,6 +217,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Info { image, json } => {
             init_cli_logging();
+            quiet_on_closed_pipe();
             info::run(&image, json)
         }
         Cmd::Mkfs {
@@ -226,7 +243,12 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Stats { dir, json } => {
             init_cli_logging();
+            quiet_on_closed_pipe();
             stats::run(&dir, json)
+        }
+        Cmd::Sync { dir } => {
+            init_cli_logging();
+            stats::sync(&dir)
         }
         Cmd::Crashtest(a) => {
             init_cli_logging();

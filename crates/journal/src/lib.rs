@@ -926,7 +926,8 @@ impl Core {
     ///
     /// The home copy is read from the device once and then kept with the
     /// buffer's versions ([`Versions::home`]) until the journal writes the
-    /// block home again.
+    /// block home again. For blocks only the journal writes home (inode
+    /// tables: never freed, never file data).
     pub fn replay_bases(&self, blocknr: u64) -> Result<Vec<Arc<[u8]>>> {
         let b = self.bread(blocknr)?;
         let mut out = Vec::with_capacity(2);

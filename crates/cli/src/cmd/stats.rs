@@ -2,7 +2,10 @@
 //!
 //! The mount daemon serves its counters on a Unix socket whose path is derived
 //! from the mount point (`/run/commitfs/<hash>.sock`); `commitfs stats` connects,
-//! reads one JSON document and prints it. Counters come from the device layer
+//! sends `stats`, reads one JSON document and prints it. The same socket takes
+//! `sync` (`commitfs sync DIR`): the kernel never passes sync(1) or syncfs(2)
+//! on to a FUSE daemon (it sends FUSE_SYNCFS to virtiofs only), so cached data
+//! of a mount would otherwise wait for the next commit. Counters come from the device layer
 //! (I/O by category, flushes, FUA writes), the journal (commits, log blocks,
 //! checkpoints, revokes) and the fast-commit path (like the kernel's fc_info).
 
@@ -203,8 +206,14 @@ pub fn serve(
                     break;
                 }
                 if let Ok(mut c) = conn {
-                    let body = stats_json(&fs, fuse.as_deref()).to_string();
-                    let _ = c.write_all(body.as_bytes());
+                    let body = match read_request(&c).as_deref() {
+                        Some("sync") => match fs.sync() {
+                            Ok(()) => json!({ "ok": true }),
+                            Err(e) => json!({ "ok": false, "error": e.to_string() }),
+                        },
+                        _ => stats_json(&fs, fuse.as_deref()),
+                    };
+                    let _ = c.write_all(body.to_string().as_bytes());
                 }
             }
         })
@@ -212,8 +221,42 @@ pub fn serve(
     Ok(StatsServer { path, stop })
 }
 
-/// `commitfs stats DIR`.
-pub fn run(dir: &Path, as_json: bool) -> Result<()> {
+/// The request line a client sent (`None`: nothing within a second, or not
+/// UTF-8): read without blocking the server for longer (`ppoll`, allowed by
+/// the sandbox, where socket timeouts are not).
+fn read_request(c: &UnixStream) -> Option<String> {
+    use std::os::fd::AsRawFd;
+    let mut buf = Vec::with_capacity(16);
+    let mut byte = [0u8; 1];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    while buf.len() < 64 {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        let ts = libc::timespec {
+            tv_sec: left.as_secs() as libc::time_t,
+            tv_nsec: left.subsec_nanos() as libc::c_long,
+        };
+        let mut pfd = libc::pollfd {
+            fd: c.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, a valid timespec, no signal mask.
+        if unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) } <= 0 {
+            return None;
+        }
+        match (&*c).read(&mut byte) {
+            Ok(1) if byte[0] != b'\n' => buf.push(byte[0]),
+            _ => break,
+        }
+    }
+    String::from_utf8(buf).ok()
+}
+
+/// Send `request` to the daemon of the mount at `dir`; its JSON reply.
+fn ask(dir: &Path, request: &str) -> Result<Value> {
     let path = socket_path(dir);
     let mut c = UnixStream::connect(&path).map_err(|e| {
         anyhow!(
@@ -222,9 +265,29 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
             path.display()
         )
     })?;
+    c.write_all(format!("{request}\n").as_bytes())?;
     let mut body = String::new();
     c.read_to_string(&mut body)?;
-    let v: Value = serde_json::from_str(&body).context("parsing the daemon's reply")?;
+    serde_json::from_str(&body).context("parsing the daemon's reply")
+}
+
+/// `commitfs sync DIR`: everything written through the mount before the
+/// call is durable when it returns (data, metadata, a full commit).
+pub fn sync(dir: &Path) -> Result<()> {
+    let v = ask(dir, "sync")?;
+    if v["ok"].as_bool() == Some(true) {
+        return Ok(());
+    }
+    Err(anyhow!(
+        "sync of {} failed: {}",
+        dir.display(),
+        v["error"].as_str().unwrap_or("no answer")
+    ))
+}
+
+/// `commitfs stats DIR`.
+pub fn run(dir: &Path, as_json: bool) -> Result<()> {
+    let v = ask(dir, "stats")?;
     if as_json {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
