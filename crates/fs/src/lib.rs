@@ -170,6 +170,9 @@ pub struct Fs {
     free: Arc<alloc::FreeCounts>,
     /// Blocks, reserved blocks, inodes: fixed while mounted (statfs).
     geometry: (u64, u64, u64),
+    /// Where each inode lives (fixed while mounted), for the home copies an
+    /// fsync warms outside `Inner` (`Some` when fast commits may need them).
+    itable_loc: Option<ItableLoc>,
     /// Data write failures for the next fsync (shared with the write-back paths).
     data_errors: Arc<dataio::DataErrors>,
     /// The file-data page cache (pagecache.rs), shared with `Inner`.
@@ -227,6 +230,24 @@ impl Drop for LeaderGuard<'_> {
     fn drop(&mut self) {
         *self.0.held.lock() = false;
         self.0.cv.notify_all();
+    }
+}
+
+/// The inode tables' places (`Inner::inode_location` without the lock).
+struct ItableLoc {
+    tables: Vec<u64>,
+    ipg: u32,
+    inode_size: usize,
+    bs: usize,
+}
+
+impl ItableLoc {
+    /// The inode-table block holding inode `ino` (`None`: out of range).
+    fn block_of(&self, ino: Ino) -> Option<u64> {
+        let i = ino.checked_sub(1)?;
+        let table = *self.tables.get((i / self.ipg) as usize)?;
+        let byte = (i % self.ipg) as usize * self.inode_size;
+        Some(table + (byte / self.bs) as u64)
     }
 }
 
@@ -366,6 +387,14 @@ impl Fs {
             inner.sb.inodes_count() as u64,
         );
         let fc_data_csum = inner.fc_data_csum;
+        // Fast commits compare in-inode xattr areas with the home copy only
+        // when inodes are larger than the kernel's record (`fc_inode_record`).
+        let itable_loc = (inner.fc_enabled && inner.inode_size > 128).then(|| ItableLoc {
+            tables: inner.gds.iter().map(|g| g.inode_table).collect(),
+            ipg: inner.ipg,
+            inode_size: inner.inode_size,
+            bs: inner.bs,
+        });
         let opts = inner.opts.clone();
         let (block_size, read_only) = (inner.bs as u32, inner.read_only);
         let inner = Arc::new(Mutex::new(inner));
@@ -391,6 +420,7 @@ impl Fs {
             dirs,
             free,
             geometry,
+            itable_loc,
             ilocks: Default::default(),
             dio,
             data_errors,
@@ -1774,6 +1804,13 @@ impl Fs {
                 }
             }
             pc.wait_written(ino, &|| self.journal.is_aborted());
+        }
+        // The home copy of this inode's inode-table block, which the fast
+        // commit's INODE record compares with (`Journal::replay_bases`): read
+        // here, without `Inner`, rather than by the plan under it. Best
+        // effort: a failed read is the plan's to report.
+        if let Some(blk) = self.itable_loc.as_ref().and_then(|l| l.block_of(ino)) {
+            let _ = self.journal.warm_home(blk);
         }
         // The entry values, under the lock the first check for a cover then
         // keeps (one acquisition, not two: every fsync of a batch comes here).

@@ -1257,3 +1257,71 @@ fn fast_commits_read_each_inode_table_home_copy_once() {
     drop(fs);
     assert_clean(&crashed.path, "after recovering the fast commits");
 }
+
+/// The one home-copy read a fast commit needs per inode-table block
+/// (`Journal::replay_bases`, see above) is made by the fsync before it takes
+/// the file-system lock (`Journal::warm_home`): a create returns while that
+/// read is held in the device. Made by the plan, under `Inner`, it queued
+/// every operation behind the read.
+#[test]
+fn fsync_reads_home_copies_outside_the_fs_lock() {
+    let img = mkfs(
+        "cc-fcwarm",
+        64,
+        &["-b", "4096", "-I", "256", "-O", "fast_commit"],
+    );
+    let dev = Arc::new(Hold::new(
+        Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        HoldOn::MetadataRead,
+    ));
+    let o = MountOptions {
+        fast_commit: true,
+        ..opts()
+    };
+    let fs = Fs::open(dev.clone(), o).unwrap();
+    let b = fs.create(ROOT_INO, b"b", 0o644, 0, 0).unwrap().ino;
+    fs.write(b, 0, &pattern(2, 5000)).unwrap();
+    // A full commit: every block the fast commit touches is cached and
+    // home, so its only metadata read is the home copy of b's block, once
+    // the write-back changed it.
+    fs.sync().unwrap();
+    fs.write(b, 5000, &pattern(3, 100)).unwrap();
+    let before = fs.fc_stats().commits;
+    dev.arm();
+    std::thread::scope(|s| {
+        let t = s.spawn(|| fs.fsync(b, false));
+        let held = dev.wait_holding();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let fs = &fs;
+        s.spawn(move || {
+            let _ = tx.send(fs.create(ROOT_INO, b"c", 0o644, 0, 0).map(|a| a.ino));
+        });
+        let got = rx.recv_timeout(GATE_TIMEOUT);
+        let still_held = dev.holding();
+        dev.release();
+        assert!(held, "the fsync read no metadata block");
+        assert!(
+            matches!(got, Ok(Ok(_))),
+            "create did not return while an fsync read a home copy: {got:?}"
+        );
+        assert!(still_held, "the read was released early");
+        t.join().unwrap().unwrap();
+    });
+    assert_eq!(
+        fs.fc_stats().commits,
+        before + 1,
+        "fsync was not a fast commit"
+    );
+    fs.unmount().unwrap();
+    drop(fs);
+    drop(dev);
+    assert_clean(&img.path, "after a create during an fsync's home read");
+    let fs = Fs::open_path(&img.path, opts()).unwrap();
+    let mut buf = vec![0u8; 5100];
+    let f = fs.resolve("/b").unwrap();
+    assert_eq!(fs.read(f, 0, &mut buf).unwrap(), 5100);
+    assert_eq!(&buf[..5000], &pattern(2, 5000)[..]);
+    assert_eq!(&buf[5000..], &pattern(3, 100)[..]);
+    assert!(fs.lookup(ROOT_INO, b"c").is_ok());
+    fs.unmount().unwrap();
+}

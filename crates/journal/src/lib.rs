@@ -963,6 +963,39 @@ impl Core {
         Ok(out)
     }
 
+    /// Read the home copy of cached block `blocknr` now and keep it for a
+    /// later [`Self::replay_bases`] (`Versions::home`), which then needs no
+    /// device read. Called without the file system's lock, so the fast
+    /// commit planned under it does not read there. Nothing happens for a
+    /// block not cached, not changed since it was home, or with a copy kept.
+    pub fn warm_home(&self, blocknr: u64) -> Result<()> {
+        let Some(b) = self.cache.lock().get(&blocknr).cloned() else {
+            return Ok(());
+        };
+        let gen = {
+            let v = b.vers.lock();
+            if v.home.is_some() {
+                return Ok(());
+            }
+            v.home_gen
+        };
+        if !b.is_dirty() && b.versions_in_flight() == 0 {
+            // `replay_bases` takes the live version then.
+            return Ok(());
+        }
+        let mut home = vec![0u8; self.block_size];
+        self.dev.read_at(
+            blocknr * self.block_size as u64,
+            &mut home,
+            IoCategory::Metadata,
+        )?;
+        let mut v = b.vers.lock();
+        if v.home_gen == gen && v.home.is_none() {
+            v.home = Some(Arc::from(home));
+        }
+        Ok(())
+    }
+
     /// A buffer for a newly allocated metadata block: zero-filled, never read from
     /// the device (its old content is garbage by definition).
     pub fn getblk_zeroed(&self, blocknr: u64) -> Result<Arc<Buffer>> {
