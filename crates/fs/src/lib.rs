@@ -660,6 +660,12 @@ impl Fs {
         Fs::open(dev, opts).map_err(|e| e.with_image(path))
     }
 
+    /// [`Self::unmount`] has begun (the daemon's control socket refuses a
+    /// `sync` then: the unmount writes everything home itself).
+    pub fn is_unmounting(&self) -> bool {
+        self.unmounted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Write everything home, mark the file system clean. Idempotent; also done on
     /// drop (errors are then only logged).
     pub fn unmount(&self) -> Result<()> {

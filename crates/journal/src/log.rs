@@ -523,10 +523,17 @@ impl LogState {
         // a block freed meanwhile is revoked (needlessly, but harmlessly).
         let bufs = self.checkpoint.lock().clone();
         for (blk, b) in &bufs {
-            let v = b.vers.lock().committed.take();
+            // Cleared only once written (as `Journal::write_home` does): until
+            // then recovery could still start from this version, and
+            // `replay_bases` must count it (the home copy is the old one).
+            let v = b.vers.lock().committed.clone();
             if let Some(v) = v {
                 dev.write_at(blk * self.bs as u64, &v, IoCategory::Metadata, false)?;
-                b.vers.lock().written_home(&v);
+                let mut vs = b.vers.lock();
+                vs.written_home(&v);
+                if vs.committed.as_ref().is_some_and(|c| Arc::ptr_eq(c, &v)) {
+                    vs.committed = None;
+                }
             }
         }
         dev.flush()?;

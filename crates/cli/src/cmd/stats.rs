@@ -207,6 +207,14 @@ pub fn serve(
                 }
                 if let Ok(mut c) = conn {
                     let body = match read_request(&c).as_deref() {
+                        // During the unmount (FUSE's destroy runs before
+                        // this server stops) the unmount's own commits are
+                        // the only ones: a commit after its last would land
+                        // in a closed log.
+                        Some("sync") if fs.is_unmounting() => json!({
+                            "ok": false,
+                            "error": "the file system is being unmounted (`commitfs umount` waits until everything is home)"
+                        }),
                         Some("sync") => match fs.sync() {
                             Ok(()) => json!({ "ok": true }),
                             Err(e) => json!({ "ok": false, "error": e.to_string() }),
