@@ -736,11 +736,10 @@ impl Inner {
         if ino == 0 || ino > self.sb.inodes_count() {
             return Err(FsError::corrupt(format!("inode number {ino} out of range")));
         }
-        let g = (ino - 1) / self.ipg;
-        let idx = ((ino - 1) % self.ipg) as usize;
-        let byte = idx * self.inode_size;
-        let blk = self.gds[g as usize].inode_table + (byte / self.bs) as u64;
-        Ok((blk, byte % self.bs))
+        inode_place(ino, self.ipg, self.inode_size, self.bs, |g| {
+            self.gds.get(g).map(|d| d.inode_table)
+        })
+        .ok_or_else(|| FsError::corrupt(format!("inode number {ino} has no group")))
     }
 
     /// A copy of inode `ino` (from the cache or the inode table).
@@ -808,4 +807,20 @@ impl Inner {
     pub fn bs64(&self) -> u64 {
         self.bs as u64
     }
+}
+
+/// Block and byte offset of inode `ino` (numbered from 1), `ipg` to a group,
+/// given each group's inode-table start (`table`; `None`: no such group).
+/// One formula for `Inner::inode_location` and `Fs`'s lock-free copy.
+pub(crate) fn inode_place(
+    ino: u32,
+    ipg: u32,
+    inode_size: usize,
+    bs: usize,
+    table: impl Fn(usize) -> Option<u64>,
+) -> Option<(u64, usize)> {
+    let i = ino.checked_sub(1)?;
+    let start = table(i.checked_div(ipg)? as usize)?;
+    let byte = (i % ipg) as usize * inode_size;
+    Some((start + (byte / bs) as u64, byte % bs))
 }

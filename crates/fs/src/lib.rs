@@ -244,10 +244,10 @@ struct ItableLoc {
 impl ItableLoc {
     /// The inode-table block holding inode `ino` (`None`: out of range).
     fn block_of(&self, ino: Ino) -> Option<u64> {
-        let i = ino.checked_sub(1)?;
-        let table = *self.tables.get((i / self.ipg) as usize)?;
-        let byte = (i % self.ipg) as usize * self.inode_size;
-        Some(table + (byte / self.bs) as u64)
+        inner::inode_place(ino, self.ipg, self.inode_size, self.bs, |g| {
+            self.tables.get(g).copied()
+        })
+        .map(|(blk, _)| blk)
     }
 }
 

@@ -404,6 +404,34 @@ impl Hold {
         self.st.lock().unwrap().2 = true;
         self.cv.notify_all();
     }
+    /// Run `holder` on a thread until its next request of kind `on` is held,
+    /// then `op` on another: `holder`'s result, and what `op` returned within
+    /// [`GATE_TIMEOUT`] (`None`: it did not return while the request was
+    /// held). Checks that the request came, and was still held when `op`
+    /// ended.
+    fn while_held<H: Send, T: Send>(
+        &self,
+        holder: impl FnOnce() -> H + Send,
+        op: impl FnOnce() -> T + Send,
+    ) -> (H, Option<T>) {
+        self.arm();
+        std::thread::scope(|s| {
+            let a = s.spawn(holder);
+            let held = self.wait_holding();
+            let (tx, rx) = std::sync::mpsc::channel();
+            s.spawn(move || {
+                let _ = tx.send(op());
+            });
+            let got = rx.recv_timeout(GATE_TIMEOUT).ok();
+            let still_held = self.holding();
+            self.release();
+            assert!(held, "the held request never came");
+            if got.is_some() {
+                assert!(still_held, "the request was released early");
+            }
+            (a.join().unwrap(), got)
+        })
+    }
     /// Called before a request of kind `on`: holds it when armed.
     fn maybe_hold(&self, on: HoldOn) {
         if on != self.on {
@@ -482,24 +510,9 @@ fn image_with_gated_dir(tag: &str, data: &[u8]) -> (TempImage, Arc<Hold>, Fs, In
 /// returned within [`GATE_TIMEOUT`] (`None`: it did not return while the lock
 /// was held). Checks that the lock was held, and still held when `op` ended.
 fn while_fs_lock_held<T: Send>(fs: &Fs, dev: &Hold, op: impl FnOnce() -> T + Send) -> Option<T> {
-    dev.arm();
-    std::thread::scope(|s| {
-        let a = s.spawn(|| fs.resolve("/d/x"));
-        let held = dev.wait_holding();
-        let (tx, rx) = std::sync::mpsc::channel();
-        s.spawn(move || {
-            let _ = tx.send(op());
-        });
-        let got = rx.recv_timeout(GATE_TIMEOUT).ok();
-        let still_held = dev.holding();
-        dev.release();
-        assert!(held, "the directory block read never came");
-        if got.is_some() {
-            assert!(still_held, "the metadata read was released early");
-        }
-        a.join().unwrap().unwrap();
-        got
-    })
+    let (resolved, got) = dev.while_held(|| fs.resolve("/d/x"), op);
+    resolved.unwrap();
+    got
 }
 
 /// `getattr` of a cached inode is answered by the inode table without the
@@ -872,27 +885,14 @@ fn unlink_does_not_wait_for_a_fast_commit_flush() {
     let b = fs.create(ROOT_INO, b"b", 0o644, 0, 0).unwrap().ino;
     fs.write(b, 0, &pattern(2, 5000)).unwrap();
     let before = fs.fc_stats().commits;
-    dev.arm();
-    std::thread::scope(|s| {
-        // A fast commit (b's data is unflushed: its flush comes first).
-        let t = s.spawn(|| fs.fsync(b, false));
-        let held = dev.wait_holding();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let fs = &fs;
-        s.spawn(move || {
-            let _ = tx.send(fs.unlink(ROOT_INO, b"a"));
-        });
-        let got = rx.recv_timeout(GATE_TIMEOUT);
-        let still_held = dev.holding();
-        dev.release();
-        assert!(held, "the fast commit's flush never came");
-        assert!(
-            matches!(got, Ok(Ok(()))),
-            "unlink did not return while a fast commit waited for its flush: {got:?}"
-        );
-        assert!(still_held, "the flush was released early");
-        t.join().unwrap().unwrap();
-    });
+    // A fast commit (b's data is unflushed: its flush comes first), held
+    // in that flush while another thread unlinks.
+    let (synced, got) = dev.while_held(|| fs.fsync(b, false), || fs.unlink(ROOT_INO, b"a"));
+    assert!(
+        matches!(got, Some(Ok(()))),
+        "unlink did not return while a fast commit waited for its flush: {got:?}"
+    );
+    synced.unwrap();
     assert_eq!(
         fs.fc_stats().commits,
         before + 1,
@@ -1287,26 +1287,15 @@ fn fsync_reads_home_copies_outside_the_fs_lock() {
     fs.sync().unwrap();
     fs.write(b, 5000, &pattern(3, 100)).unwrap();
     let before = fs.fc_stats().commits;
-    dev.arm();
-    std::thread::scope(|s| {
-        let t = s.spawn(|| fs.fsync(b, false));
-        let held = dev.wait_holding();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let fs = &fs;
-        s.spawn(move || {
-            let _ = tx.send(fs.create(ROOT_INO, b"c", 0o644, 0, 0).map(|a| a.ino));
-        });
-        let got = rx.recv_timeout(GATE_TIMEOUT);
-        let still_held = dev.holding();
-        dev.release();
-        assert!(held, "the fsync read no metadata block");
-        assert!(
-            matches!(got, Ok(Ok(_))),
-            "create did not return while an fsync read a home copy: {got:?}"
-        );
-        assert!(still_held, "the read was released early");
-        t.join().unwrap().unwrap();
-    });
+    let (synced, got) = dev.while_held(
+        || fs.fsync(b, false),
+        || fs.create(ROOT_INO, b"c", 0o644, 0, 0).map(|a| a.ino),
+    );
+    assert!(
+        matches!(got, Some(Ok(_))),
+        "create did not return while an fsync read a home copy: {got:?}"
+    );
+    synced.unwrap();
     assert_eq!(
         fs.fc_stats().commits,
         before + 1,

@@ -131,6 +131,13 @@ pub(crate) struct Versions {
 }
 
 impl Versions {
+    /// The home location was written with bytes not kept here: a kept copy
+    /// is stale.
+    pub fn home_unknown(&mut self) {
+        self.home = None;
+        self.home_gen = self.home_gen.wrapping_add(1);
+    }
+
     /// The journal wrote `v` home. A kept copy follows it; none is started
     /// here (only blocks fast commits look at keep one: a checkpoint writes
     /// every committed block, and keeping each would double the cache).
@@ -931,36 +938,40 @@ impl Core {
     pub fn replay_bases(&self, blocknr: u64) -> Result<Vec<Arc<[u8]>>> {
         let b = self.bread(blocknr)?;
         let mut out = Vec::with_capacity(2);
-        let (committed, home, gen) = {
-            let v = b.vers.lock();
-            (v.committed.clone(), v.home.clone(), v.home_gen)
-        };
-        if let Some(c) = committed {
+        if let Some(c) = b.vers.lock().committed.clone() {
             out.push(c);
         }
         if b.is_dirty() || b.versions_in_flight() > 0 {
-            let home = match home {
-                Some(h) => h,
-                None => {
-                    let mut home = vec![0u8; self.block_size];
-                    self.dev.read_at(
-                        blocknr * self.block_size as u64,
-                        &mut home,
-                        IoCategory::Metadata,
-                    )?;
-                    let home: Arc<[u8]> = Arc::from(home);
-                    let mut v = b.vers.lock();
-                    if v.home_gen == gen {
-                        v.home = Some(home.clone());
-                    }
-                    home
-                }
-            };
-            out.push(home);
+            out.push(self.kept_home(&b)?);
         } else {
             out.push(Arc::from(&b.data()[..]));
         }
         Ok(out)
+    }
+
+    /// Buffer `b`'s kept home copy (`Versions::home`), read from the device
+    /// and kept if there is none (a read that raced with a home write is
+    /// returned but not kept: `home_gen`).
+    fn kept_home(&self, b: &Buffer) -> Result<Arc<[u8]>> {
+        let gen = {
+            let v = b.vers.lock();
+            if let Some(h) = &v.home {
+                return Ok(h.clone());
+            }
+            v.home_gen
+        };
+        let mut home = vec![0u8; self.block_size];
+        self.dev.read_at(
+            b.blocknr * self.block_size as u64,
+            &mut home,
+            IoCategory::Metadata,
+        )?;
+        let home: Arc<[u8]> = Arc::from(home);
+        let mut v = b.vers.lock();
+        if v.home_gen == gen && v.home.is_none() {
+            v.home = Some(home.clone());
+        }
+        Ok(home)
     }
 
     /// Read the home copy of cached block `blocknr` now and keep it for a
@@ -972,26 +983,9 @@ impl Core {
         let Some(b) = self.cache.lock().get(&blocknr).cloned() else {
             return Ok(());
         };
-        let gen = {
-            let v = b.vers.lock();
-            if v.home.is_some() {
-                return Ok(());
-            }
-            v.home_gen
-        };
-        if !b.is_dirty() && b.versions_in_flight() == 0 {
-            // `replay_bases` takes the live version then.
-            return Ok(());
-        }
-        let mut home = vec![0u8; self.block_size];
-        self.dev.read_at(
-            blocknr * self.block_size as u64,
-            &mut home,
-            IoCategory::Metadata,
-        )?;
-        let mut v = b.vers.lock();
-        if v.home_gen == gen && v.home.is_none() {
-            v.home = Some(Arc::from(home));
+        // Unchanged since home: `replay_bases` takes the live version then.
+        if b.is_dirty() || b.versions_in_flight() > 0 {
+            self.kept_home(&b)?;
         }
         Ok(())
     }
@@ -1414,10 +1408,7 @@ impl Core {
             );
             drop(data);
             // Home changed: a kept home copy is stale now.
-            let mut v = b.vers.lock();
-            v.home = None;
-            v.home_gen = v.home_gen.wrapping_add(1);
-            drop(v);
+            b.vers.lock().home_unknown();
             self.or_abort(r.map_err(Into::into))?;
         }
         let r = self.dev.flush();
