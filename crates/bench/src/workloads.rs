@@ -95,7 +95,16 @@ pub struct Scale {
 }
 
 impl Scale {
+    /// Seconds per timed point; `COMMITFS_BENCH_SECS` overrides it (longer
+    /// points for A/B comparisons whose difference is within a 2 s point's noise).
     fn secs(&self) -> f64 {
+        if let Some(s) = std::env::var("COMMITFS_BENCH_SECS")
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|s| *s > 0.0)
+        {
+            return s;
+        }
         if self.quick {
             2.0
         } else {

@@ -187,19 +187,60 @@ pub struct FcTracker {
     inodes: BTreeMap<u32, Tracked>,
     dentries: Vec<(u32, DentryOp)>,
     next_version: u64,
-    /// Every change tracked with a version `<=` this is durable through a fast
-    /// commit (group commit: an fsync that entered when `next_version` was `v` is
-    /// covered once `durable_upto >= v`; see `Inner::fc_seq`).
-    pub durable_upto: u64,
-    /// Chained fast commits written but not yet durable, oldest first
-    /// (`Fs::fc_harvest` moves them into `durable_upto`).
-    pub pending: std::collections::VecDeque<FcPending>,
-    pub stats: FcStats,
+    /// What fsyncs check without `Inner`: the published `next_version`, what
+    /// is durable, the pending chained fast commits, the counters.
+    pub dur: std::sync::Arc<FcDurable>,
     protect: FcProtect,
     /// Tracked entries past which tracking prunes what full commits made
     /// durable (without fsyncs nothing else would: memory, and the linear
     /// scans of `dentries`); doubles with what survives a prune.
     prune_at: usize,
+}
+
+/// The fast-commit tracker's durability state, under a lock of its own
+/// (ARCHITECTURE.md C.1/C.4: taken after `Inner`, never before it; nothing is
+/// taken under it and no I/O happens under it). An fsync notes [`Self::seq`]
+/// on entry and checks [`FcDurState::covered`] without `Inner`: a fast commit's
+/// followers find themselves covered without queueing on the file-system lock.
+#[derive(Default)]
+pub struct FcDurable {
+    /// [`FcTracker`]'s change counter, published at each change (written
+    /// under `Inner`; read by fsyncs without it).
+    seq: std::sync::atomic::AtomicU64,
+    st: parking_lot::Mutex<FcDurState>,
+}
+
+impl FcDurable {
+    /// Every change tracked so far has a version `<=` this. An operation's
+    /// change is tracked before it returns, so an fsync that reads this after
+    /// the operation returned covers it.
+    pub fn seq(&self) -> u64 {
+        self.seq.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub fn lock(&self) -> parking_lot::MutexGuard<'_, FcDurState> {
+        self.st.lock()
+    }
+}
+
+/// [`FcDurable`]'s locked part.
+#[derive(Default)]
+pub struct FcDurState {
+    /// Every change tracked with a version `<=` this is durable through a fast
+    /// commit (group commit: an fsync that entered when the change counter was
+    /// `v` is covered once `durable_upto >= v`).
+    pub durable_upto: u64,
+    /// Chained fast commits written but not yet durable, oldest first
+    /// (`Fs::fc_harvest` moves them into `durable_upto`).
+    pub pending: std::collections::VecDeque<FcPending>,
+    pub stats: FcStats,
+}
+
+impl FcDurState {
+    /// Whether every change tracked up to `seq` is durable in a fast commit.
+    pub fn covered(&self, seq: u64) -> bool {
+        self.durable_upto >= seq
+    }
 }
 
 /// The first [`FcTracker::prune_at`].
@@ -256,6 +297,9 @@ pub struct FcLogged {
 impl FcTracker {
     fn bump(&mut self) -> u64 {
         self.next_version += 1;
+        self.dur
+            .seq
+            .store(self.next_version, std::sync::atomic::Ordering::Release);
         self.next_version
     }
 }
@@ -266,11 +310,6 @@ impl Inner {
     /// was `v` covers every change up to `v` (`FcTracker::durable_upto`).
     pub fn fc_seq(&self) -> u64 {
         self.fc.next_version
-    }
-
-    /// Whether every change tracked up to `seq` is durable in a fast commit.
-    pub fn fc_covered(&self, seq: u64) -> bool {
-        self.fc.durable_upto >= seq
     }
 
     /// Fast commits are being tracked on this mount.
@@ -748,7 +787,14 @@ impl Inner {
 
     /// Count a fallback to a full commit.
     pub fn fc_count_ineligible(&mut self, r: FcReason) {
-        *self.fc.stats.ineligible.entry(r.name()).or_insert(0) += 1;
+        *self
+            .fc
+            .dur
+            .lock()
+            .stats
+            .ineligible
+            .entry(r.name())
+            .or_insert(0) += 1;
     }
 }
 

@@ -32,11 +32,59 @@ use crate::error::{FsError, Result};
 use crate::types::MountOptions;
 
 /// Incompat features we can mount read-write (ext4-format.md §2.3).
-/// Entries of [`Inner::datasync`] past which those of durable transactions
+/// Entries of [`DatasyncStamps`] past which those of durable transactions
 /// are dropped (at first; then at twice what survived the last prune, so a
 /// transaction with more entries is not rescanned at every write: it was, and
 /// creating files spent 15% of the daemon's time there).
 const DATASYNC_PRUNE_AT: usize = 4096;
+
+/// fdatasync's rule (ext4's `i_datasync_tid`; docs/ARCHITECTURE.md C.5): the
+/// transaction of each inode's last change that fdatasync must make durable
+/// (size, block mapping, creation: every [`Inner::write_inode`], not
+/// [`Inner::write_inode_times`]). An inode absent here, or whose transaction
+/// is durable, needs only its data flushed. Lock order: after `Inner`.
+pub struct DatasyncStamps {
+    /// ino -> `(tid, serial)`: the serial tells a later change in the same
+    /// transaction.
+    map: HashMap<u32, (u32, u64)>,
+    serial: u64,
+    /// Entries at which the next prune runs (see `DATASYNC_PRUNE_AT`).
+    prune_at: usize,
+}
+
+impl Default for DatasyncStamps {
+    fn default() -> Self {
+        DatasyncStamps {
+            map: HashMap::new(),
+            serial: 0,
+            prune_at: DATASYNC_PRUNE_AT,
+        }
+    }
+}
+
+impl DatasyncStamps {
+    /// `ino` changed in `tid` in a way fdatasync must persist.
+    fn stamp(&mut self, ino: u32, tid: u32, j: &commitfs_journal::Journal) {
+        if self.map.len() >= self.prune_at {
+            self.map.retain(|_, (t, _)| !j.is_committed(*t));
+            self.prune_at = (2 * self.map.len()).max(DATASYNC_PRUNE_AT);
+        }
+        self.serial += 1;
+        self.map.insert(ino, (tid, self.serial));
+    }
+
+    /// The stamp of `ino`'s last such change, if not pruned.
+    pub fn get(&self, ino: u32) -> Option<(u32, u64)> {
+        self.map.get(&ino).copied()
+    }
+
+    /// Forget `ino`'s stamp if it is still `stamp` (no change since).
+    pub fn clear_if(&mut self, ino: u32, stamp: (u32, u64)) {
+        if self.map.get(&ino) == Some(&stamp) {
+            self.map.remove(&ino);
+        }
+    }
+}
 
 const SUPPORTED_INCOMPAT: u32 = sbf::INCOMPAT_FILETYPE
     | sbf::INCOMPAT_RECOVER
@@ -109,16 +157,9 @@ pub(crate) struct Inner {
     /// Data writes between their metadata step and their device write
     /// (`dataio.rs`); fast commits wait for them.
     pub inflight: Arc<crate::dataio::Inflight>,
-    /// fdatasync's rule (ext4's `i_datasync_tid`; docs/ARCHITECTURE.md C.5): the
-    /// transaction of each inode's last change that fdatasync must make durable
-    /// (size, block mapping, creation: every [`Inner::write_inode`], not
-    /// [`Inner::write_inode_times`]). An inode absent here, or whose transaction
-    /// is durable, needs only its data flushed. `(tid, serial)`: the serial tells
-    /// a later change in the same transaction.
-    pub datasync: HashMap<u32, (u32, u64)>,
-    pub datasync_serial: u64,
-    /// `datasync` entries at which the next prune runs (see `DATASYNC_PRUNE_AT`).
-    pub datasync_prune_at: usize,
+    /// fdatasync's rule (ext4's `i_datasync_tid`, C.5), under a lock of its
+    /// own so that an fsync reads and clears its stamp without `Inner`.
+    pub datasync: Arc<parking_lot::Mutex<DatasyncStamps>>,
     /// Per-group hint: first inode bit that may be free.
     pub inode_hint: Vec<u32>,
     /// Last group a directory was placed in (spreads top-level directories).
@@ -259,9 +300,7 @@ impl Inner {
             fc_enabled: false,
             fc_data_csum: false,
             inflight: Default::default(),
-            datasync: HashMap::new(),
-            datasync_serial: 0,
-            datasync_prune_at: DATASYNC_PRUNE_AT,
+            datasync: Default::default(),
             inode_hint: vec![0; groups as usize],
             last_dir_group: 0,
             next_generation: now().nsec ^ 0x9E37_79B9,
@@ -758,16 +797,10 @@ impl Inner {
     }
 
     /// Write inode `ino` to its inode-table buffer and the cache; fdatasync of
-    /// it must commit this change (see [`Inner::datasync`]).
+    /// it must commit this change (see [`DatasyncStamps`]).
     pub fn write_inode(&mut self, h: &Handle, ino: u32, inode: &Inode) -> Result<()> {
         self.write_inode_times(h, ino, inode)?;
-        if self.datasync.len() >= self.datasync_prune_at {
-            let j = self.journal.clone();
-            self.datasync.retain(|_, (t, _)| !j.is_committed(*t));
-            self.datasync_prune_at = (2 * self.datasync.len()).max(DATASYNC_PRUNE_AT);
-        }
-        self.datasync_serial += 1;
-        self.datasync.insert(ino, (h.tid(), self.datasync_serial));
+        self.datasync.lock().stamp(ino, h.tid(), &self.journal);
         Ok(())
     }
 

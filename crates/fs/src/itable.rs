@@ -317,6 +317,11 @@ impl InodeTable {
         self.st.lock().lazy.is_empty()
     }
 
+    /// Whether `ino` has a pending lazytime atime.
+    pub fn has_lazy(&self, ino: u32) -> bool {
+        self.st.lock().lazy.contains_key(&ino)
+    }
+
     /// Inodes with a pending lazytime atime: `only` (if pending), or all.
     pub fn lazy_inos(&self, only: Option<u32>) -> Vec<u32> {
         let st = self.st.lock();

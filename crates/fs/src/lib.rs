@@ -179,6 +179,14 @@ pub struct Fs {
     pc: Option<Arc<pagecache::PageCache>>,
     /// `-o fc_data_csum` in effect.
     fc_data_csum: bool,
+    /// Fast commits written on this mount (as `Inner::fc_enabled`).
+    fc_on: bool,
+    /// Shared with `Inner`'s fast-commit tracker: what fsyncs check without
+    /// `Inner` (fc.rs, lock order C.4: after `Inner`).
+    fcd: Arc<fc::FcDurable>,
+    /// Shared with `Inner`: fdatasync's stamps (C.5), read and cleared by
+    /// fsyncs without `Inner`.
+    datasync: Arc<Mutex<inner::DatasyncStamps>>,
     /// The mount's options (as `Inner::opts`), for decisions made without
     /// `Inner` (atime of a read answered from the page cache).
     opts: MountOptions,
@@ -387,6 +395,11 @@ impl Fs {
             inner.sb.inodes_count() as u64,
         );
         let fc_data_csum = inner.fc_data_csum;
+        let (fc_on, fcd, datasync) = (
+            inner.fc_enabled,
+            inner.fc.dur.clone(),
+            inner.datasync.clone(),
+        );
         // Fast commits compare in-inode xattr areas with the home copy only
         // when inodes are larger than the kernel's record (`fc_inode_record`).
         let itable_loc = (inner.fc_enabled && inner.inode_size > 128).then(|| ItableLoc {
@@ -415,6 +428,9 @@ impl Fs {
             _hooks: hooks,
             pc,
             fc_data_csum,
+            fc_on,
+            fcd,
+            datasync,
             opts,
             itable,
             dirs,
@@ -588,7 +604,7 @@ impl Fs {
         };
         let r = j.confirm_data(tid, &pack).map_err(FsError::from);
         if self.check(&j, "confirm_data", r)? {
-            self.lock()?.fc.stats.confirms += 1;
+            self.fcd.lock().stats.confirms += 1;
         }
         Ok(())
     }
@@ -618,7 +634,7 @@ impl Fs {
                 None => false,
             };
             if wrote {
-                self.lock()?.fc.stats.confirms += 1;
+                self.fcd.lock().stats.confirms += 1;
             } else {
                 self.sync()?;
             }
@@ -1818,20 +1834,23 @@ impl Fs {
         if let Some(blk) = self.itable_loc.as_ref().and_then(|l| l.block_of(ino)) {
             let _ = self.journal.warm_home(blk);
         }
-        // The entry values, under the lock the first check for a cover then
-        // keeps (one acquisition, not two: every fsync of a batch comes here).
-        let mut g = self.lock()?;
-        g.read_inode(ino)?;
-        if !datasync {
-            // An fsync writes the inode's lazytime atime (as the kernel's does).
-            g.flush_lazy_atimes(Some(ino))?;
+        // The entry values, without `Inner` (C.1: the tracker's durability
+        // state and the datasync stamps have locks of their own) unless the
+        // inode must be read or its lazytime atime written (an fsync writes
+        // it, as the kernel's does). Every change an operation made is
+        // tracked before it returns, so values read after that cover it.
+        if self.itable.with(ino, |_| ()).is_none() || (!datasync && self.itable.has_lazy(ino)) {
+            let mut g = self.lock()?;
+            g.read_inode(ino)?;
+            if !datasync {
+                g.flush_lazy_atimes(Some(ino))?;
+            }
         }
         let j = self.journal.clone();
         let entry_tid = j.running_tid();
         let dgen = self.data_gens.lock().get(&ino).copied();
-        let (entry_seq, fc_on, stamp) = (g.fc_seq(), g.fc_on(), g.datasync.get(&ino).copied());
+        let (entry_seq, fc_on, stamp) = (self.fcd.seq(), self.fc_on, self.datasync.lock().get(ino));
         if datasync && stamp.is_none_or(|(t, _)| j.is_committed(t)) {
-            drop(g);
             // C.5 (ext4's i_datasync_tid): what fdatasync must persist besides
             // the data — size, mapping — is durable already; timestamps of an
             // in-place overwrite can wait for the next commit. Only the data's
@@ -1856,14 +1875,11 @@ impl Fs {
             .as_ref()
             .filter(|pc| !pc.per_file())
             .map(|pc| pc.wseq());
-        let r = self.fsync_covered(g, &j, (entry_tid, entry_seq, wseq), dgen, fc_on);
-        if r.is_ok() {
+        let r = self.fsync_covered(&j, (entry_tid, entry_seq, wseq), dgen, fc_on);
+        if let (Ok(()), Some(stamp)) = (&r, stamp) {
             // Everything changed before the entry is durable now: unless the
             // inode changed since, its next fdatasync needs no commit.
-            let mut g = self.lock()?;
-            if stamp.is_some() && g.datasync.get(&ino) == stamp.as_ref() {
-                g.datasync.remove(&ino);
-            }
+            self.datasync.lock().clear_if(ino, stamp);
         }
         if r.is_ok() {
             if let Some(g) = dgen {
@@ -1879,7 +1895,6 @@ impl Fs {
     /// [`Self::fsync_inner`] once the entry values are noted.
     fn fsync_covered(
         &self,
-        entry: parking_lot::MutexGuard<'_, Inner>,
         j: &Arc<commitfs_journal::Journal>,
         (entry_tid, entry_seq, wseq): (u32, u64, Option<u64>),
         dgen: Option<u64>,
@@ -1897,7 +1912,6 @@ impl Fs {
         if !fc_on {
             // JBD2 mode: the journal's group commit (concurrent callers share
             // commits and flushes).
-            drop(entry);
             return self.sync_for(entry_tid, dgen, wseq);
         }
         let _active = ActiveFsync::enter(&self.fsync_active, &self.fsync_peak);
@@ -1906,52 +1920,49 @@ impl Fs {
         let t0 = std::time::Instant::now();
         let mut batched = false;
         let mut _fcl = None;
-        let mut entry = Some(entry);
         loop {
-            // A woken follower queues on `Inner` here. Checking its cover
-            // without it first (a mirror of `durable_upto`) was measured:
-            // 6% fewer ops/s in varmail on the SATA SSD (ARCHITECTURE.md).
-            let mut g = match entry.take() {
-                Some(g) => g,
-                None => self.lock()?,
-            };
-            self.fc_harvest(&mut g);
-            let meta_covered = (g.fc_covered(entry_seq) && self.cache_covered(wseq))
-                || (j.is_committed(entry_tid) && self.cache_covered(wseq));
-            if meta_covered && data_done(j) {
-                g.fc.stats.skipped += 1;
-                return Ok(());
-            }
-            if !meta_covered {
-                if let Some(pg) = self.fc_pending_cover(&g, entry_seq, entry_tid, wseq) {
-                    // A chained fast commit written but not yet durable covers
-                    // this fsync: wait for the flush that makes it so (leading
-                    // nothing: let another leader write the next one).
-                    drop(g);
-                    _fcl = None;
-                    j.wait_data(pg)?;
-                    continue;
+            // Whether something durable covers this fsync, checked on the
+            // tracker's durability state alone (C.1): a fast commit's
+            // followers, woken at once, do not queue on `Inner` for it.
+            let cache_ok = self.cache_covered(wseq);
+            let (meta_covered, pending) = {
+                let mut d = self.fcd.lock();
+                self.fc_harvest(&mut d);
+                let meta_covered = d.covered(entry_seq) || j.is_committed(entry_tid);
+                if meta_covered && cache_ok && data_done(j) {
+                    d.stats.skipped += 1;
+                    return Ok(());
                 }
+                let pending = match meta_covered && cache_ok {
+                    true => None,
+                    false => self.fc_pending_cover(&d, entry_seq, entry_tid, wseq),
+                };
+                (meta_covered && cache_ok, pending)
+            };
+            if let Some(pg) = pending {
+                // A chained fast commit written but not yet durable covers
+                // this fsync: wait for the flush that makes it so (leading
+                // nothing: let another leader write the next one).
+                _fcl = None;
+                j.wait_data(pg)?;
+                continue;
             }
             if _fcl.is_none() {
                 // Lead, or wait for the leader's fast commit and check again:
                 // every follower wakes at once (no queue on a mutex).
-                drop(g);
                 _fcl = self.fc_lock.lead_or_wait();
                 continue;
             }
             if j.full_commit_in_flight() {
                 // The kernel waits for an ongoing full commit, then checks again:
                 // it often covers this fsync.
-                drop(g);
                 j.wait_full_commits()?;
                 continue;
             }
             if meta_covered {
-                drop(g);
                 return wait_data(j);
             }
-            if !batched && !g.fc.pending.is_empty() {
+            if !batched && !self.fcd.lock().pending.is_empty() {
                 // A chained predecessor waits for this fast commit's flush:
                 // its time in flight was the batching window.
                 batched = true;
@@ -1962,9 +1973,11 @@ impl Fs {
                 // this fast commit (jbd2's batching, see `batch_fsyncs`).
                 // Sized by the fast commits' own time: the fsyncs' time includes
                 // this wait, which would feed back into ever longer waits.
-                let avg = g.fc.stats.io_ns.checked_div(g.fc.stats.commits);
+                let avg = {
+                    let d = self.fcd.lock();
+                    d.stats.io_ns.checked_div(d.stats.commits)
+                };
                 if self.fsync_active.load(std::sync::atomic::Ordering::Acquire) > 1 {
-                    drop(g);
                     self.batch_fsyncs(std::time::Duration::from_nanos(avg.unwrap_or(0)));
                     continue;
                 }
@@ -1975,13 +1988,12 @@ impl Fs {
             // Taken whether or not pages look dirty now: a write returning
             // between such a look and the plan would be missing from it while
             // a later operation of its thread is in.
-            let (bw, cut) = match &self.pc {
+            let (bw, cut, mut g) = match &self.pc {
                 Some(pc) if !pc.per_file() => {
-                    drop(g);
                     let b = pc.barrier.write();
-                    g = self.lock()?;
+                    let mut g = self.lock()?;
                     match self.fc_cut(pc, &mut g) {
-                        Ok(c) => (Some(b), Some(c)),
+                        Ok(c) => (Some(b), Some(c), g),
                         Err(e) => {
                             // Blocks it mapped have no data: never commit them.
                             drop(g);
@@ -1991,7 +2003,7 @@ impl Fs {
                         }
                     }
                 }
-                _ => (None, None),
+                _ => (None, None, self.lock()?),
             };
             let cut_seq = cut.as_ref().and_then(|c| c.seq);
             let upto = g.fc_seq();
@@ -2021,23 +2033,26 @@ impl Fs {
                 g = self.lock()?;
             }
             let (tid, blocks, flush, logged) = match plan? {
-                fc::FcPlan::Nothing if !g.fc.pending.is_empty() => {
-                    // Everything tracked went out in chained fast commits not
-                    // yet durable: this one's turn comes with the last of them.
-                    let gen = g.fc.pending.back().map_or(0, |p| p.gen);
-                    g.fc.pending.push_back(fc::FcPending { gen, upto, cut_seq });
-                    drop(g);
-                    _fcl = None;
-                    j.wait_data(gen)?;
-                    continue;
-                }
                 fc::FcPlan::Nothing => {
+                    let mut d = self.fcd.lock();
+                    if let Some(gen) = d.pending.back().map(|p| p.gen) {
+                        // Everything tracked went out in chained fast commits
+                        // not yet durable: this one's turn comes with the last
+                        // of them.
+                        d.pending.push_back(fc::FcPending { gen, upto, cut_seq });
+                        drop(d);
+                        drop(g);
+                        _fcl = None;
+                        j.wait_data(gen)?;
+                        continue;
+                    }
                     // Everything tracked is durable (or was never tracked: the
                     // full commit that pruned it is durable); data may not be.
-                    g.fc.durable_upto = g.fc.durable_upto.max(upto);
+                    d.durable_upto = d.durable_upto.max(upto);
                     if let (Some(pc), Some(s)) = (&self.pc, cut_seq) {
                         pc.cut_durable(s);
                     }
+                    drop(d);
                     drop(g);
                     return wait_data(j);
                 }
@@ -2094,37 +2109,38 @@ impl Fs {
             };
             let wrote = j.fast_commit_chained(tid, &blocks, flush, &chain)?;
             let io_ns = t_io.elapsed().as_nanos() as u64;
-            let mut g = self.lock()?;
-            let st = &mut g.fc.stats;
             if wrote == commitfs_journal::FcWritten::NotWritten {
                 // A full commit took the transaction (and waited for it): loop to
                 // check what it covered.
-                st.skipped += 1;
+                self.fcd.lock().stats.skipped += 1;
                 continue;
             }
+            // Logged once written: the next plan (possibly before this one is
+            // durable) must not repeat its records; a failed write aborts.
+            let mut g = self.lock()?;
+            g.fc_logged(&logged);
+            let mut d = self.fcd.lock();
+            let st = &mut d.stats;
             st.commits += 1;
             st.io_ns += io_ns;
             st.blocks += blocks.len() as u64;
             st.single_block += (blocks.len() == 1) as u64;
             st.total_ns += t0.elapsed().as_nanos() as u64;
-            // Logged once written: the next plan (possibly before this one is
-            // durable) must not repeat its records; a failed write aborts.
-            g.fc_logged(&logged);
             if let commitfs_journal::FcWritten::Pending(gen) = wrote {
-                g.fc.pending.push_back(fc::FcPending { gen, upto, cut_seq });
+                d.pending.push_back(fc::FcPending { gen, upto, cut_seq });
+                drop(d);
                 drop(g);
                 // Let the successor lead while this one waits for its flush.
                 _fcl = None;
                 j.wait_data(gen)?;
-                let mut g = self.lock()?;
-                self.fc_harvest(&mut g);
-                drop(g);
+                self.fc_harvest(&mut self.fcd.lock());
                 return wait_data(j);
             }
-            g.fc.durable_upto = g.fc.durable_upto.max(upto);
+            d.durable_upto = d.durable_upto.max(upto);
             if let (Some(pc), Some(s)) = (&self.pc, cut_seq) {
                 pc.cut_durable(s);
             }
+            drop(d);
             drop(g);
             // The fast commit's flush (if any) covers data written before it.
             return wait_data(j);
@@ -2133,13 +2149,13 @@ impl Fs {
 
     /// Chained fast commits that a later flush has made durable: what they
     /// covered counts as durable now (in order: flush generations grow).
-    fn fc_harvest(&self, g: &mut Inner) {
-        while let Some(p) = g.fc.pending.front() {
+    fn fc_harvest(&self, d: &mut fc::FcDurState) {
+        while let Some(p) = d.pending.front() {
             if !self.journal.flushed_since(p.gen) {
                 break;
             }
-            let p = g.fc.pending.pop_front().expect("front");
-            g.fc.durable_upto = g.fc.durable_upto.max(p.upto);
+            let p = d.pending.pop_front().expect("front");
+            d.durable_upto = d.durable_upto.max(p.upto);
             if let (Some(pc), Some(s)) = (&self.pc, p.cut_seq) {
                 pc.cut_durable(s);
             }
@@ -2151,16 +2167,16 @@ impl Fs {
     /// entered at `entry_seq`/`entry_tid` after cached writes up to `wseq`.
     fn fc_pending_cover(
         &self,
-        g: &Inner,
+        d: &fc::FcDurState,
         entry_seq: u64,
         entry_tid: u32,
         wseq: Option<u64>,
     ) -> Option<u64> {
-        let last = g.fc.pending.back()?;
-        let upto = g.fc.pending.iter().map(|p| p.upto).max().unwrap_or(0);
-        let cut = g.fc.pending.iter().filter_map(|p| p.cut_seq).max();
+        let last = d.pending.back()?;
+        let upto = d.pending.iter().map(|p| p.upto).max().unwrap_or(0);
+        let cut = d.pending.iter().filter_map(|p| p.cut_seq).max();
         let meta =
-            g.fc_covered(entry_seq) || upto >= entry_seq || self.journal.is_committed(entry_tid);
+            d.covered(entry_seq) || upto >= entry_seq || self.journal.is_committed(entry_tid);
         let cache = match (wseq, cut) {
             (None, _) => true,
             (Some(w), Some(c)) if c >= w => true,
@@ -2207,7 +2223,7 @@ impl Fs {
     /// Fast-commit counters (commits, blocks, single-block count, time, fallbacks
     /// to full commits by reason).
     pub fn fc_stats(&self) -> FcStats {
-        self.inner.lock().fc.stats.clone()
+        self.fcd.lock().stats.clone()
     }
 
     pub fn fsyncdir(&self, ino: Ino) -> Result<()> {
