@@ -1314,3 +1314,65 @@ fn fsync_reads_home_copies_outside_the_fs_lock() {
     assert!(fs.lookup(ROOT_INO, b"c").is_ok());
     fs.unmount().unwrap();
 }
+
+/// An fsync (and an fdatasync) that a durable fast commit already covers
+/// returns without the file-system lock: its entry values, its cover check
+/// and fdatasync's stamp live under the fast-commit tracker's own locks
+/// (fc.rs `FcDurable`, inner.rs `DatasyncStamps`, ARCHITECTURE.md C.1). With
+/// them under `Inner`, every follower of a fast commit queued on it behind
+/// whatever operation held it.
+#[test]
+fn covered_fsync_needs_no_fs_lock() {
+    let img = mkfs(
+        "cc-fccover",
+        64,
+        &["-b", "4096", "-I", "256", "-O", "fast_commit"],
+    );
+    {
+        let fs = Fs::open_path(&img.path, opts()).unwrap();
+        let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
+        fs.create(d, b"x", 0o644, 0, 0).unwrap();
+        fs.unmount().unwrap();
+    }
+    let dev = Arc::new(Hold::new(
+        Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        HoldOn::MetadataRead,
+    ));
+    let o = MountOptions {
+        fast_commit: true,
+        ..opts()
+    };
+    let fs = Fs::open(dev.clone(), o).unwrap();
+    let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
+    fs.write(f, 0, &pattern(7, 1000)).unwrap();
+    // A full commit first: the one after the mount cannot be a fast one.
+    fs.sync().unwrap();
+    fs.write(f, 1000, &pattern(7, 3000)[1000..]).unwrap();
+    let before = fs.fc_stats().commits;
+    fs.fsync(f, false).unwrap();
+    assert_eq!(
+        fs.fc_stats().commits,
+        before + 1,
+        "the fsync was not a fast commit"
+    );
+    let got = while_fs_lock_held(&fs, &dev, || (fs.fsync(f, false), fs.fsync(f, true)));
+    let (full, data) =
+        got.expect("a covered fsync did not return while the file-system lock was held");
+    full.unwrap();
+    data.unwrap();
+    assert_eq!(
+        fs.fc_stats().commits,
+        before + 1,
+        "a covered fsync wrote a fast commit"
+    );
+    fs.unmount().unwrap();
+    drop(fs);
+    drop(dev);
+    assert_clean(&img.path, "after covered fsyncs");
+    let fs = Fs::open_path(&img.path, opts()).unwrap();
+    let mut buf = vec![0u8; 3000];
+    let f = fs.resolve("/f").unwrap();
+    assert_eq!(fs.read(f, 0, &mut buf).unwrap(), 3000);
+    assert_eq!(buf, pattern(7, 3000));
+    fs.unmount().unwrap();
+}
