@@ -1330,7 +1330,7 @@ impl Fs {
         // The last link of a closed file frees its blocks: under its inode lock,
         // taken before the file-system lock (so looked up first, and checked again).
         loop {
-            let victim = self.lock()?.lookup_ino(parent, name)?;
+            let victim = self.victim_hint(parent, name)?;
             let _il = self.ilocks.write(victim);
             let mut g = self.lock()?;
             if g.lookup_ino(parent, name)? != victim {
@@ -1340,6 +1340,19 @@ impl Fs {
             break;
         }
         self.maybe_commit()
+    }
+
+    /// The inode `name` in `parent` names, to lock before `Inner` (unlink's
+    /// and rename's victim): from the directory cache without `Inner` when the
+    /// directory is cached. A hint only: the caller checks it again under
+    /// `Inner` and retries if the name moved meanwhile.
+    fn victim_hint(&self, parent: Ino, name: &[u8]) -> Result<Ino> {
+        // The cache's guard ends here: `Inner` comes before `dirs` (dir.rs).
+        let peeked = self.dirs.lock().peek(parent, name);
+        match peeked {
+            Some(Some(ino)) => Ok(ino),
+            _ => self.lock()?.lookup_ino(parent, name),
+        }
     }
 
     pub fn rmdir(&self, parent: Ino, name: &[u8]) -> Result<()> {
@@ -1367,7 +1380,7 @@ impl Fs {
             let victim = if flags.exchange {
                 None
             } else {
-                self.lock()?.lookup_ino(new_parent, new_name).ok()
+                self.victim_hint(new_parent, new_name).ok()
             };
             let _il = victim.map(|v| self.ilocks.write(v));
             let mut moved = false;
