@@ -1847,22 +1847,42 @@ impl Fs {
         if let Some(blk) = self.itable_loc.as_ref().and_then(|l| l.block_of(ino)) {
             let _ = self.journal.warm_home(blk);
         }
-        // The entry values, without `Inner` (C.1: the tracker's durability
-        // state and the datasync stamps have locks of their own) unless the
-        // inode must be read or its lazytime atime written (an fsync writes
-        // it, as the kernel's does). Every change an operation made is
-        // tracked before it returns, so values read after that cover it.
-        if self.itable.with(ino, |_| ()).is_none() || (!datasync && self.itable.has_lazy(ino)) {
+        // The entry values: the running tid, the tracker's change counter and
+        // fdatasync's stamp. Without `Inner` (C.1: the tracker's durability
+        // state and the stamps have locks of their own) when the inode has no
+        // stamp, is cached and has no lazytime atime to write (an fsync writes
+        // it, as the kernel's does): every change an operation made is
+        // tracked before it returns, so values read after that cover it. A
+        // stamp is read with the others under `Inner`: an operation stamps
+        // and tracks under it in either order, and the stamp this fsync clears
+        // once covered must belong to a change its entry values cover (read
+        // apart, a concurrent write's stamp could be cleared by an fsync that
+        // did not make it durable, and the next fdatasync would skip it).
+        // A stamp of a committed transaction counts as none (fdatasync owes it
+        // nothing, and pruning drops it).
+        let j = self.journal.clone();
+        let uncommitted = |st: Option<(u32, u64)>| st.filter(|&(t, _)| !j.is_committed(t));
+        let (entry_tid, entry_seq, stamp) = if uncommitted(self.datasync.lock().get(ino)).is_some()
+            || self.itable.with(ino, |_| ()).is_none()
+            || (!datasync && self.itable.has_lazy(ino))
+        {
             let mut g = self.lock()?;
             g.read_inode(ino)?;
             if !datasync {
                 g.flush_lazy_atimes(Some(ino))?;
             }
-        }
-        let j = self.journal.clone();
-        let entry_tid = j.running_tid();
+            let v = (
+                j.running_tid(),
+                self.fcd.seq(),
+                self.datasync.lock().get(ino),
+            );
+            drop(g);
+            v
+        } else {
+            (j.running_tid(), self.fcd.seq(), None)
+        };
         let dgen = self.data_gens.lock().get(&ino).copied();
-        let (entry_seq, fc_on, stamp) = (self.fcd.seq(), self.fc_on, self.datasync.lock().get(ino));
+        let fc_on = self.fc_on;
         if datasync && stamp.is_none_or(|(t, _)| j.is_committed(t)) {
             // C.5 (ext4's i_datasync_tid): what fdatasync must persist besides
             // the data — size, mapping — is durable already; timestamps of an
@@ -1937,10 +1957,11 @@ impl Fs {
             // Whether something durable covers this fsync, checked on the
             // tracker's durability state alone (C.1): a fast commit's
             // followers, woken at once, do not queue on `Inner` for it.
-            let cache_ok = self.cache_covered(wseq);
             let (meta_covered, pending) = {
                 let mut d = self.fcd.lock();
                 self.fc_harvest(&mut d);
+                // After the harvest, which may mark a cut durable.
+                let cache_ok = self.cache_covered(wseq);
                 let meta_covered = d.covered(entry_seq) || j.is_committed(entry_tid);
                 if meta_covered && cache_ok && data_done(j) {
                     d.stats.skipped += 1;
