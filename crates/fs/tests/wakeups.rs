@@ -40,6 +40,13 @@ fn metadata_operations_do_not_wake_the_journal_threads() {
     .unwrap();
     let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
     let names = ["commitfs-jcommit", "commitfs-jflush"];
+    // Found once each has slept at least once: a thread just spawned on a
+    // busy machine (CI runs test binaries in parallel on 2 cores) may not
+    // have run yet.
+    let found = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !names.iter().all(|n| switches(n) > 0) && std::time::Instant::now() < found {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     assert!(
         names.iter().all(|n| switches(n) > 0),
         "journal threads not found"
