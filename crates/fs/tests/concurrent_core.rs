@@ -1258,18 +1258,10 @@ fn fast_commits_read_each_inode_table_home_copy_once() {
     assert_clean(&crashed.path, "after recovering the fast commits");
 }
 
-/// The one home-copy read a fast commit needs per inode-table block
-/// (`Journal::replay_bases`, see above) is made by the fsync before it takes
-/// the file-system lock (`Journal::warm_home`): a create returns while that
-/// read is held in the device. Made by the plan, under `Inner`, it queued
-/// every operation behind the read.
-#[test]
-fn fsync_reads_home_copies_outside_the_fs_lock() {
-    let img = mkfs(
-        "cc-fcwarm",
-        64,
-        &["-b", "4096", "-I", "256", "-O", "fast_commit"],
-    );
+/// A fast-commit image (256-byte inodes) mounted with fast commits over a
+/// [`Hold`] device that can hold a metadata read.
+fn fc_image_on_hold(tag: &str) -> (TempImage, Arc<Hold>, Fs) {
+    let img = mkfs(tag, 64, &["-b", "4096", "-I", "256", "-O", "fast_commit"]);
     let dev = Arc::new(Hold::new(
         Arc::new(FileDevice::open(&img.path, false).unwrap()),
         HoldOn::MetadataRead,
@@ -1279,6 +1271,30 @@ fn fsync_reads_home_copies_outside_the_fs_lock() {
         ..opts()
     };
     let fs = Fs::open(dev.clone(), o).unwrap();
+    (img, dev, fs)
+}
+
+/// Unmount, check the image with e2fsck, mount it again and return `path`'s
+/// content (the remount is returned too, for more checks).
+fn remount_and_read(img: &TempImage, fs: Fs, what: &str, path: &str, len: usize) -> (Fs, Vec<u8>) {
+    fs.unmount().unwrap();
+    drop(fs);
+    assert_clean(&img.path, what);
+    let fs = Fs::open_path(&img.path, opts()).unwrap();
+    let mut buf = vec![0u8; len];
+    let f = fs.resolve(path).unwrap();
+    assert_eq!(fs.read(f, 0, &mut buf).unwrap(), len);
+    (fs, buf)
+}
+
+/// The one home-copy read a fast commit needs per inode-table block
+/// (`Journal::replay_bases`, see above) is made by the fsync before it takes
+/// the file-system lock (`Journal::warm_home`): a create returns while that
+/// read is held in the device. Made by the plan, under `Inner`, it queued
+/// every operation behind the read.
+#[test]
+fn fsync_reads_home_copies_outside_the_fs_lock() {
+    let (img, dev, fs) = fc_image_on_hold("cc-fcwarm");
     let b = fs.create(ROOT_INO, b"b", 0o644, 0, 0).unwrap().ino;
     fs.write(b, 0, &pattern(2, 5000)).unwrap();
     // A full commit: every block the fast commit touches is cached and
@@ -1301,14 +1317,9 @@ fn fsync_reads_home_copies_outside_the_fs_lock() {
         before + 1,
         "fsync was not a fast commit"
     );
-    fs.unmount().unwrap();
-    drop(fs);
     drop(dev);
-    assert_clean(&img.path, "after a create during an fsync's home read");
-    let fs = Fs::open_path(&img.path, opts()).unwrap();
-    let mut buf = vec![0u8; 5100];
-    let f = fs.resolve("/b").unwrap();
-    assert_eq!(fs.read(f, 0, &mut buf).unwrap(), 5100);
+    let what = "after a create during an fsync's home read";
+    let (fs, buf) = remount_and_read(&img, fs, what, "/b", 5100);
     assert_eq!(&buf[..5000], &pattern(2, 5000)[..]);
     assert_eq!(&buf[5000..], &pattern(3, 100)[..]);
     assert!(fs.lookup(ROOT_INO, b"c").is_ok());
@@ -1323,26 +1334,21 @@ fn fsync_reads_home_copies_outside_the_fs_lock() {
 /// whatever operation held it.
 #[test]
 fn covered_fsync_needs_no_fs_lock() {
-    let img = mkfs(
-        "cc-fccover",
-        64,
-        &["-b", "4096", "-I", "256", "-O", "fast_commit"],
-    );
-    {
-        let fs = Fs::open_path(&img.path, opts()).unwrap();
-        let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
-        fs.create(d, b"x", 0o644, 0, 0).unwrap();
-        fs.unmount().unwrap();
-    }
-    let dev = Arc::new(Hold::new(
-        Arc::new(FileDevice::open(&img.path, false).unwrap()),
-        HoldOn::MetadataRead,
-    ));
-    let o = MountOptions {
-        fast_commit: true,
-        ..opts()
-    };
-    let fs = Fs::open(dev.clone(), o).unwrap();
+    let (img, dev, fs) = fc_image_on_hold("cc-fccover");
+    // /d/x, whose directory block stays uncached after a remount: the read
+    // `while_fs_lock_held` holds.
+    let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
+    fs.create(d, b"x", 0o644, 0, 0).unwrap();
+    fs.unmount().unwrap();
+    drop(fs);
+    let fs = Fs::open(
+        dev.clone(),
+        MountOptions {
+            fast_commit: true,
+            ..opts()
+        },
+    )
+    .unwrap();
     let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
     fs.write(f, 0, &pattern(7, 1000)).unwrap();
     // A full commit first: the one after the mount cannot be a fast one.
@@ -1365,14 +1371,8 @@ fn covered_fsync_needs_no_fs_lock() {
         before + 1,
         "a covered fsync wrote a fast commit"
     );
-    fs.unmount().unwrap();
-    drop(fs);
     drop(dev);
-    assert_clean(&img.path, "after covered fsyncs");
-    let fs = Fs::open_path(&img.path, opts()).unwrap();
-    let mut buf = vec![0u8; 3000];
-    let f = fs.resolve("/f").unwrap();
-    assert_eq!(fs.read(f, 0, &mut buf).unwrap(), 3000);
+    let (fs, buf) = remount_and_read(&img, fs, "after covered fsyncs", "/f", 3000);
     assert_eq!(buf, pattern(7, 3000));
     fs.unmount().unwrap();
 }
