@@ -56,6 +56,41 @@ pub(crate) fn atime_maybe_due(
     itable.with(ino, |i| atime_due(opts, i, t)).unwrap_or(true)
 }
 
+/// A read's atime update without `Inner`: the new atime goes into the cached
+/// inode (`InodeTable::touch_lazy`). Under `relatime` / `strictatime` the next
+/// periodic commit, fsync of the file, sync or unmount writes it to the inode
+/// table, whichever comes first (the kernel logs it in the running
+/// transaction, which its next commit writes); under `lazytime` the rules of
+/// [`LAZYTIME_EXPIRY`] apply as before. `None`: the inode is not cached, the
+/// caller takes [`Inner::touch_atime`]; `Some(true)`: a `lazytime` atime
+/// pending for longer than the expiry is due, the caller writes those
+/// ([`Inner::flush_lazy_expired_now`]).
+pub(crate) fn touch_atime_deferred(
+    opts: &MountOptions,
+    itable: &crate::itable::InodeTable,
+    ino: u32,
+) -> Option<bool> {
+    if opts.read_only || opts.atime == AtimeMode::Never {
+        return Some(false);
+    }
+    let t = now();
+    let secs = coarse_secs();
+    let changed = itable.touch_lazy(ino, secs, |i| {
+        if !atime_due(opts, i, t) {
+            return false;
+        }
+        i.atime = t;
+        true
+    })?;
+    Some(
+        opts.lazytime
+            && changed
+            && itable
+                .lazy_oldest()
+                .is_some_and(|o| secs.saturating_sub(o) >= LAZYTIME_EXPIRY),
+    )
+}
+
 impl Inner {
     /// Note an access (read, readdir) of `ino`; true if the running transaction
     /// got an inode update (the caller may then commit early when it has grown
@@ -121,6 +156,19 @@ impl Inner {
             return Ok(());
         }
         self.write_lazy(&inos)
+    }
+
+    /// Write the lazytime atimes older than [`LAZYTIME_EXPIRY`] now (after
+    /// [`touch_atime_deferred`] found one); true if any was written.
+    pub(crate) fn flush_lazy_expired_now(&mut self) -> bool {
+        let inos = self.itable.lazy_expired(coarse_secs(), LAZYTIME_EXPIRY);
+        match self.write_lazy(&inos) {
+            Ok(()) => !inos.is_empty(),
+            Err(e) => {
+                tracing::warn!("lazytime atime update: {e}");
+                false
+            }
+        }
     }
 
     /// Write the lazytime atimes older than [`LAZYTIME_EXPIRY`].

@@ -37,8 +37,9 @@ struct State {
     open: HashMap<u32, u32>,
     /// Inodes with no links left that are still open; freed at the last close.
     unlinked_open: HashSet<u32>,
-    /// `lazytime`: inodes whose cached copy carries an atime the inode table
-    /// does not have yet -> coarse seconds when that started (`atime.rs`).
+    /// Inodes whose cached copy carries an atime the inode table does not
+    /// have yet (a read's, `atime.rs`; under `lazytime` also kept past
+    /// commits) -> coarse seconds when that started.
     lazy: HashMap<u32, u64>,
     /// Oldest value in `lazy` (a cheap expiry check per access).
     lazy_oldest: Option<u64>,
@@ -311,6 +312,32 @@ impl InodeTable {
         st.put(ino, inode);
         st.lazy.entry(ino).or_insert(secs);
         *st.lazy_oldest.get_or_insert(secs)
+    }
+
+    /// Change the cached copy of `ino` in place with `f` (true: it set a new
+    /// atime, which the inode table does not have yet, pending since `secs`);
+    /// `None` when `ino` is not cached. Under the table's own lock, so no
+    /// other change to the cached copy is lost.
+    pub fn touch_lazy(
+        &self,
+        ino: u32,
+        secs: u64,
+        f: impl FnOnce(&mut Inode) -> bool,
+    ) -> Option<bool> {
+        let mut st = self.st.lock();
+        let e = st.inodes.get_mut(&ino)?;
+        if !f(&mut e.inode) {
+            return Some(false);
+        }
+        e.used = true;
+        st.lazy.entry(ino).or_insert(secs);
+        st.lazy_oldest.get_or_insert(secs);
+        Some(true)
+    }
+
+    /// The oldest pending atime's coarse seconds, if any.
+    pub fn lazy_oldest(&self) -> Option<u64> {
+        self.st.lock().lazy_oldest
     }
 
     pub fn lazy_is_empty(&self) -> bool {

@@ -289,6 +289,7 @@ impl Committer {
         errors: Arc<errors::ErrorState>,
         interval: std::time::Duration,
         pc: Option<Arc<pagecache::PageCache>>,
+        atimes: Option<(std::sync::Weak<Mutex<Inner>>, Arc<itable::InodeTable>)>,
     ) -> Committer {
         let stop = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
         let s2 = stop.clone();
@@ -309,6 +310,17 @@ impl Committer {
                         return;
                     }
                     let dirty = pc.as_ref().is_some_and(|pc| pc.periodic_due());
+                    if let Some((inner, itable)) = &atimes {
+                        // Reads' atimes kept in the inode cache
+                        // (`atime::touch_atime_deferred`): into this commit.
+                        if !itable.lazy_is_empty() && !journal.is_aborted() {
+                            if let Some(i) = inner.upgrade() {
+                                if let Err(e) = i.lock().flush_lazy_atimes(None) {
+                                    tracing::warn!("periodic atime update: {e}");
+                                }
+                            }
+                        }
+                    }
                     if (journal.pending() > 0 || dirty) && !journal.is_aborted() {
                         if dirty {
                             if let Some(pc) = &pc {
@@ -374,14 +386,6 @@ impl Fs {
         // e2fsck 1.47 replays fast commits over a stale copy of this block unless
         // it is home (fc.rs, FcReason::JournalInodeBlock).
         inner.journal.keep_home(inner.fc_journal_inode_block());
-        let committer = (!inner.read_only && interval > 0).then(|| {
-            Committer::spawn(
-                inner.journal.clone(),
-                inner.errors.clone(),
-                std::time::Duration::from_secs(interval as u64),
-                pc.clone(),
-            )
-        });
         let errors = inner.errors.clone();
         let journal = inner.journal.clone();
         let dio = inner.data_io();
@@ -411,6 +415,15 @@ impl Fs {
         let opts = inner.opts.clone();
         let (block_size, read_only) = (inner.bs as u32, inner.read_only);
         let inner = Arc::new(Mutex::new(inner));
+        let committer = (!read_only && interval > 0).then(|| {
+            Committer::spawn(
+                journal.clone(),
+                errors.clone(),
+                std::time::Duration::from_secs(interval as u64),
+                pc.clone(),
+                (!opts.lazytime).then(|| (Arc::downgrade(&inner), itable.clone())),
+            )
+        });
         let data_gens: Arc<writeback::DataGens> = Default::default();
         let hooks = pc.as_ref().map(|pc| {
             let h: Arc<dyn commitfs_journal::CommitHooks> = Arc::new(writeback::CacheHooks {

@@ -861,6 +861,39 @@ fn cached_read_needs_no_fs_lock() {
     fs.unmount().unwrap();
 }
 
+/// A cached read whose atime update is due (relatime: atime older than mtime)
+/// takes no file-system lock either: the new atime goes into the cached
+/// inode, visible at once, and the next commit writes it.
+#[test]
+fn cached_read_with_due_atime_needs_no_fs_lock() {
+    let data = pattern(4, 2 * 4096);
+    let (_img, dev, fs, f) = image_with_gated_dir("cc-read-atime", &data);
+    let mut buf = vec![0u8; data.len()];
+    assert_eq!(fs.read(f, 0, &mut buf).unwrap(), data.len());
+    // atime older than mtime: the next read must update it.
+    let old = Timestamp::new(1_000_000, 0);
+    fs.setattr(
+        f,
+        &SetAttr {
+            atime: Some(SetTime::At(old)),
+            mtime: Some(SetTime::At(Timestamp::new(2_000_000, 0))),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let got = while_fs_lock_held(&fs, &dev, || {
+        let mut b = vec![0u8; 4096];
+        fs.read(f, 0, &mut b).map(|n| (n, b))
+    });
+    let (n, b) = got
+        .expect("a cached read with a due atime did not return while the file-system lock was held")
+        .unwrap();
+    assert_eq!((n, &b[..]), (4096, &data[..4096]));
+    let a = fs.getattr(f).unwrap().atime;
+    assert!(a > old, "the read did not update atime ({a:?})");
+    fs.unmount().unwrap();
+}
+
 /// Freeing blocks does not wait for a fast commit's flush: an unlink (whose
 /// freed blocks the journal checks against the log, under the file-system
 /// lock) returns while another thread's fast commit is held in its flush. It
