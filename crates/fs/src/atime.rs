@@ -146,6 +146,17 @@ impl Inner {
         r.map(|()| true)
     }
 
+    /// Write the pending atimes of `inos` (those still pending) to the inode
+    /// table, in the running transaction.
+    pub fn flush_atimes_of(&mut self, inos: &[u32]) -> Result<()> {
+        let inos: Vec<u32> = inos
+            .iter()
+            .copied()
+            .filter(|&i| self.itable.has_lazy(i))
+            .collect();
+        self.write_lazy(&inos)
+    }
+
     /// Write lazytime atimes to the inode table: of `only`, or of every inode.
     pub fn flush_lazy_atimes(&mut self, only: Option<u32>) -> Result<()> {
         if self.itable.lazy_is_empty() {

@@ -315,8 +315,13 @@ impl Committer {
                         // (`atime::touch_atime_deferred`): into this commit.
                         if !itable.lazy_is_empty() && !journal.is_aborted() {
                             if let Some(i) = inner.upgrade() {
-                                if let Err(e) = i.lock().flush_lazy_atimes(None) {
-                                    tracing::warn!("periodic atime update: {e}");
+                                // In slices: `Inner` is not held for long
+                                // after a burst of reads.
+                                for inos in itable.lazy_inos(None).chunks(256) {
+                                    if let Err(e) = i.lock().flush_atimes_of(inos) {
+                                        tracing::warn!("periodic atime update: {e}");
+                                        break;
+                                    }
                                 }
                             }
                         }
