@@ -312,6 +312,16 @@ impl Inner {
         self.fc.next_version
     }
 
+    /// A new tracker version for an fdatasync stamp (`DatasyncStamps`), 0
+    /// without fast commits. Like any change, it asks an fsync that enters
+    /// after it for a fast commit planned at it or later.
+    pub fn fc_bump_for_stamp(&mut self) -> u64 {
+        if !self.fc_enabled {
+            return 0;
+        }
+        self.fc.bump()
+    }
+
     /// Fast commits are being tracked on this mount.
     pub fn fc_on(&self) -> bool {
         self.fc_enabled

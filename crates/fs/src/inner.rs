@@ -43,10 +43,17 @@ const DATASYNC_PRUNE_AT: usize = 4096;
 /// (size, block mapping, creation: every [`Inner::write_inode`], not
 /// [`Inner::write_inode_times`]). An inode absent here, or whose transaction
 /// is durable, needs only its data flushed. Lock order: after `Inner`.
+///
+/// A stamp also carries the fast-commit tracker's version bumped for it
+/// (under `Inner`, with the change): a fast commit planned with a version at
+/// least that was planned after the whole operation (plans take `Inner`), so
+/// it carries every change the operation tracked. That lets an fsync read a
+/// stamp without `Inner` and clear it only once such a commit is durable
+/// ([`Stamp::made_durable`]); a stamp read beside a concurrent operation's
+/// change is never cleared by an fsync that did not cover it.
 pub struct DatasyncStamps {
-    /// ino -> `(tid, serial)`: the serial tells a later change in the same
-    /// transaction.
-    map: HashMap<u32, (u32, u64)>,
+    /// ino -> its last stamp.
+    map: HashMap<u32, Stamp>,
     serial: u64,
     /// Entries at which the next prune runs (see `DATASYNC_PRUNE_AT`).
     prune_at: usize,
@@ -62,24 +69,52 @@ impl Default for DatasyncStamps {
     }
 }
 
+/// One inode's last change that fdatasync must persist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    /// Its transaction.
+    pub tid: u32,
+    /// Tells a later change in the same transaction.
+    serial: u64,
+    /// The fast-commit tracker's version bumped for it (0: fast commits off).
+    fc_version: u64,
+}
+
+impl Stamp {
+    /// Whether a durable commit carries this change: its transaction has
+    /// committed, or a fast commit planned at version `fc_version` or later
+    /// is durable (`fc_durable_upto`, fast commits on).
+    pub fn made_durable(&self, j: &commitfs_journal::Journal, fc_durable_upto: u64) -> bool {
+        j.is_committed(self.tid) || (self.fc_version != 0 && fc_durable_upto >= self.fc_version)
+    }
+}
+
 impl DatasyncStamps {
-    /// `ino` changed in `tid` in a way fdatasync must persist.
-    fn stamp(&mut self, ino: u32, tid: u32, j: &commitfs_journal::Journal) {
+    /// `ino` changed in `tid` in a way fdatasync must persist; `fc_version`:
+    /// the tracker's version bumped for it (0 without fast commits).
+    fn stamp(&mut self, ino: u32, tid: u32, fc_version: u64, j: &commitfs_journal::Journal) {
         if self.map.len() >= self.prune_at {
-            self.map.retain(|_, (t, _)| !j.is_committed(*t));
+            self.map.retain(|_, st| !j.is_committed(st.tid));
             self.prune_at = (2 * self.map.len()).max(DATASYNC_PRUNE_AT);
         }
         self.serial += 1;
-        self.map.insert(ino, (tid, self.serial));
+        self.map.insert(
+            ino,
+            Stamp {
+                tid,
+                serial: self.serial,
+                fc_version,
+            },
+        );
     }
 
     /// The stamp of `ino`'s last such change, if not pruned.
-    pub fn get(&self, ino: u32) -> Option<(u32, u64)> {
+    pub fn get(&self, ino: u32) -> Option<Stamp> {
         self.map.get(&ino).copied()
     }
 
     /// Forget `ino`'s stamp if it is still `stamp` (no change since).
-    pub fn clear_if(&mut self, ino: u32, stamp: (u32, u64)) {
+    pub fn clear_if(&mut self, ino: u32, stamp: Stamp) {
         if self.map.get(&ino) == Some(&stamp) {
             self.map.remove(&ino);
         }
@@ -800,7 +835,8 @@ impl Inner {
     /// it must commit this change (see [`DatasyncStamps`]).
     pub fn write_inode(&mut self, h: &Handle, ino: u32, inode: &Inode) -> Result<()> {
         self.write_inode_times(h, ino, inode)?;
-        self.datasync.lock().stamp(ino, h.tid(), &self.journal);
+        let v = self.fc_bump_for_stamp();
+        self.datasync.lock().stamp(ino, h.tid(), v, &self.journal);
         Ok(())
     }
 

@@ -1867,21 +1867,18 @@ impl Fs {
         }
         // The entry values: the running tid, the tracker's change counter and
         // fdatasync's stamp. Without `Inner` (C.1: the tracker's durability
-        // state and the stamps have locks of their own) when the inode has no
-        // stamp, is cached and has no lazytime atime to write (an fsync writes
-        // it, as the kernel's does): every change an operation made is
-        // tracked before it returns, so values read after that cover it. A
-        // stamp is read with the others under `Inner`: an operation stamps
-        // and tracks under it in either order, and the stamp this fsync clears
-        // once covered must belong to a change its entry values cover (read
-        // apart, a concurrent write's stamp could be cleared by an fsync that
-        // did not make it durable, and the next fdatasync would skip it).
-        // A stamp of a committed transaction counts as none (fdatasync owes it
-        // nothing, and pruning drops it).
+        // state and the stamps have locks of their own) when the inode is
+        // cached and has no lazytime atime to write (an fsync writes it, as
+        // the kernel's does): every change an operation made is tracked and
+        // stamped before it returns, so values read after that cover it. A
+        // stamp read beside a concurrent operation may belong to a change
+        // these values do not cover; it is cleared only once a durable commit
+        // carries its change (`Stamp::made_durable`: its transaction, or a
+        // fast commit planned after the operation), never on this fsync's
+        // word alone. A stamp a durable commit carries counts as none
+        // (fdatasync owes it nothing; pruning drops committed ones).
         let j = self.journal.clone();
-        let uncommitted = |st: Option<(u32, u64)>| st.filter(|&(t, _)| !j.is_committed(t));
-        let (entry_tid, entry_seq, stamp) = if uncommitted(self.datasync.lock().get(ino)).is_some()
-            || self.itable.with(ino, |_| ()).is_none()
+        let (entry_tid, entry_seq, stamp) = if self.itable.with(ino, |_| ()).is_none()
             || (!datasync && self.itable.has_lazy(ino))
         {
             let mut g = self.lock()?;
@@ -1897,11 +1894,17 @@ impl Fs {
             drop(g);
             v
         } else {
-            (j.running_tid(), self.fcd.seq(), None)
+            (
+                j.running_tid(),
+                self.fcd.seq(),
+                self.datasync.lock().get(ino),
+            )
         };
+        let carried = |st: &inner::Stamp| st.made_durable(&j, self.fcd.lock().durable_upto);
+        let stamp = stamp.filter(|st| !carried(st));
         let dgen = self.data_gens.lock().get(&ino).copied();
         let fc_on = self.fc_on;
-        if datasync && stamp.is_none_or(|(t, _)| j.is_committed(t)) {
+        if datasync && stamp.is_none() {
             // C.5 (ext4's i_datasync_tid): what fdatasync must persist besides
             // the data — size, mapping — is durable already; timestamps of an
             // in-place overwrite can wait for the next commit. Only the data's
@@ -1929,8 +1932,12 @@ impl Fs {
         let r = self.fsync_covered(&j, (entry_tid, entry_seq, wseq), dgen, fc_on);
         if let (Ok(()), Some(stamp)) = (&r, stamp) {
             // Everything changed before the entry is durable now: unless the
-            // inode changed since, its next fdatasync needs no commit.
-            self.datasync.lock().clear_if(ino, stamp);
+            // inode changed since, or the stamp belongs to a concurrent
+            // change no durable commit carries yet, its next fdatasync needs
+            // no commit.
+            if carried(&stamp) {
+                self.datasync.lock().clear_if(ino, stamp);
+            }
         }
         if r.is_ok() {
             if let Some(g) = dgen {

@@ -1359,6 +1359,64 @@ fn fsync_reads_home_copies_outside_the_fs_lock() {
     fs.unmount().unwrap();
 }
 
+/// The same when the file's last change (an append: fdatasync's stamp) went
+/// out in a fast commit another file's fsync led: the stamp is read without
+/// `Inner` and counts as none once a durable commit carries its change
+/// (inner.rs `Stamp::made_durable`). It used to send such an fsync to `Inner`
+/// for its entry values.
+#[test]
+fn fsync_of_a_change_another_fsync_covered_needs_no_fs_lock() {
+    let (img, dev, fs) = fc_image_on_hold("cc-fcstamp");
+    let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
+    fs.create(d, b"x", 0o644, 0, 0).unwrap();
+    fs.unmount().unwrap();
+    drop(fs);
+    let fs = Fs::open(
+        dev.clone(),
+        MountOptions {
+            fast_commit: true,
+            ..opts()
+        },
+    )
+    .unwrap();
+    let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
+    let g = fs.create(ROOT_INO, b"g", 0o644, 0, 0).unwrap().ino;
+    fs.write(f, 0, &pattern(8, 1000)).unwrap();
+    fs.sync().unwrap();
+    // f grows (its stamp), then g's fsync leads the fast commit that carries it.
+    fs.write(f, 1000, &pattern(8, 5000)[1000..]).unwrap();
+    fs.write(g, 0, &pattern(9, 100)).unwrap();
+    let before = fs.fc_stats().commits;
+    let data_only = fs.stats().fdatasyncs_data_only;
+    fs.fsync(g, false).unwrap();
+    assert_eq!(
+        fs.fc_stats().commits,
+        before + 1,
+        "g's fsync was not a fast commit"
+    );
+    let got = while_fs_lock_held(&fs, &dev, || (fs.fsync(f, false), fs.fsync(f, true)));
+    let (full, data) = got.expect(
+        "an fsync of a change another fsync's fast commit carried did not return \
+         while the file-system lock was held",
+    );
+    full.unwrap();
+    data.unwrap();
+    assert_eq!(
+        fs.fc_stats().commits,
+        before + 1,
+        "a covered fsync wrote a fast commit"
+    );
+    assert_eq!(
+        fs.stats().fdatasyncs_data_only,
+        data_only + 1,
+        "the fdatasync of a carried append was not data-only"
+    );
+    drop(dev);
+    let (fs, buf) = remount_and_read(&img, fs, "after g's fast commit", "/f", 5000);
+    assert_eq!(buf, pattern(8, 5000));
+    fs.unmount().unwrap();
+}
+
 /// An fsync (and an fdatasync) that a durable fast commit already covers
 /// returns without the file-system lock: its entry values, its cover check
 /// and fdatasync's stamp live under the fast-commit tracker's own locks
