@@ -243,6 +243,21 @@ impl FcDurState {
     }
 }
 
+/// Forget the first `n` tracked dentry changes, which a fast commit of `tid`
+/// logged, unless they are gone already: a full commit of `tid` between the
+/// plan and this point lets a prune drop them, and the front then holds the
+/// next transaction's changes, which no commit has logged yet (dropping
+/// those by position would lose, say, a CREAT: its file nameless after a
+/// crash although its fsync returned).
+fn drain_logged(dentries: &mut Vec<(u32, DentryOp)>, tid: u32, n: usize) {
+    let k = dentries
+        .iter()
+        .take(n)
+        .take_while(|(t, _)| *t == tid)
+        .count();
+    dentries.drain(..k);
+}
+
 /// The first [`FcTracker::prune_at`].
 const PRUNE_MIN: usize = 4096;
 
@@ -289,6 +304,9 @@ pub enum FcPlan {
 /// What a fast commit covered, to forget after it is durable.
 pub struct FcLogged {
     inodes: Vec<(u32, u64)>,
+    /// The transaction whose first `dentries` tracked dentry changes it
+    /// logged.
+    tid: u32,
     dentries: usize,
     /// Serial of its DATA_CSUM protection (`fc_data_csum`), if any.
     serial: Option<u64>,
@@ -585,6 +603,7 @@ impl Inner {
         };
         let logged = FcLogged {
             inodes: inos.iter().map(|(i, _, v)| (*i, *v)).collect(),
+            tid,
             dentries: dentries.len(),
             serial,
         };
@@ -626,8 +645,7 @@ impl Inner {
                 self.fc.inodes.remove(ino);
             }
         }
-        let n = logged.dentries.min(self.fc.dentries.len());
-        self.fc.dentries.drain(..n);
+        drain_logged(&mut self.fc.dentries, logged.tid, logged.dentries);
     }
 
     /// Append a DATA_CSUM record for every written ADD_RANGE in `records` (CRC of
@@ -844,4 +862,35 @@ pub fn pack(
             .map(|c| c.to_vec())
             .collect(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn creat(ino: u32) -> DentryOp {
+        DentryOp::Creat {
+            parent: 2,
+            ino,
+            name: format!("f{ino}").into_bytes(),
+        }
+    }
+
+    #[test]
+    fn logged_dentries_are_drained_only_while_they_are_there() {
+        // The plan of tid 7 logged the first two; nothing pruned meanwhile.
+        let mut d = vec![(7, creat(12)), (7, creat(13)), (7, creat(14))];
+        drain_logged(&mut d, 7, 2);
+        assert_eq!(d.len(), 1);
+        assert!(matches!(d[0].1, DentryOp::Creat { ino: 14, .. }));
+        // A full commit of tid 7 and a prune came between the plan and here:
+        // tid 8's changes are at the front and stay.
+        let mut d = vec![(8, creat(20)), (8, creat(21))];
+        drain_logged(&mut d, 7, 2);
+        assert_eq!(d.len(), 2, "the next transaction's dentries were dropped");
+        // Fewer left than logged (cannot happen without a prune, but safe).
+        let mut d = vec![(7, creat(12))];
+        drain_logged(&mut d, 7, 3);
+        assert!(d.is_empty());
+    }
 }

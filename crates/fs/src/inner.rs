@@ -833,6 +833,11 @@ impl Inner {
 
     /// Write inode `ino` to its inode-table buffer and the cache; fdatasync of
     /// it must commit this change (see [`DatasyncStamps`]).
+    ///
+    /// Invariant the stamp relies on ([`Stamp::made_durable`]): a change of a
+    /// live regular file written here is tracked for fast commits
+    /// (`fc_track_*`) or makes its transaction ineligible in the same `Inner`
+    /// hold, so any fast commit planned after the hold carries it.
     pub fn write_inode(&mut self, h: &Handle, ino: u32, inode: &Inode) -> Result<()> {
         self.write_inode_times(h, ino, inode)?;
         let v = self.fc_bump_for_stamp();

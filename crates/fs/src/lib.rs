@@ -1901,7 +1901,14 @@ impl Fs {
             )
         };
         let carried = |st: &inner::Stamp| st.made_durable(&j, self.fcd.lock().durable_upto);
-        let stamp = stamp.filter(|st| !carried(st));
+        let stamp = match stamp {
+            Some(st) if carried(&st) => {
+                // Done with: forget it unless the inode changed since.
+                self.datasync.lock().clear_if(ino, st);
+                None
+            }
+            st => st,
+        };
         let dgen = self.data_gens.lock().get(&ino).copied();
         let fc_on = self.fc_on;
         if datasync && stamp.is_none() {
