@@ -974,20 +974,22 @@ fn kernel_replays_crash_images_with_commits_in_flight() {
         if !workload.contains(only.as_str()) {
             continue;
         }
-        let seed = seed + shift;
-        let cfg = ConcConfig {
-            workload: workload.into(),
-            seed,
-            block_size: bs,
-            fast_commit,
-            ..ConcConfig::default()
-        };
         // How many commits overlap depends on thread timing: a recording with
-        // too few crash points of the kind wanted is made again (at most
-        // three times) rather than failing on a slow machine.
+        // too few crash points of the kind wanted is made again, with the next
+        // seed (at most six times), rather than failing on a slow machine. A
+        // fast-commit recording has only a few such points (a chained TAIL and
+        // its successor both in flight): 1-3 per recording at seed 86.
         let mut attempt = 0;
-        let (rec, pts) = loop {
+        let (rec, pts, seed) = loop {
             attempt += 1;
+            let seed = seed + shift + 1000 * (attempt as u64 - 1);
+            let cfg = ConcConfig {
+                workload: workload.into(),
+                seed,
+                block_size: bs,
+                fast_commit,
+                ..ConcConfig::default()
+            };
             let rec = record_for(&cfg).unwrap_or_else(|e| panic!("{workload} seed {seed}: {e}"));
             let pts: Vec<usize> = rec
                 .inflight
@@ -995,8 +997,8 @@ fn kernel_replays_crash_images_with_commits_in_flight() {
                 .into_iter()
                 .filter(|&k| k >= rec.workload_start)
                 .collect();
-            if pts.len() >= want || attempt == 3 {
-                break (rec, pts);
+            if pts.len() >= want || attempt == 6 {
+                break (rec, pts, seed);
             }
         };
         report.push(format!(
