@@ -172,9 +172,8 @@ impl Inner {
     /// Write the lazytime atimes older than [`LAZYTIME_EXPIRY`] now (after
     /// [`touch_atime_deferred`] found one); true if any was written.
     pub(crate) fn flush_lazy_expired_now(&mut self) -> bool {
-        let inos = self.itable.lazy_expired(coarse_secs(), LAZYTIME_EXPIRY);
-        match self.write_lazy(&inos) {
-            Ok(()) => !inos.is_empty(),
+        match self.flush_lazy_expired(coarse_secs()) {
+            Ok(wrote) => wrote,
             Err(e) => {
                 tracing::warn!("lazytime atime update: {e}");
                 false
@@ -182,10 +181,12 @@ impl Inner {
         }
     }
 
-    /// Write the lazytime atimes older than [`LAZYTIME_EXPIRY`].
-    fn flush_lazy_expired(&mut self, now_secs: u64) -> Result<()> {
+    /// Write the lazytime atimes older than [`LAZYTIME_EXPIRY`]; true if
+    /// there were any.
+    fn flush_lazy_expired(&mut self, now_secs: u64) -> Result<bool> {
         let inos = self.itable.lazy_expired(now_secs, LAZYTIME_EXPIRY);
-        self.write_lazy(&inos)
+        self.write_lazy(&inos)?;
+        Ok(!inos.is_empty())
     }
 
     fn write_lazy(&mut self, inos: &[u32]) -> Result<()> {

@@ -283,13 +283,37 @@ struct Committer {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
+/// The periodic committer's step before each commit (without `lazytime`):
+/// reads' atimes kept in the inode cache (`atime::touch_atime_deferred`) go
+/// into the transaction it commits, 256 inodes per `Inner` hold so that a
+/// burst of reads does not keep the lock long.
+fn read_atimes_writer(
+    inner: std::sync::Weak<Mutex<Inner>>,
+    itable: Arc<itable::InodeTable>,
+) -> Box<dyn Fn() + Send> {
+    Box::new(move || {
+        if itable.lazy_is_empty() {
+            return;
+        }
+        let Some(i) = inner.upgrade() else {
+            return;
+        };
+        for inos in itable.lazy_inos(None).chunks(256) {
+            if let Err(e) = i.lock().flush_atimes_of(inos) {
+                tracing::warn!("periodic atime update: {e}");
+                break;
+            }
+        }
+    })
+}
+
 impl Committer {
     fn spawn(
         journal: Arc<commitfs_journal::Journal>,
         errors: Arc<errors::ErrorState>,
         interval: std::time::Duration,
         pc: Option<Arc<pagecache::PageCache>>,
-        atimes: Option<(std::sync::Weak<Mutex<Inner>>, Arc<itable::InodeTable>)>,
+        before_commit: Option<Box<dyn Fn() + Send>>,
     ) -> Committer {
         let stop = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
         let s2 = stop.clone();
@@ -310,20 +334,9 @@ impl Committer {
                         return;
                     }
                     let dirty = pc.as_ref().is_some_and(|pc| pc.periodic_due());
-                    if let Some((inner, itable)) = &atimes {
-                        // Reads' atimes kept in the inode cache
-                        // (`atime::touch_atime_deferred`): into this commit.
-                        if !itable.lazy_is_empty() && !journal.is_aborted() {
-                            if let Some(i) = inner.upgrade() {
-                                // In slices: `Inner` is not held for long
-                                // after a burst of reads.
-                                for inos in itable.lazy_inos(None).chunks(256) {
-                                    if let Err(e) = i.lock().flush_atimes_of(inos) {
-                                        tracing::warn!("periodic atime update: {e}");
-                                        break;
-                                    }
-                                }
-                            }
+                    if let Some(f) = &before_commit {
+                        if !journal.is_aborted() {
+                            f();
                         }
                     }
                     if (journal.pending() > 0 || dirty) && !journal.is_aborted() {
@@ -426,7 +439,8 @@ impl Fs {
                 errors.clone(),
                 std::time::Duration::from_secs(interval as u64),
                 pc.clone(),
-                (!opts.lazytime).then(|| (Arc::downgrade(&inner), itable.clone())),
+                (!opts.lazytime)
+                    .then(|| read_atimes_writer(Arc::downgrade(&inner), itable.clone())),
             )
         });
         let data_gens: Arc<writeback::DataGens> = Default::default();
@@ -1877,29 +1891,19 @@ impl Fs {
         // fast commit planned after the operation), never on this fsync's
         // word alone. A stamp a durable commit carries counts as none
         // (fdatasync owes it nothing; pruning drops committed ones).
-        let j = self.journal.clone();
-        let (entry_tid, entry_seq, stamp) = if self.itable.with(ino, |_| ()).is_none()
-            || (!datasync && self.itable.has_lazy(ino))
-        {
+        if self.itable.with(ino, |_| ()).is_none() || (!datasync && self.itable.has_lazy(ino)) {
             let mut g = self.lock()?;
             g.read_inode(ino)?;
             if !datasync {
                 g.flush_lazy_atimes(Some(ino))?;
             }
-            let v = (
-                j.running_tid(),
-                self.fcd.seq(),
-                self.datasync.lock().get(ino),
-            );
-            drop(g);
-            v
-        } else {
-            (
-                j.running_tid(),
-                self.fcd.seq(),
-                self.datasync.lock().get(ino),
-            )
-        };
+        }
+        let j = self.journal.clone();
+        let (entry_tid, entry_seq, stamp) = (
+            j.running_tid(),
+            self.fcd.seq(),
+            self.datasync.lock().get(ino),
+        );
         let carried = |st: &inner::Stamp| st.made_durable(&j, self.fcd.lock().durable_upto);
         let stamp = match stamp {
             Some(st) if carried(&st) => {

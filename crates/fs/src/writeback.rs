@@ -822,12 +822,12 @@ impl Fs {
                 }
                 pc.stats.lock().read_hits += 1;
                 // The atime without `Inner` when the inode is cached.
-                let atime = crate::atime::atime_maybe_due(&self.opts, &self.itable, ino)
-                    && match crate::atime::touch_atime_deferred(&self.opts, &self.itable, ino) {
-                        None => self.lock()?.touch_atime(ino),
-                        Some(true) => self.lock()?.flush_lazy_expired_now(),
-                        Some(false) => false,
-                    };
+                let atime = match crate::atime::touch_atime_deferred(&self.opts, &self.itable, ino)
+                {
+                    None => self.lock()?.touch_atime(ino),
+                    Some(true) => self.lock()?.flush_lazy_expired_now(),
+                    Some(false) => false,
+                };
                 return Ok(Some((n, atime)));
             }
             Some((n, hits)) => (Some(n), hits),

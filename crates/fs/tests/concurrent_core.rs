@@ -1307,6 +1307,44 @@ fn fc_image_on_hold(tag: &str) -> (TempImage, Arc<Hold>, Fs) {
     (img, dev, fs)
 }
 
+/// [`fc_image_on_hold`] with /d/x made and the image mounted again, so that
+/// /d's directory block is not cached: the metadata read `while_fs_lock_held`
+/// holds.
+fn fc_remounted_with_uncached_dir(tag: &str) -> (TempImage, Arc<Hold>, Fs) {
+    let (img, dev, fs) = fc_image_on_hold(tag);
+    let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
+    fs.create(d, b"x", 0o644, 0, 0).unwrap();
+    fs.unmount().unwrap();
+    drop(fs);
+    let fs = Fs::open(
+        dev.clone(),
+        MountOptions {
+            fast_commit: true,
+            ..opts()
+        },
+    )
+    .unwrap();
+    (img, dev, fs)
+}
+
+/// An fsync and an fdatasync of `f`, whose changes a durable fast commit
+/// already carries, return while another thread holds `Inner`, and write no
+/// fast commit.
+fn covered_fsyncs_need_no_fs_lock(fs: &Fs, dev: &Arc<Hold>, f: Ino, what: &str) {
+    let before = fs.fc_stats().commits;
+    let got = while_fs_lock_held(fs, dev, || (fs.fsync(f, false), fs.fsync(f, true)));
+    let (full, data) = got.unwrap_or_else(|| {
+        panic!("fsyncs of {what} did not return while the file-system lock was held")
+    });
+    full.unwrap();
+    data.unwrap();
+    assert_eq!(
+        fs.fc_stats().commits,
+        before,
+        "a covered fsync of {what} wrote a fast commit"
+    );
+}
+
 /// Unmount, check the image with e2fsck, mount it again and return `path`'s
 /// content (the remount is returned too, for more checks).
 fn remount_and_read(img: &TempImage, fs: Fs, what: &str, path: &str, len: usize) -> (Fs, Vec<u8>) {
@@ -1366,19 +1404,7 @@ fn fsync_reads_home_copies_outside_the_fs_lock() {
 /// for its entry values.
 #[test]
 fn fsync_of_a_change_another_fsync_covered_needs_no_fs_lock() {
-    let (img, dev, fs) = fc_image_on_hold("cc-fcstamp");
-    let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
-    fs.create(d, b"x", 0o644, 0, 0).unwrap();
-    fs.unmount().unwrap();
-    drop(fs);
-    let fs = Fs::open(
-        dev.clone(),
-        MountOptions {
-            fast_commit: true,
-            ..opts()
-        },
-    )
-    .unwrap();
+    let (img, dev, fs) = fc_remounted_with_uncached_dir("cc-fcstamp");
     let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
     let g = fs.create(ROOT_INO, b"g", 0o644, 0, 0).unwrap().ino;
     fs.write(f, 0, &pattern(8, 1000)).unwrap();
@@ -1394,18 +1420,7 @@ fn fsync_of_a_change_another_fsync_covered_needs_no_fs_lock() {
         before + 1,
         "g's fsync was not a fast commit"
     );
-    let got = while_fs_lock_held(&fs, &dev, || (fs.fsync(f, false), fs.fsync(f, true)));
-    let (full, data) = got.expect(
-        "an fsync of a change another fsync's fast commit carried did not return \
-         while the file-system lock was held",
-    );
-    full.unwrap();
-    data.unwrap();
-    assert_eq!(
-        fs.fc_stats().commits,
-        before + 1,
-        "a covered fsync wrote a fast commit"
-    );
+    covered_fsyncs_need_no_fs_lock(&fs, &dev, f, "a change another fsync's fast commit carried");
     assert_eq!(
         fs.stats().fdatasyncs_data_only,
         data_only + 1,
@@ -1425,21 +1440,7 @@ fn fsync_of_a_change_another_fsync_covered_needs_no_fs_lock() {
 /// whatever operation held it.
 #[test]
 fn covered_fsync_needs_no_fs_lock() {
-    let (img, dev, fs) = fc_image_on_hold("cc-fccover");
-    // /d/x, whose directory block stays uncached after a remount: the read
-    // `while_fs_lock_held` holds.
-    let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
-    fs.create(d, b"x", 0o644, 0, 0).unwrap();
-    fs.unmount().unwrap();
-    drop(fs);
-    let fs = Fs::open(
-        dev.clone(),
-        MountOptions {
-            fast_commit: true,
-            ..opts()
-        },
-    )
-    .unwrap();
+    let (img, dev, fs) = fc_remounted_with_uncached_dir("cc-fccover");
     let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
     fs.write(f, 0, &pattern(7, 1000)).unwrap();
     // A full commit first: the one after the mount cannot be a fast one.
@@ -1452,16 +1453,7 @@ fn covered_fsync_needs_no_fs_lock() {
         before + 1,
         "the fsync was not a fast commit"
     );
-    let got = while_fs_lock_held(&fs, &dev, || (fs.fsync(f, false), fs.fsync(f, true)));
-    let (full, data) =
-        got.expect("a covered fsync did not return while the file-system lock was held");
-    full.unwrap();
-    data.unwrap();
-    assert_eq!(
-        fs.fc_stats().commits,
-        before + 1,
-        "a covered fsync wrote a fast commit"
-    );
+    covered_fsyncs_need_no_fs_lock(&fs, &dev, f, "a change its own fast commit carried");
     drop(dev);
     let (fs, buf) = remount_and_read(&img, fs, "after covered fsyncs", "/f", 3000);
     assert_eq!(buf, pattern(7, 3000));
