@@ -469,6 +469,12 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         threads,
         fsync_threads: o.fsync_threads.unwrap_or((2 * threads).max(32)),
     };
+    // Live counters for `commitfs stats DIR` (not fatal if the socket fails),
+    // served before the mount appears: a user (or test) that sees the mount
+    // may ask at once.
+    let stats_server = super::stats::serve(fs.clone(), &req.dir)
+        .map_err(|e| tracing::warn!("stats socket unavailable: {e:#}"))
+        .ok();
     let mut session = commitfs_fuse::mount(fs.clone(), &req.dir, &cfg)
         .map_err(|e| anyhow!("FUSE mount at {} failed: {e}", req.dir.display()))?;
     let mut unmounter = session.unmounter();
@@ -497,10 +503,9 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         req.dir.display(),
         if cfg.read_only { " (read-only)" } else { "" }
     );
-    // Live counters for `commitfs stats DIR` (not fatal if the socket fails).
-    let _stats = super::stats::serve(fs.clone(), Some(session.stats()), &req.dir)
-        .map_err(|e| tracing::warn!("stats socket unavailable: {e:#}"))
-        .ok();
+    if let Some(st) = &stats_server {
+        st.attach(session.stats());
+    }
     let read_ahead = ReadAhead::open(&req.dir, req.options.read_ahead_kb);
     crate::sandbox::notify_mounted();
     on_mounted(req)?;

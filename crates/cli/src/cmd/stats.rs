@@ -13,7 +13,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::{anyhow, Context, Result};
 use commitfs_device::IoCategory;
@@ -173,9 +173,21 @@ fn fuse_json(fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
 }
 
 /// Serves `stats_json` on the mount's socket until dropped.
+///
+/// Bound before the FUSE mount appears, so that whoever sees the mount (in
+/// `/proc/mounts`) can already ask for its counters; the FUSE session's own
+/// counters are attached once the session exists ([`StatsServer::attach`]).
 pub struct StatsServer {
     path: PathBuf,
     stop: Arc<AtomicBool>,
+    fuse: Arc<OnceLock<Arc<commitfs_fuse::FuseStats>>>,
+}
+
+impl StatsServer {
+    /// Report the FUSE session's request counters from now on.
+    pub fn attach(&self, fuse: Arc<commitfs_fuse::FuseStats>) {
+        let _ = self.fuse.set(fuse);
+    }
 }
 
 impl Drop for StatsServer {
@@ -187,17 +199,15 @@ impl Drop for StatsServer {
     }
 }
 
-pub fn serve(
-    fs: Arc<Fs>,
-    fuse: Option<Arc<commitfs_fuse::FuseStats>>,
-    dir: &Path,
-) -> Result<StatsServer> {
+pub fn serve(fs: Arc<Fs>, dir: &Path) -> Result<StatsServer> {
     let path = socket_path(dir);
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path)
         .with_context(|| format!("binding the stats socket {}", path.display()))?;
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
+    let fuse: Arc<OnceLock<Arc<commitfs_fuse::FuseStats>>> = Arc::default();
+    let fuse2 = fuse.clone();
     std::thread::Builder::new()
         .name("commitfs-stats".into())
         .spawn(move || {
@@ -219,14 +229,14 @@ pub fn serve(
                             Ok(()) => json!({ "ok": true }),
                             Err(e) => json!({ "ok": false, "error": e.to_string() }),
                         },
-                        _ => stats_json(&fs, fuse.as_deref()),
+                        _ => stats_json(&fs, fuse2.get().map(|f| &**f)),
                     };
                     let _ = c.write_all(body.to_string().as_bytes());
                 }
             }
         })
         .context("starting the stats thread")?;
-    Ok(StatsServer { path, stop })
+    Ok(StatsServer { path, stop, fuse })
 }
 
 /// The request line a client sent (`None`: nothing within a second, or not
@@ -252,11 +262,20 @@ fn read_request(c: &UnixStream) -> Option<String> {
             revents: 0,
         };
         // SAFETY: one valid pollfd, a valid timespec, no signal mask.
-        if unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) } <= 0 {
-            return None;
+        match unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) } {
+            // A signal (glibc's set*id broadcast when the sandbox drops root
+            // reaches every thread) is not the client's silence: poll again.
+            r if r < 0
+                && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted =>
+            {
+                continue
+            }
+            r if r <= 0 => return None,
+            _ => {}
         }
         match (&*c).read(&mut byte) {
             Ok(1) if byte[0] != b'\n' => buf.push(byte[0]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             _ => break,
         }
     }
