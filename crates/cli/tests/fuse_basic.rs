@@ -1148,6 +1148,49 @@ fn stats_answer_as_soon_as_the_mount_appears() {
     assert_fsck_clean(&img.path);
 }
 
+/// Serving `/dev/fuse`, one event loop reads on for `fuse_poll` µs after each
+/// request (default 500): a client's back-to-back requests are found by it
+/// without a sleep; `-o fuse_poll=0` turns it off. With FUSE over io_uring
+/// (the kernel's `enable_uring`) no loop polls.
+#[test]
+fn one_event_loop_polls_dev_fuse_unless_told_not_to() {
+    let img = mkfs("fuse-poll", 32, &["-b", "4096"]);
+    for (opts, want_us) in [
+        ("commit=5", 500),
+        ("threads=2", 500),
+        ("threads=2,fuse_poll=0", 0),
+    ] {
+        let mut m = Mount::new(&img.path, &["-o", opts]);
+        for k in 0..200 {
+            fs::write(m.p(&format!("{opts}-{k}")), b"x").unwrap();
+        }
+        let v = m.stats();
+        let rings = v["fuse_ring"]["queues"].as_u64().unwrap();
+        let p = &v["fuse_poll"];
+        let (budget, polled) = (
+            p["budget_us"].as_u64().unwrap(),
+            p["polled"].as_u64().unwrap(),
+        );
+        if rings > 0 {
+            assert_eq!(
+                (budget, polled),
+                (0, 0),
+                "{opts}: polling beside the rings: {p}"
+            );
+        } else if want_us > 0 {
+            assert_eq!(budget, want_us, "{opts}: {p}");
+            assert!(
+                polled > 0,
+                "{opts}: no request was found while polling: {p}"
+            );
+        } else {
+            assert_eq!((budget, polled), (0, 0), "{opts}: {p}");
+        }
+        m.unmount();
+    }
+    assert_fsck_clean(&img.path);
+}
+
 /// Through the mount, cached writes reach the device only when written back,
 /// an open and a close cost no request (no OPEN, FLUSH or RELEASE: nothing is
 /// kept per handle), and what the daemon's cache held is on the image after

@@ -39,8 +39,11 @@ pub struct FuseConfig {
     /// Shown as the mount source (`fsname=`), normally the image path.
     pub fsname: String,
     /// Event-loop threads, each on its own cloned `/dev/fuse` descriptor
-    /// (`-o threads=`; default [`default_threads`]).
+    /// (`-o threads=`; default [`default_threads`], or [`polling_threads`]
+    /// when one loop polls, see `poll_us`).
     pub threads: usize,
+    /// `threads` was given (`-o threads=N`): keep it also when a loop polls.
+    pub threads_explicit: bool,
     /// Threads that serve fsync/fsyncdir, which wait for a commit
     /// (`-o fsync_threads=`; default 2 × `threads`, at least 32: waiting fsyncs
     /// are what group commit batches, so many may wait at once).
@@ -65,7 +68,18 @@ pub struct FuseConfig {
     pub io_uring: bool,
     /// `-o io_uring` was given: say so when the kernel does not allow it.
     pub io_uring_asked: bool,
+    /// Serving `/dev/fuse` (no rings), one event loop keeps reading for this
+    /// many µs after each request before it sleeps (`-o fuse_poll=US`, default
+    /// [`DEFAULT_POLL_US`]; 0: every loop sleeps at once). A single-threaded
+    /// client's next request then finds a loop awake instead of waking a
+    /// sleeping thread, often on the other CPU; the loop yields to any other
+    /// runnable thread while it waits (docs/ARCHITECTURE.md, "A polling
+    /// event loop").
+    pub poll_us: u64,
 }
+
+/// Default of [`FuseConfig::poll_us`] (measured: postmark, `cp -a`, fs_mark).
+pub const DEFAULT_POLL_US: u64 = 500;
 
 impl Default for FuseConfig {
     fn default() -> Self {
@@ -75,6 +89,7 @@ impl Default for FuseConfig {
             allow_other: false,
             fsname: "commitfs".into(),
             threads: default_threads(),
+            threads_explicit: false,
             fsync_threads: (2 * default_threads()).max(32),
             acl: true,
             dev: true,
@@ -82,6 +97,7 @@ impl Default for FuseConfig {
             readdirplus: true,
             io_uring: true,
             io_uring_asked: false,
+            poll_us: DEFAULT_POLL_US,
         }
     }
 }
@@ -94,6 +110,17 @@ pub fn default_threads() -> usize {
         .map(|n| n.get())
         .unwrap_or(1)
         .clamp(1, 16)
+}
+
+/// Event loops when one of them polls `/dev/fuse` and `-o threads=` was not
+/// given: a quarter of the CPUs, at least one. Every request the polling
+/// loop takes still wakes a loop sleeping in `read(2)` (the kernel wakes one
+/// waiter per queued request), which then finds nothing: on 2 CPUs one
+/// polling loop alone beat two loops everywhere measured (docs/ARCHITECTURE.md,
+/// "A polling event loop"); more CPUs keep a few loops for requests that
+/// wait on the device.
+pub fn polling_threads() -> usize {
+    (default_threads() / 4).max(1)
 }
 
 impl FuseConfig {
@@ -265,7 +292,14 @@ pub fn mount(fs: Arc<Fs>, mountpoint: &Path, cfg: &FuseConfig) -> io::Result<Fus
         fsys.want_uring();
     }
     let granted = fsys.uring_granted.clone();
-    let mut session = fuser::Session::new(fsys, mountpoint, &cfg.fuser_config())?;
+    let mut fcfg = cfg.fuser_config();
+    // Serving /dev/fuse (no rings), the first loop polls its own clone.
+    let polling = cfg.poll_us > 0 && rings.is_none() && fcfg.clone_fd;
+    if polling && !cfg.threads_explicit {
+        fcfg.n_threads = Some(polling_threads());
+    }
+    let loops = fcfg.n_threads.unwrap_or(1);
+    let mut session = fuser::Session::new(fsys, mountpoint, &fcfg)?;
     let _ = shared.notifier.set(session.notifier());
     if let Some(rings) = rings.filter(|_| granted.load(Ordering::Acquire)) {
         use std::os::fd::AsFd;
@@ -280,13 +314,19 @@ pub fn mount(fs: Arc<Fs>, mountpoint: &Path, cfg: &FuseConfig) -> io::Result<Fus
             return Err(io::Error::other(format!("FUSE over io_uring: {e}")));
         }
         tracing::info!("serving through FUSE over io_uring, one ring per CPU");
+    } else if polling {
+        stats.poll_us.store(cfg.poll_us, Ordering::Relaxed);
+        session.set_poll(
+            std::time::Duration::from_micros(cfg.poll_us),
+            stats.poll.clone(),
+        );
     }
     Ok(FuseSession {
         session,
         stats,
         status,
         gate,
-        threads: cfg.threads.max(1),
+        threads: loops,
     })
 }
 

@@ -5,6 +5,7 @@
 //! time spent queued in the kernel (e.g. on a directory's lock).
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// The request kinds counted; `Op::NAMES[op as usize]` names each.
@@ -96,6 +97,10 @@ pub struct FuseStats {
     /// requests that came through them.
     pub(crate) ring_queues: AtomicU64,
     pub(crate) ring_requests: AtomicU64,
+    /// The polling event loop's budget in µs (0: no loop polls) and what it
+    /// found (`FuseConfig::poll_us`).
+    pub(crate) poll_us: AtomicU64,
+    pub(crate) poll: Arc<fuser::PollCounters>,
 }
 
 impl Default for FuseStats {
@@ -105,6 +110,8 @@ impl Default for FuseStats {
             nanos: std::array::from_fn(|_| AtomicU64::new(0)),
             ring_queues: AtomicU64::new(0),
             ring_requests: AtomicU64::new(0),
+            poll_us: AtomicU64::new(0),
+            poll: Arc::default(),
         }
     }
 }
@@ -131,6 +138,17 @@ impl FuseStats {
         (
             self.ring_queues.load(Ordering::Relaxed),
             self.ring_requests.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The polling event loop on `/dev/fuse`: `(budget in µs, requests it
+    /// read while polling, times it went to sleep)`; `(0, 0, 0)` when no
+    /// loop polls (`-o fuse_poll=0`, or requests come through the rings).
+    pub fn poll(&self) -> (u64, u64, u64) {
+        (
+            self.poll_us.load(Ordering::Relaxed),
+            self.poll.polled.load(Ordering::Relaxed),
+            self.poll.slept.load(Ordering::Relaxed),
         )
     }
 

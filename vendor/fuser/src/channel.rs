@@ -47,6 +47,65 @@ impl Channel {
         }
     }
 
+    /// commitfs: make reads on this descriptor (a clone: its own open file
+    /// description) return EAGAIN when no request is queued.
+    pub(crate) fn set_nonblocking(&self) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let fd = self.0.as_fd().as_raw_fd();
+        // SAFETY: fcntl on a descriptor we own.
+        let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        if fl < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// commitfs: on a non-blocking descriptor, poll for a request for up to
+    /// `budget`, then sleep until one is queued (ppoll) and read again.
+    pub(crate) fn receive_spinning(
+        &self,
+        buffer: &mut [u8],
+        budget: std::time::Duration,
+        counters: &crate::session::PollCounters,
+    ) -> nix::Result<usize> {
+        use std::sync::atomic::Ordering::Relaxed;
+        use std::os::fd::AsRawFd;
+        let start = std::time::Instant::now();
+        let mut spinning = true;
+        loop {
+            match self.receive(buffer) {
+                Ok(size) => {
+                    if spinning {
+                        counters.polled.fetch_add(1, Relaxed);
+                    }
+                    return Ok(size);
+                }
+                Err(Errno::ENOENT | Errno::EINTR) => continue,
+                Err(Errno::EAGAIN) => {
+                    if spinning && start.elapsed() < budget {
+                        // Leave the CPU to any other runnable thread: the
+                        // poll only uses time nobody else wants.
+                        // SAFETY: sched_yield has no preconditions.
+                        unsafe { libc::sched_yield() };
+                        continue;
+                    }
+                    if spinning {
+                        counters.slept.fetch_add(1, Relaxed);
+                    }
+                    spinning = false;
+                    let mut pfd = libc::pollfd {
+                        fd: self.0.as_fd().as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    // SAFETY: one valid pollfd, no timeout, no signal mask.
+                    unsafe { libc::ppoll(&mut pfd, 1, std::ptr::null(), std::ptr::null()) };
+                }
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
     /// Returns a sender object for this channel. The sender object can be
     /// used to send to the channel. Multiple sender objects can be used
     /// and they can safely be sent to other threads.

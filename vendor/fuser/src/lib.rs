@@ -79,6 +79,7 @@ pub use crate::request_param::Request;
 pub use crate::session::BackgroundSession;
 use crate::session::MAX_WRITE_SIZE;
 pub use crate::reply::ReplySink;
+pub use crate::session::PollCounters;
 pub use crate::session::RawDispatcher;
 pub use crate::session::Session;
 pub use crate::session::SessionACL;

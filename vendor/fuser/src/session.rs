@@ -141,6 +141,17 @@ pub struct Session<FS: Filesystem> {
     pub(crate) config: Config,
     /// commitfs: the file system, shared with [`RawDispatcher`]s.
     pub(crate) shared_fs: Option<Arc<FilesystemHolder<FS>>>,
+    /// commitfs: see [`Session::set_poll`].
+    pub(crate) poll: Option<(std::time::Duration, Arc<PollCounters>)>,
+}
+
+/// commitfs: how the polling event loop found its requests.
+#[derive(Debug, Default)]
+pub struct PollCounters {
+    /// Requests read while polling (no sleep in the kernel before them).
+    pub polled: std::sync::atomic::AtomicU64,
+    /// Times the loop stopped polling and slept until a request came.
+    pub slept: std::sync::atomic::AtomicU64,
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -189,6 +200,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: None,
             config: options.clone(),
             shared_fs: None,
+            poll: None,
         };
 
         session.handshake()?;
@@ -218,6 +230,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: None,
             config,
             shared_fs: None,
+            poll: None,
         };
 
         session.handshake()?;
@@ -257,6 +270,7 @@ impl<FS: Filesystem> Session<FS> {
             proto_version: _,
             config,
             shared_fs,
+            poll,
         } = self;
 
         let n_threads = config.n_threads.unwrap_or(1);
@@ -294,10 +308,20 @@ impl<FS: Filesystem> Session<FS> {
                 channels.push(ch.clone());
             }
         }
-        channels.push(ch);
+        // commitfs: the first loop may poll its own (cloned) descriptor for a
+        // while after each request instead of sleeping at once (`set_poll`);
+        // a single loop polls a clone too, the session's descriptor staying
+        // as it is (replies, notifications).
+        let spin = poll.filter(|(b, _)| !b.is_zero() && config.clone_fd);
+        let _session_ch = if spin.is_some() && n_threads == 1 {
+            channels.push(ch.clone_fd()?);
+            Some(ch)
+        } else {
+            channels.push(ch);
+            None
+        };
 
         let mut threads = Vec::with_capacity(n_threads);
-
         for (i, ch) in channels.into_iter().enumerate() {
             let thread_name = format!("fuser-{i}");
             let event_loop = SessionEventLoop {
@@ -306,6 +330,7 @@ impl<FS: Filesystem> Session<FS> {
                 ch,
                 allowed,
                 session_owner,
+                spin: if i == 0 { spin.clone() } else { None },
             };
             threads.push(
                 thread::Builder::new()
@@ -508,6 +533,17 @@ impl<FS: Filesystem> Session<FS> {
         Notifier::new(self.ch.sender())
     }
 
+    /// commitfs: the first event loop reads its own cloned descriptor without
+    /// blocking for up to `budget` after each request (yielding the CPU to
+    /// any other runnable thread between reads), then sleeps in `ppoll`
+    /// until a request is queued. A client that sends its next request
+    /// within the budget finds a loop awake: no wake-up of a sleeping
+    /// thread on the way in. Needs cloned descriptors (`clone_fd`; ignored
+    /// otherwise); the other loops block as before.
+    pub fn set_poll(&mut self, budget: std::time::Duration, counters: Arc<PollCounters>) {
+        self.poll = Some((budget, counters));
+    }
+
     /// commitfs: a dispatcher for requests that arrive other than by read(2)
     /// on this session's descriptor (FUSE over io_uring). Call after the
     /// handshake ([`Session::new`]) and before [`Session::run`]; every
@@ -529,6 +565,7 @@ impl<FS: Filesystem> Session<FS> {
                 filesystem: fs,
                 allowed: self.allowed,
                 session_owner: self.session_owner,
+                spin: None,
             },
         }
     }
@@ -589,6 +626,9 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     pub(crate) filesystem: Arc<FilesystemHolder<FS>>,
     pub(crate) allowed: SessionACL,
     pub(crate) session_owner: Uid,
+    /// commitfs: poll this loop's own descriptor for up to this long after
+    /// each request before sleeping in the kernel (`Session::set_poll`).
+    pub(crate) spin: Option<(std::time::Duration, Arc<PollCounters>)>,
 }
 
 impl<FS: Filesystem> SessionEventLoop<FS> {
@@ -597,10 +637,18 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
         // it is reused immediately after dispatching to conserve memory and allocations.
         let mut buf = FuseReadBuf::new();
         let buf = buf.as_mut();
+        let spin = self
+            .spin
+            .as_ref()
+            .filter(|_| self.ch.set_nonblocking().is_ok());
         loop {
             // Read the next request from the given channel to kernel driver
             // The kernel driver makes sure that we get exactly one request per read
-            match self.ch.receive_retrying(buf) {
+            let got = match spin {
+                Some((budget, counters)) => self.ch.receive_spinning(buf, *budget, counters),
+                None => self.ch.receive_retrying(buf),
+            };
+            match got {
                 Ok(size) => match RequestWithSender::new(self.ch.sender(), &buf[..size]) {
                     // Dispatch request
                     Some(req) => {

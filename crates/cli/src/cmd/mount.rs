@@ -65,6 +65,9 @@ pub struct MountCmdOptions {
     pub threads: Option<usize>,
     /// `fsync_threads=N`: threads serving fsyncs (default 2 × threads, at least 32).
     pub fsync_threads: Option<usize>,
+    /// `fuse_poll=US`: serving `/dev/fuse`, one event loop keeps reading this
+    /// long after each request before it sleeps (0: never).
+    pub fuse_poll_us: u64,
     /// `nocache`: no page cache in the daemon (file data written at `write()`).
     pub nocache: bool,
     /// `cache_size=MiB`: memory for all of the daemon's caches together.
@@ -106,6 +109,7 @@ impl Default for MountCmdOptions {
             pipeline: Default::default(),
             threads: None,
             fsync_threads: None,
+            fuse_poll_us: commitfs_fuse::DEFAULT_POLL_US,
             nocache: false,
             cache_mb: default_cache_mb(),
             data_order: Default::default(),
@@ -230,6 +234,11 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                     o.threads = Some(thread_count(opt, v)?);
                 } else if let Some(v) = opt.strip_prefix("fsync_threads=") {
                     o.fsync_threads = Some(thread_count(opt, v)?);
+                } else if let Some(v) = opt.strip_prefix("fuse_poll=") {
+                    o.fuse_poll_us = match v.parse::<u64>() {
+                        Ok(n) if n <= 100_000 => n,
+                        _ => bail!("bad mount option {opt:?}: fuse_poll=US (0 to 100000)"),
+                    };
                 } else if let Some(v) = opt.strip_prefix("commit=") {
                     let n: u32 = v
                         .parse()
@@ -248,7 +257,7 @@ pub fn parse_options(values: &[String]) -> Result<MountCmdOptions> {
                          nofast_commit, fc_data_csum, \
                          errors=continue|remount-ro|panic, acl, noacl, strictatime, relatime, \
                          noatime, nodiratime, lazytime, dev, nodev, suid, nosuid, \
-                         keep_privileges, sandbox_user=USER, threads=N, fsync_threads=N, \
+                         keep_privileges, sandbox_user=USER, threads=N, fsync_threads=N, fuse_poll=US, \
                          cache, nocache, cache_size=MiB, read_ahead_kb=N, \
                          max_inflight=N, max_versions=N, min_batch_time=US, max_batch_time=US, \
                          and from ext4 fstab lines user_xattr, data=ordered, barrier, discard)"
@@ -468,6 +477,8 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         suid: !o.nosuid,
         threads,
         fsync_threads: o.fsync_threads.unwrap_or((2 * threads).max(32)),
+        poll_us: o.fuse_poll_us,
+        threads_explicit: o.threads.is_some(),
     };
     // Live counters for `commitfs stats DIR` (not fatal if the socket fails),
     // served before the mount appears: a user (or test) that sees the mount
@@ -690,7 +701,17 @@ mod tests {
         let o = p(&["threads=8,fsync_threads=3"]).unwrap();
         assert_eq!((o.threads, o.fsync_threads), (Some(8), Some(3)));
         assert_eq!(p(&[]).unwrap().threads, None);
-        for bad in ["threads=0", "threads=x", "fsync_threads=257", "threads="] {
+        assert_eq!(p(&[]).unwrap().fuse_poll_us, commitfs_fuse::DEFAULT_POLL_US);
+        assert_eq!(p(&["fuse_poll=0"]).unwrap().fuse_poll_us, 0);
+        assert_eq!(p(&["fuse_poll=2000"]).unwrap().fuse_poll_us, 2000);
+        for bad in [
+            "threads=0",
+            "threads=x",
+            "fsync_threads=257",
+            "threads=",
+            "fuse_poll=x",
+            "fuse_poll=100001",
+        ] {
             let e = p(&[bad]).unwrap_err().to_string();
             assert!(e.contains(bad), "{e}");
         }

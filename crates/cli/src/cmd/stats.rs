@@ -43,6 +43,7 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
     let s = fs.stats();
     let fc = fs.fc_stats();
     let ring = fuse.map_or((0, 0), |f| f.ring());
+    let poll = fuse.map_or((0, 0, 0), |f| f.poll());
     let mut dev = serde_json::Map::new();
     for c in IoCategory::ALL {
         let k = s.device.category(c);
@@ -128,6 +129,11 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
         "fuse_ring": {
             "queues": ring.0,
             "requests": ring.1,
+        },
+        "fuse_poll": {
+            "budget_us": poll.0,
+            "polled": poll.1,
+            "slept": poll.2,
         },
         "page_cache": fs.cache_stats().map(|c| json!({
             "cached_bytes": c.cached_bytes,
@@ -424,7 +430,17 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
         );
         let ring = &v["fuse_ring"];
         match ring["queues"].as_u64().unwrap_or(0) {
-            0 => println!("FUSE transport: /dev/fuse"),
+            0 => {
+                let p = &v["fuse_poll"];
+                match p["budget_us"].as_u64().unwrap_or(0) {
+                    0 => println!("FUSE transport: /dev/fuse"),
+                    us => println!(
+                        "FUSE transport: /dev/fuse, one loop polling {us} us after each request: \
+                         {} requests found while polling, {} sleeps",
+                        p["polled"], p["slept"]
+                    ),
+                }
+            }
             q => println!(
                 "FUSE transport: io_uring, {q} queues (one per CPU), {} requests through the rings",
                 ring["requests"]
