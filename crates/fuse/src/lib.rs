@@ -292,13 +292,8 @@ pub fn mount(fs: Arc<Fs>, mountpoint: &Path, cfg: &FuseConfig) -> io::Result<Fus
         fsys.want_uring();
     }
     let granted = fsys.uring_granted.clone();
-    let mut fcfg = cfg.fuser_config();
-    // Serving /dev/fuse (no rings), the first loop polls its own clone.
-    let polling = cfg.poll_us > 0 && rings.is_none() && fcfg.clone_fd;
-    if polling && !cfg.threads_explicit {
-        fcfg.n_threads = Some(polling_threads());
-    }
-    let loops = fcfg.n_threads.unwrap_or(1);
+    let fcfg = cfg.fuser_config();
+    let mut loops = fcfg.n_threads.unwrap_or(1);
     let mut session = fuser::Session::new(fsys, mountpoint, &fcfg)?;
     let _ = shared.notifier.set(session.notifier());
     if let Some(rings) = rings.filter(|_| granted.load(Ordering::Acquire)) {
@@ -314,11 +309,17 @@ pub fn mount(fs: Arc<Fs>, mountpoint: &Path, cfg: &FuseConfig) -> io::Result<Fus
             return Err(io::Error::other(format!("FUSE over io_uring: {e}")));
         }
         tracing::info!("serving through FUSE over io_uring, one ring per CPU");
-    } else if polling {
+    } else if cfg.poll_us > 0 && fcfg.clone_fd {
+        // Serving /dev/fuse (no rings, or the kernel did not grant them):
+        // the first loop polls its own clone.
+        if !cfg.threads_explicit {
+            loops = polling_threads();
+        }
         stats.poll_us.store(cfg.poll_us, Ordering::Relaxed);
         session.set_poll(
             std::time::Duration::from_micros(cfg.poll_us),
             stats.poll.clone(),
+            loops,
         );
     }
     Ok(FuseSession {

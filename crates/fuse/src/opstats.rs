@@ -145,8 +145,13 @@ impl FuseStats {
     /// read while polling, times it went to sleep)`; `(0, 0, 0)` when no
     /// loop polls (`-o fuse_poll=0`, or requests come through the rings).
     pub fn poll(&self) -> (u64, u64, u64) {
+        let polling = self.poll.loops.load(Ordering::Relaxed) > 0;
         (
-            self.poll_us.load(Ordering::Relaxed),
+            if polling {
+                self.poll_us.load(Ordering::Relaxed)
+            } else {
+                0
+            },
             self.poll.polled.load(Ordering::Relaxed),
             self.poll.slept.load(Ordering::Relaxed),
         )

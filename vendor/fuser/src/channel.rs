@@ -68,8 +68,8 @@ impl Channel {
         budget: std::time::Duration,
         counters: &crate::session::PollCounters,
     ) -> nix::Result<usize> {
-        use std::sync::atomic::Ordering::Relaxed;
         use std::os::fd::AsRawFd;
+        use std::sync::atomic::Ordering::Relaxed;
         let start = std::time::Instant::now();
         let mut spinning = true;
         loop {

@@ -152,6 +152,9 @@ pub struct PollCounters {
     pub polled: std::sync::atomic::AtomicU64,
     /// Times the loop stopped polling and slept until a request came.
     pub slept: std::sync::atomic::AtomicU64,
+    /// Event loops polling (0 until the loop starts, or if its descriptor
+    /// could not be made non-blocking).
+    pub loops: std::sync::atomic::AtomicU64,
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -313,6 +316,7 @@ impl<FS: Filesystem> Session<FS> {
         // a single loop polls a clone too, the session's descriptor staying
         // as it is (replies, notifications).
         let spin = poll.filter(|(b, _)| !b.is_zero() && config.clone_fd);
+        #[cfg(target_os = "linux")]
         let _session_ch = if spin.is_some() && n_threads == 1 {
             channels.push(ch.clone_fd()?);
             Some(ch)
@@ -320,6 +324,8 @@ impl<FS: Filesystem> Session<FS> {
             channels.push(ch);
             None
         };
+        #[cfg(not(target_os = "linux"))]
+        channels.push(ch);
 
         let mut threads = Vec::with_capacity(n_threads);
         for (i, ch) in channels.into_iter().enumerate() {
@@ -539,9 +545,16 @@ impl<FS: Filesystem> Session<FS> {
     /// until a request is queued. A client that sends its next request
     /// within the budget finds a loop awake: no wake-up of a sleeping
     /// thread on the way in. Needs cloned descriptors (`clone_fd`; ignored
-    /// otherwise); the other loops block as before.
-    pub fn set_poll(&mut self, budget: std::time::Duration, counters: Arc<PollCounters>) {
+    /// otherwise); the other loops block as before. `loops` replaces the
+    /// configured number of event loops.
+    pub fn set_poll(
+        &mut self,
+        budget: std::time::Duration,
+        counters: Arc<PollCounters>,
+        loops: usize,
+    ) {
         self.poll = Some((budget, counters));
+        self.config.n_threads = Some(loops.max(1));
     }
 
     /// commitfs: a dispatcher for requests that arrive other than by read(2)
@@ -641,6 +654,11 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
             .spin
             .as_ref()
             .filter(|_| self.ch.set_nonblocking().is_ok());
+        if let Some((_, counters)) = spin {
+            counters
+                .loops
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         loop {
             // Read the next request from the given channel to kernel driver
             // The kernel driver makes sure that we get exactly one request per read

@@ -187,6 +187,12 @@ pub struct StatsServer {
     path: PathBuf,
     stop: Arc<AtomicBool>,
     fuse: Arc<OnceLock<Arc<commitfs_fuse::FuseStats>>>,
+    /// Joined on drop: the thread holds the `Fs`, whose last reference must
+    /// be dropped by the caller (a mount that failed writes everything home
+    /// in `Fs::drop`, before the process exits).
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// The listening socket (owned by the thread), shut down to stop it.
+    listener_fd: std::os::fd::RawFd,
 }
 
 impl StatsServer {
@@ -199,22 +205,39 @@ impl StatsServer {
 impl Drop for StatsServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // Wake the accept loop so the thread ends, then remove the socket.
-        let _ = UnixStream::connect(&self.path);
+        // Wake the accept loop so the thread ends (a shutdown listener's
+        // accept fails at once; connecting would need write permission on
+        // the socket, which a sandboxed daemon no longer has), then remove
+        // the socket (the sandbox's monitor does when this cannot).
+        // SAFETY: shutdown of a descriptor the thread owns until joined below.
+        unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
         let _ = std::fs::remove_file(&self.path);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
 pub fn serve(fs: Arc<Fs>, dir: &Path) -> Result<StatsServer> {
     let path = socket_path(dir);
+    // A socket someone answers on belongs to a live mount at the same
+    // directory (this one would go on top of it, or fail): leave it alone.
+    if UnixStream::connect(&path).is_ok() {
+        return Err(anyhow!(
+            "{} is served by another commitfs mount at {}",
+            path.display(),
+            dir.display()
+        ));
+    }
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path)
         .with_context(|| format!("binding the stats socket {}", path.display()))?;
+    let listener_fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = stop.clone();
     let fuse: Arc<OnceLock<Arc<commitfs_fuse::FuseStats>>> = Arc::default();
     let fuse2 = fuse.clone();
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("commitfs-stats".into())
         .spawn(move || {
             for conn in listener.incoming() {
@@ -242,7 +265,13 @@ pub fn serve(fs: Arc<Fs>, dir: &Path) -> Result<StatsServer> {
             }
         })
         .context("starting the stats thread")?;
-    Ok(StatsServer { path, stop, fuse })
+    Ok(StatsServer {
+        path,
+        stop,
+        fuse,
+        thread: Some(thread),
+        listener_fd,
+    })
 }
 
 /// The request line a client sent (`None`: nothing within a second, or not
