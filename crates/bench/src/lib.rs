@@ -306,6 +306,7 @@ impl Bench {
                         "built-in postmark-like workload (postmark not installed)".into()
                     }
                 }
+                "cp-a" => "cp -a (coreutils)".into(),
                 _ => "built-in".into(),
             };
             self.results.workloads.push(WorkloadInfo {

@@ -36,6 +36,7 @@ pub const ALL: &[&str] = &[
     "dbench",
     "postmark",
     "postmark-lite",
+    "cp-a",
     "nfs-async",
     "nfs-sync",
     "seq-write",
@@ -65,6 +66,7 @@ pub fn describe(id: &str) -> &'static str {
         "dbench" => "dbench with the client.txt load (Flush = fsync)",
         "postmark" => "postmark (NetApp): small-file create/delete/read/append, no fsync",
         "postmark-lite" => "built-in postmark-like transactions (read or append, create or delete), no fsync; runs on the library too",
+        "cp-a" => "cp -a of a generated source tree (files of 100 B to 64 KiB, a few executables and symlinks, in nested directories) from the host's file system, caches dropped first; the copy is timed",
         "nfs-async" => "postmark-like transactions, fsync on every close of a written file (NFS async COMMIT on close)",
         "nfs-sync" => "postmark-like transactions, fsync after every write and every metadata op (NFS sync export)",
         "seq-write" => "one file written sequentially in 1 MiB writes, then fsync (1 GiB; 4 GiB without --quick: give --size 6G)",
@@ -174,6 +176,11 @@ pub fn plan(id: &str, s: Scale) -> Vec<Point> {
         "postmark-lite" => {
             let files = if s.quick { 500 } else { 2000 };
             vec![p("t=1".into(), 1.0, 1, 0, files, s.secs())]
+        }
+        "cp-a" => {
+            // files: regular files in the tree (plus directories and symlinks).
+            let files = if s.quick { 3000 } else { 8000 };
+            vec![p("tree".into(), 1.0, 1, 0, files, 0.0)]
         }
         "nfs-async" | "nfs-sync" => {
             let files = if s.quick { 300 } else { 1000 };
@@ -570,6 +577,76 @@ pub fn prepare_external(root: &Path, p: &Point, tag: &str) -> Result<std::path::
     Ok(d)
 }
 
+/// The `cp-a` workload's source: `files` regular files of 100 B to 64 KiB
+/// (log-uniform, like a source tree's), 1 in 16 executable, a symlink per 64
+/// files, in directories of about 20 entries nested up to three deep,
+/// generated once per size in the host's temporary directory (outside every
+/// measured device) and reused by later runs.
+pub fn cp_source_tree(files: usize) -> Result<std::path::PathBuf> {
+    cp_source_tree_in(&std::env::temp_dir(), files)
+}
+
+fn cp_source_tree_in(base: &Path, files: usize) -> Result<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let root = base.join(format!("commitfs-bench-cp-src-{files}"));
+    let done = root.join(".complete");
+    if done.exists() {
+        return Ok(root.join("tree"));
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    let tree = root.join("tree");
+    let mut rng = seeded(11);
+    let mut dirs = vec![tree.clone()];
+    std::fs::create_dir_all(&tree)?;
+    let mut buf = vec![0u8; 64 * 1024];
+    for i in 0..files {
+        if i % 20 == 0 && i > 0 {
+            // A new directory under a random existing one (depth <= 3).
+            let parent = dirs[rng.gen_range(0..dirs.len())].clone();
+            let depth = parent
+                .strip_prefix(&tree)
+                .map_or(0, |r| r.components().count());
+            let d = if depth < 3 {
+                parent.join(format!("d{i}"))
+            } else {
+                tree.join(format!("d{i}"))
+            };
+            std::fs::create_dir_all(&d)?;
+            dirs.push(d);
+        }
+        let d = dirs.last().expect("the root at least");
+        let len = (100f64 * (655.36f64).powf(rng.gen::<f64>())) as usize;
+        for b in buf[..len].iter_mut() {
+            // Text-like bytes.
+            *b = b'a' + rng.gen_range(0..26u8);
+        }
+        let f = d.join(format!("f{i}.rs"));
+        std::fs::write(&f, &buf[..len])?;
+        if i % 16 == 0 {
+            std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o755))?;
+        }
+        if i % 64 == 0 {
+            std::os::unix::fs::symlink(format!("f{i}.rs"), d.join(format!("l{i}")))?;
+        }
+    }
+    std::fs::write(&done, b"")?;
+    Ok(tree)
+}
+
+/// Entries (files, directories, symlinks) under `dir`, itself included.
+fn count_entries(dir: &Path) -> Result<u64> {
+    let mut n = 1;
+    for e in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let e = e?;
+        n += if e.file_type()?.is_dir() {
+            count_entries(&e.path())?
+        } else {
+            1
+        };
+    }
+    Ok(n)
+}
+
 /// Is the external tool of a workload installed? (postmark falls back to the
 /// built-in postmark-like workload.)
 pub fn external_available(id: &str) -> Result<()> {
@@ -763,6 +840,38 @@ pub fn execute_external(p: &Point, dir: &Path) -> Result<WorkResult> {
                 ..Default::default()
             })
         }
+        "cp-a" => {
+            let src = cp_source_tree(p.files)?;
+            // The source from disk, as a fresh checkout would be read (root
+            // only; otherwise whatever the page cache holds). Written back
+            // first: dirty pages (a tree just generated) are not dropped.
+            // SAFETY: sync has no preconditions.
+            unsafe { libc::sync() };
+            let dropped = std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok();
+            let mut c = sys::command("cp");
+            c.arg("-a").arg(&src).arg(dir.join("copy"));
+            let (_, secs) = run_tool(c, None, Duration::from_secs(600))?;
+            let entries = count_entries(&dir.join("copy"))?;
+            if entries < p.files as u64 {
+                bail!("cp -a copied {entries} entries of at least {}", p.files);
+            }
+            Ok(WorkResult {
+                ops: entries,
+                secs,
+                throughput: entries as f64 / secs,
+                unit: "entries/s".into(),
+                notes: vec![format!(
+                    "{entries} entries ({} files); {}",
+                    p.files,
+                    if dropped {
+                        "caches dropped before the copy"
+                    } else {
+                        "caches not dropped (not root)"
+                    }
+                )],
+                ..Default::default()
+            })
+        }
         w => bail!("{w} is not an external workload"),
     }
 }
@@ -796,10 +905,48 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec![1, 10]
         );
+        assert_eq!(plan("cp-a", f)[0].files, 8000);
         for w in ALL {
             assert!(!plan(w, q).is_empty(), "{w}");
             assert!(!describe(w).is_empty());
         }
+    }
+
+    #[test]
+    fn cp_source_tree_is_made_once_with_every_kind() {
+        let base =
+            std::env::temp_dir().join(format!("commitfs-cp-src-test-{}", std::process::id()));
+        let t = cp_source_tree_in(&base, 130).unwrap();
+        // 130 files, 6 directories besides the root, 3 symlinks.
+        assert_eq!(count_entries(&t).unwrap(), 1 + 130 + 6 + 3);
+        let again = cp_source_tree_in(&base, 130).unwrap();
+        assert_eq!(t, again);
+        let exec = walk_files(&t)
+            .iter()
+            .filter(|p| {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o111 != 0
+                    && !std::fs::symlink_metadata(p)
+                        .unwrap()
+                        .file_type()
+                        .is_symlink()
+            })
+            .count();
+        assert_eq!(exec, 9, "1 in 16 files executable");
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    fn walk_files(d: &Path) -> Vec<std::path::PathBuf> {
+        let mut v = Vec::new();
+        for e in std::fs::read_dir(d).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                v.extend(walk_files(&e.path()));
+            } else {
+                v.push(e.path());
+            }
+        }
+        v
     }
 
     #[test]
