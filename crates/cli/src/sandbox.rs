@@ -77,6 +77,8 @@ static MONITOR: OnceLock<ToMonitor> = OnceLock::new();
 /// Messages on the worker-to-monitor pipe.
 const MSG_MOUNTED: u8 = b'M';
 const MSG_UNMOUNT: u8 = b'U';
+/// The worker serves the stats socket (so it is this mount's to remove).
+const MSG_STATS_SOCKET: u8 = b'S';
 
 /// The pid that stands for the mount (pid file): the monitor when sandboxed.
 pub fn service_pid() -> u32 {
@@ -108,7 +110,8 @@ fn sigset(sigs: &[libc::c_int]) -> libc::sigset_t {
 /// with the worker's exit status.
 pub fn fork_monitor(dir: &Path, foreground: bool) -> Result<()> {
     let cdir = CString::new(dir.as_os_str().as_bytes()).context("mount point path")?;
-    // The stats socket lives in a root-owned directory: the monitor removes it.
+    // The stats socket lives in a root-owned directory: the monitor removes it
+    // (when the worker says it served it).
     let sock = CString::new(crate::cmd::stats::socket_path(dir).as_os_str().as_bytes())
         .context("stats socket path")?;
     let mut fds = [0; 2];
@@ -179,6 +182,7 @@ fn monitor_loop(
     let mut rd = rd;
     let mut mounted = false;
     let mut want_unmount = false;
+    let mut own_sock = false;
     loop {
         let mut pfd = [
             libc::pollfd {
@@ -222,6 +226,7 @@ fn monitor_loop(
                     }
                 }
                 1 if b == MSG_UNMOUNT => sig = Some(libc::SIGTERM),
+                1 if b == MSG_STATS_SOCKET => own_sock = true,
                 1 => {}
                 _ => {
                     // EOF: the worker is exiting; SIGCHLD follows.
@@ -246,8 +251,12 @@ fn monitor_loop(
             if code != 0 && mounted && fuse_mounted_at(dir) {
                 unmount(dir);
             }
-            // SAFETY: unlinking a path; failure (already gone) is fine.
-            unsafe { libc::unlink(sock.as_ptr()) };
+            // Only a socket the worker served: another mount at the same
+            // directory may own the path.
+            if own_sock {
+                // SAFETY: unlinking a path; failure (already gone) is fine.
+                unsafe { libc::unlink(sock.as_ptr()) };
+            }
             std::process::exit(code);
         }
         match sig {
@@ -297,6 +306,12 @@ fn tell_monitor(msg: u8) -> bool {
 /// Tell the monitor the file system is mounted (it may unmount it from now on).
 pub fn notify_mounted() {
     tell_monitor(MSG_MOUNTED);
+}
+
+/// Tell the monitor the worker bound the stats socket: the monitor removes
+/// it when the worker exits (the sandboxed worker may not).
+pub fn notify_stats_socket() {
+    tell_monitor(MSG_STATS_SOCKET);
 }
 
 /// Ask the monitor to unmount (the worker cannot); false when not sandboxed.

@@ -440,11 +440,15 @@ fn monitor_cleans_up_after_a_killed_worker() {
     let worker = the_worker(monitor);
     assert_sandboxed(worker, 65534);
     fs::write(d.dir.path.join("f"), b"x").unwrap();
+    let sock = commitfs::cmd::stats::socket_path(&d.dir.path);
+    assert!(sock.exists(), "no stats socket at {}", sock.display());
     // SAFETY: killing a process this test started.
     assert_eq!(unsafe { libc::kill(worker as i32, libc::SIGKILL) }, 0);
     assert!(wait_gone(worker, 20), "worker survived SIGKILL");
     assert!(wait_gone(monitor, 20), "monitor {monitor} still running");
-    // No dead mount ("transport endpoint is not connected") is left behind.
+    // No dead mount ("transport endpoint is not connected") is left behind,
+    // nor the stats socket the worker served (the monitor removes it).
     assert!(!is_mounted(&d.dir.path, "fuse"), "dead mount left");
     assert!(fs::read_dir(&d.dir.path).unwrap().next().is_none());
+    assert!(!sock.exists(), "stats socket {} left", sock.display());
 }

@@ -486,6 +486,9 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
     let stats_server = super::stats::serve(fs.clone(), &req.dir)
         .map_err(|e| tracing::warn!("stats socket unavailable: {e:#}"))
         .ok();
+    if stats_server.is_some() {
+        crate::sandbox::notify_stats_socket();
+    }
     let mut session = commitfs_fuse::mount(fs.clone(), &req.dir, &cfg)
         .map_err(|e| anyhow!("FUSE mount at {} failed: {e}", req.dir.display()))?;
     let mut unmounter = session.unmounter();
