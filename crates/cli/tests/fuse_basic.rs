@@ -119,7 +119,8 @@ impl Mount {
         self.dir.join(rel)
     }
 
-    /// `commitfs stats DIR --json`, parsed.
+    /// `commitfs stats DIR --json`, parsed; a failed call panics with its
+    /// stderr.
     fn stats(&self) -> serde_json::Value {
         let s = Command::new(BIN)
             .arg("stats")
@@ -127,6 +128,11 @@ impl Mount {
             .arg("--json")
             .output()
             .expect("commitfs stats");
+        assert!(
+            s.status.success(),
+            "commitfs stats failed: {}",
+            String::from_utf8_lossy(&s.stderr)
+        );
         serde_json::from_slice(&s.stdout).expect("stats JSON")
     }
 
@@ -1130,18 +1136,7 @@ fn stats_answer_as_soon_as_the_mount_appears() {
     let img = mkfs("fuse-stats-at-once", 32, &["-b", "4096"]);
     for round in 0..8 {
         let mut m = Mount::new(&img.path, &[]);
-        let s = Command::new(BIN)
-            .arg("stats")
-            .arg(&m.dir)
-            .arg("--json")
-            .output()
-            .expect("commitfs stats");
-        assert!(
-            s.status.success(),
-            "round {round}: commitfs stats failed: {}",
-            String::from_utf8_lossy(&s.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&s.stdout).expect("stats JSON");
+        let v = m.stats();
         assert!(v["journal_mode"].is_string(), "round {round}: {v}");
         m.unmount();
     }

@@ -1327,6 +1327,17 @@ fn fc_remounted_with_uncached_dir(tag: &str) -> (TempImage, Arc<Hold>, Fs) {
     (img, dev, fs)
 }
 
+/// `fsync(ino)` that writes exactly one fast commit.
+fn fsync_by_one_fast_commit(fs: &Fs, ino: Ino, what: &str) {
+    let before = fs.fc_stats().commits;
+    fs.fsync(ino, false).unwrap();
+    assert_eq!(
+        fs.fc_stats().commits,
+        before + 1,
+        "{what} was not a fast commit"
+    );
+}
+
 /// An fsync and an fdatasync of `f`, whose changes a durable fast commit
 /// already carries, return while another thread holds `Inner`, and write no
 /// fast commit.
@@ -1412,14 +1423,8 @@ fn fsync_of_a_change_another_fsync_covered_needs_no_fs_lock() {
     // f grows (its stamp), then g's fsync leads the fast commit that carries it.
     fs.write(f, 1000, &pattern(8, 5000)[1000..]).unwrap();
     fs.write(g, 0, &pattern(9, 100)).unwrap();
-    let before = fs.fc_stats().commits;
     let data_only = fs.stats().fdatasyncs_data_only;
-    fs.fsync(g, false).unwrap();
-    assert_eq!(
-        fs.fc_stats().commits,
-        before + 1,
-        "g's fsync was not a fast commit"
-    );
+    fsync_by_one_fast_commit(&fs, g, "g's fsync");
     covered_fsyncs_need_no_fs_lock(&fs, &dev, f, "a change another fsync's fast commit carried");
     assert_eq!(
         fs.stats().fdatasyncs_data_only,
@@ -1446,13 +1451,7 @@ fn covered_fsync_needs_no_fs_lock() {
     // A full commit first: the one after the mount cannot be a fast one.
     fs.sync().unwrap();
     fs.write(f, 1000, &pattern(7, 3000)[1000..]).unwrap();
-    let before = fs.fc_stats().commits;
-    fs.fsync(f, false).unwrap();
-    assert_eq!(
-        fs.fc_stats().commits,
-        before + 1,
-        "the fsync was not a fast commit"
-    );
+    fsync_by_one_fast_commit(&fs, f, "the fsync");
     covered_fsyncs_need_no_fs_lock(&fs, &dev, f, "a change its own fast commit carried");
     drop(dev);
     let (fs, buf) = remount_and_read(&img, fs, "after covered fsyncs", "/f", 3000);

@@ -39,11 +39,9 @@ pub struct FuseConfig {
     /// Shown as the mount source (`fsname=`), normally the image path.
     pub fsname: String,
     /// Event-loop threads, each on its own cloned `/dev/fuse` descriptor
-    /// (`-o threads=`; default [`default_threads`], or [`polling_threads`]
+    /// (`-o threads=`; `None`: [`default_threads`], or [`polling_threads`]
     /// when one loop polls, see `poll_us`).
-    pub threads: usize,
-    /// `threads` was given (`-o threads=N`): keep it also when a loop polls.
-    pub threads_explicit: bool,
+    pub threads: Option<usize>,
     /// Threads that serve fsync/fsyncdir, which wait for a commit
     /// (`-o fsync_threads=`; default 2 × `threads`, at least 32: waiting fsyncs
     /// are what group commit batches, so many may wait at once).
@@ -88,8 +86,7 @@ impl Default for FuseConfig {
             writeback_cache: false,
             allow_other: false,
             fsname: "commitfs".into(),
-            threads: default_threads(),
-            threads_explicit: false,
+            threads: None,
             fsync_threads: (2 * default_threads()).max(32),
             acl: true,
             dev: true,
@@ -163,7 +160,7 @@ impl FuseConfig {
         } else {
             SessionACL::Owner
         };
-        c.n_threads = Some(self.threads.max(1));
+        c.n_threads = Some(self.threads.unwrap_or_else(default_threads).max(1));
         // One descriptor per event loop: replies and reads do not contend on one
         // file, and each clone keeps its own processing list in the kernel.
         // Cloning opens /dev/fuse itself: a user mount (fusermount3 opened the
@@ -312,9 +309,7 @@ pub fn mount(fs: Arc<Fs>, mountpoint: &Path, cfg: &FuseConfig) -> io::Result<Fus
     } else if cfg.poll_us > 0 && fcfg.clone_fd {
         // Serving /dev/fuse (no rings, or the kernel did not grant them):
         // the first loop polls its own clone.
-        if !cfg.threads_explicit {
-            loops = polling_threads();
-        }
+        loops = cfg.threads.unwrap_or_else(polling_threads).max(1);
         stats.poll_us.store(cfg.poll_us, Ordering::Relaxed);
         session.set_poll(
             std::time::Duration::from_micros(cfg.poll_us),

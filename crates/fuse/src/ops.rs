@@ -188,7 +188,7 @@ impl CommitFuse {
             writeback_cache: cfg.writeback_cache,
             acl: cfg.acl,
             readdirplus: cfg.readdirplus,
-            threads: cfg.threads.max(1),
+            threads: cfg.threads.unwrap_or_else(crate::default_threads).max(1),
             status,
             uring_wanted: false,
             uring_granted: Arc::default(),

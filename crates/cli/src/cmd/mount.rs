@@ -475,10 +475,9 @@ fn serve(req: &MountRequest, on_mounted: impl FnOnce(&MountRequest) -> Result<()
         acl: !o.noacl,
         dev: !o.nodev,
         suid: !o.nosuid,
-        threads,
+        threads: o.threads,
         fsync_threads: o.fsync_threads.unwrap_or((2 * threads).max(32)),
         poll_us: o.fuse_poll_us,
-        threads_explicit: o.threads.is_some(),
     };
     // Live counters for `commitfs stats DIR` (not fatal if the socket fails),
     // served before the mount appears: a user (or test) that sees the mount
