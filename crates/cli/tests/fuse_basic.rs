@@ -1431,6 +1431,59 @@ fn mmap_write_read_truncate_punch_through_the_cache() {
     );
 }
 
+/// A READ the daemon's cache cannot answer whole (a file written home, then
+/// the mount started again) is served on the pool, where it may wait for the
+/// device while the event loop goes on (one polling loop used to read a file
+/// one request at a time); a READ the cache answers stays on the loop.
+#[test]
+fn reads_that_miss_the_cache_leave_the_event_loop() {
+    use std::os::fd::AsRawFd;
+    let counts = |v: &serde_json::Value| {
+        (
+            v["fuse_requests"]["read"]["count"].as_u64().unwrap_or(0),
+            v["fuse_reads_deferred"]["reads"].as_u64().unwrap(),
+            v["fuse_reads_deferred"]["max_at_once"].as_u64().unwrap(),
+        )
+    };
+    let img = mkfs("fuse-readpool", 64, &["-b", "4096"]);
+    let data = pattern(6 << 20, 5);
+    let mut m = Mount::new(&img.path, &[]);
+    fs::write(m.p("big"), &data).unwrap();
+    m.unmount();
+
+    let mut m = Mount::new(&img.path, &[]);
+    let (r0, d0, _) = counts(&m.stats());
+    assert_eq!(fs::read(m.p("big")).unwrap(), data);
+    let (r1, d1, most) = counts(&m.stats());
+    assert!(r1 - r0 >= 6, "a 6 MiB file in {} READs", r1 - r0);
+    assert_eq!(
+        d1 - d0,
+        r1 - r0,
+        "every READ of a file the cache does not hold goes to the pool"
+    );
+    assert!(most >= 1);
+
+    // Written through this mount: the daemon's cache holds it. Dropped from
+    // the kernel's page cache, so that reading it again asks the daemon.
+    let small = pattern(20_000, 6);
+    fs::write(m.p("small"), &small).unwrap();
+    let f = fs::File::open(m.p("small")).unwrap();
+    // SAFETY: a valid descriptor; advice only.
+    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(rc, 0);
+    drop(f);
+    let (r2, d2, _) = counts(&m.stats());
+    assert_eq!(fs::read(m.p("small")).unwrap(), small);
+    let (r3, d3, _) = counts(&m.stats());
+    assert!(
+        r3 > r2,
+        "the kernel kept the pages: no READ reached the daemon"
+    );
+    assert_eq!(d3, d2, "READs the cache answers stay on the event loop");
+    m.unmount();
+    assert_fsck_clean(&img.path);
+}
+
 /// The mount's readahead (`/sys/class/bdi/MAJ:MIN/read_ahead_kb`) is raised to
 /// 1 MiB once the kernel has taken the FUSE INIT reply (which would lower it
 /// again), so a sequential read is a request per MiB, not per 128 KiB;

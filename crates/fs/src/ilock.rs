@@ -41,6 +41,11 @@ impl InodeLocks {
         self.stripe(ino).read()
     }
 
+    /// Shared, if no writer holds it now (a front end that must not block).
+    pub fn try_read(&self, ino: u32) -> Option<RwLockReadGuard<'_, ()>> {
+        self.stripe(ino).try_read()
+    }
+
     /// Exclusive: writing its data, or freeing/remapping its blocks.
     pub fn write(&self, ino: u32) -> RwLockWriteGuard<'_, ()> {
         self.stripe(ino).write()

@@ -1522,6 +1522,31 @@ impl Fs {
         r.map(|()| n)
     }
 
+    /// A read the page cache answers whole, with no device I/O and no wait
+    /// for a writer of this file: `None` when it would need either (nothing
+    /// is read then; ask [`Self::read`]). For a front end with few event
+    /// loops: `commitfs-fuse` answers hits on its loop and hands the rest to
+    /// threads that may block, so that readahead's concurrent reads reach
+    /// the device together instead of one after another.
+    pub fn read_if_cached(&self, ino: Ino, offset: u64, buf: &mut [u8]) -> Result<Option<usize>> {
+        let Some(pc) = &self.pc else {
+            return Ok(None);
+        };
+        let Some(il) = self.ilocks.try_read(ino) else {
+            return Ok(None);
+        };
+        let n = match pc.read(ino, offset, buf) {
+            Some((n, hits)) if n > 0 && hits.iter().all(|&h| h) => n,
+            _ => return Ok(None),
+        };
+        let atime = self.cached_read_done(ino)?;
+        drop(il);
+        if atime {
+            self.commit_after_access();
+        }
+        Ok(Some(n))
+    }
+
     /// lseek(2) `SEEK_DATA` (`data`) or `SEEK_HOLE` (see
     /// [`Inner::seek_data_hole`]): under the inode's read lock, so no write of
     /// this file is half done.

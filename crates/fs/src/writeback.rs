@@ -794,6 +794,25 @@ impl Fs {
         }
     }
 
+    /// The end of a read the cache answered whole: counted, and its atime
+    /// noted (without `Inner` when the inode is cached); true when that
+    /// asks for a commit.
+    pub(crate) fn cached_read_done(&self, ino: u32) -> Result<bool> {
+        if self.dio.errors.is_dead() {
+            return Err(FsError::Shutdown);
+        }
+        if let Some(pc) = &self.pc {
+            pc.stats.lock().read_hits += 1;
+        }
+        Ok(
+            match crate::atime::touch_atime_deferred(&self.opts, &self.itable, ino) {
+                None => self.lock()?.touch_atime(ino),
+                Some(true) => self.lock()?.flush_lazy_expired_now(),
+                Some(false) => false,
+            },
+        )
+    }
+
     /// Read through the cache (the caller holds the inode's lock shared, so
     /// no write of this file is half done). A read the cache answers whole
     /// takes no file-system lock (`Inner` only when an atime update is due).
@@ -817,18 +836,7 @@ impl Fs {
         let (n, hits) = match looked {
             Some((0, _)) => return Ok(None),
             Some((n, hits)) if hits.iter().all(|&h| h) => {
-                if self.dio.errors.is_dead() {
-                    return Err(FsError::Shutdown);
-                }
-                pc.stats.lock().read_hits += 1;
-                // The atime without `Inner` when the inode is cached.
-                let atime = match crate::atime::touch_atime_deferred(&self.opts, &self.itable, ino)
-                {
-                    None => self.lock()?.touch_atime(ino),
-                    Some(true) => self.lock()?.flush_lazy_expired_now(),
-                    Some(false) => false,
-                };
-                return Ok(Some((n, atime)));
+                return Ok(Some((n, self.cached_read_done(ino)?)));
             }
             Some((n, hits)) => (Some(n), hits),
             None => (None, Vec::new()),

@@ -101,6 +101,12 @@ pub struct FuseStats {
     /// found (`FuseConfig::poll_us`).
     pub(crate) poll_us: AtomicU64,
     pub(crate) poll: Arc<fuser::PollCounters>,
+    /// READs the daemon's cache could not answer whole, served on the pool
+    /// (they may wait for the device); how many were there at once, now and
+    /// at most.
+    reads_deferred: AtomicU64,
+    reads_waiting: AtomicU64,
+    reads_waiting_max: AtomicU64,
 }
 
 impl Default for FuseStats {
@@ -112,6 +118,9 @@ impl Default for FuseStats {
             ring_requests: AtomicU64::new(0),
             poll_us: AtomicU64::new(0),
             poll: Arc::default(),
+            reads_deferred: AtomicU64::new(0),
+            reads_waiting: AtomicU64::new(0),
+            reads_waiting_max: AtomicU64::new(0),
         }
     }
 }
@@ -154,6 +163,25 @@ impl FuseStats {
             },
             self.poll.polled.load(Ordering::Relaxed),
             self.poll.slept.load(Ordering::Relaxed),
+        )
+    }
+
+    /// A READ handed to the pool; [`Self::read_done`] when it is answered.
+    pub(crate) fn read_deferred(&self) {
+        self.reads_deferred.fetch_add(1, Ordering::Relaxed);
+        let now = self.reads_waiting.fetch_add(1, Ordering::Relaxed) + 1;
+        self.reads_waiting_max.fetch_max(now, Ordering::Relaxed);
+    }
+
+    pub(crate) fn read_done(&self) {
+        self.reads_waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// `(READs served on the pool, most of them in the daemon at once)`.
+    pub fn reads_deferred(&self) -> (u64, u64) {
+        (
+            self.reads_deferred.load(Ordering::Relaxed),
+            self.reads_waiting_max.load(Ordering::Relaxed),
         )
     }
 

@@ -44,6 +44,7 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
     let fc = fs.fc_stats();
     let ring = fuse.map_or((0, 0), |f| f.ring());
     let poll = fuse.map_or((0, 0, 0), |f| f.poll());
+    let reads = fuse.map_or((0, 0), |f| f.reads_deferred());
     let mut dev = serde_json::Map::new();
     for c in IoCategory::ALL {
         let k = s.device.category(c);
@@ -134,6 +135,10 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
             "budget_us": poll.0,
             "polled": poll.1,
             "slept": poll.2,
+        },
+        "fuse_reads_deferred": {
+            "reads": reads.0,
+            "max_at_once": reads.1,
         },
         "page_cache": fs.cache_stats().map(|c| json!({
             "cached_bytes": c.cached_bytes,
