@@ -1431,6 +1431,47 @@ fn mmap_write_read_truncate_punch_through_the_cache() {
     );
 }
 
+/// A lone polling event loop held by one long request (here writes that
+/// write the file back past the dirty limit) does not hold up the others:
+/// the relief loop serves the queue meanwhile (`fuse_poll.reliefs`).
+#[test]
+fn a_long_request_does_not_hold_up_the_others() {
+    let img = mkfs("fuse-relief", 512, &["-b", "4096"]);
+    let mut m = Mount::new(
+        &img.path,
+        &["-o", "threads=1,noio_uring,cache_size=64,commit=60"],
+    );
+    fs::write(m.p("small"), b"small file").unwrap();
+    let big = m.p("big");
+    let writer = std::thread::spawn(move || {
+        use std::io::Write;
+        let chunk = pattern(1 << 20, 7);
+        let mut f = fs::File::create(big).unwrap();
+        for _ in 0..256 {
+            f.write_all(&chunk).unwrap();
+        }
+        f.sync_all().unwrap();
+    });
+    let mut asked = 0u64;
+    while !writer.is_finished() {
+        assert_eq!(fs::metadata(m.p("small")).unwrap().len(), 10);
+        asked += 1;
+    }
+    writer.join().unwrap();
+    let p = m.stats()["fuse_poll"].clone();
+    let (reliefs, relieved) = (
+        p["reliefs"].as_u64().unwrap(),
+        p["relieved"].as_u64().unwrap(),
+    );
+    assert!(
+        reliefs > 0 && relieved > 0,
+        "no request was served while a write held the event loop ({asked} stats): {p}"
+    );
+    assert_eq!(fs::metadata(m.p("big")).unwrap().len(), 256 << 20);
+    m.unmount();
+    assert_fsck_clean(&img.path);
+}
+
 /// A READ the daemon's cache cannot answer whole (a file written home, then
 /// the mount started again) is served on the pool, where it may wait for the
 /// device while the event loop goes on (one polling loop used to read a file

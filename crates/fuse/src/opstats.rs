@@ -185,6 +185,15 @@ impl FuseStats {
         )
     }
 
+    /// The relief loop (`fuser::PollCounters`): `(times it took over from
+    /// the polling loop held by one request, requests it served then)`.
+    pub fn relief(&self) -> (u64, u64) {
+        (
+            self.poll.reliefs.load(Ordering::Relaxed),
+            self.poll.relieved.load(Ordering::Relaxed),
+        )
+    }
+
     /// The kinds served at least once.
     pub fn snapshot(&self) -> Vec<OpTotals> {
         (0..Op::COUNT)

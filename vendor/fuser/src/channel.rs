@@ -27,7 +27,7 @@ impl Channel {
     }
 
     /// Receives data up to the capacity of the given buffer (can block).
-    fn receive(&self, buffer: &mut [u8]) -> nix::Result<usize> {
+    pub(crate) fn receive(&self, buffer: &mut [u8]) -> nix::Result<usize> {
         nix::unistd::read(&self.0, buffer)
     }
 
@@ -67,6 +67,7 @@ impl Channel {
         buffer: &mut [u8],
         budget: std::time::Duration,
         counters: &crate::session::PollCounters,
+        relief: Option<&crate::session::Relief>,
     ) -> nix::Result<usize> {
         use std::os::fd::AsRawFd;
         use std::sync::atomic::Ordering::Relaxed;
@@ -98,8 +99,14 @@ impl Channel {
                         events: libc::POLLIN,
                         revents: 0,
                     };
+                    if let Some(r) = relief {
+                        r.set_sleeping(true);
+                    }
                     // SAFETY: one valid pollfd, no timeout, no signal mask.
                     unsafe { libc::ppoll(&mut pfd, 1, std::ptr::null(), std::ptr::null()) };
+                    if let Some(r) = relief {
+                        r.set_sleeping(false);
+                    }
                 }
                 Err(err) => return Err(err),
             }

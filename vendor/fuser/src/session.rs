@@ -155,6 +155,86 @@ pub struct PollCounters {
     /// Event loops polling (0 until the loop starts, or if its descriptor
     /// could not be made non-blocking).
     pub loops: std::sync::atomic::AtomicU64,
+    /// Requests the relief loop served while the polling loop was held by
+    /// one request (see [`Relief`]).
+    pub relieved: std::sync::atomic::AtomicU64,
+    /// Times the relief loop found the polling loop held and took over.
+    pub reliefs: std::sync::atomic::AtomicU64,
+}
+
+/// commitfs: when the polling loop is the only event loop, a second loop
+/// stands by without reading `/dev/fuse` (a loop blocked in read(2) is woken
+/// by the kernel for requests the polling loop then takes, which measured
+/// slower). Every [`RELIEF_TICK`] while the polling loop is awake, it looks
+/// whether that loop has been inside one request for [`RELIEF_AFTER`] or
+/// more (a write that writes back, a cold metadata read, a long truncate)
+/// and if so serves the queue itself until that request ends: other
+/// clients wait milliseconds, not for the whole request.
+#[derive(Debug)]
+pub(crate) struct Relief {
+    epoch: std::time::Instant,
+    /// Nanoseconds since `epoch` + 1 at which the polling loop started its
+    /// current request; 0 while it is between requests.
+    busy_since: std::sync::atomic::AtomicU64,
+    /// The polling loop sleeps in `ppoll` (nothing to do).
+    sleeping: std::sync::atomic::AtomicBool,
+    /// The relief loop is parked until the polling loop wakes.
+    parked: std::sync::atomic::AtomicBool,
+    stop: std::sync::atomic::AtomicBool,
+    thread: std::sync::OnceLock<thread::Thread>,
+}
+
+/// How often the relief loop looks at the polling loop (measured, loop
+/// device, 2 CPUs: a 1 ms tick cost postmark about 5%, 2 ms nothing
+/// measurable; a client's stat during a 3 GiB write waited at most 5.7 ms,
+/// 644 ms without relief).
+const RELIEF_TICK: std::time::Duration = std::time::Duration::from_millis(2);
+/// How long one request may hold the polling loop before relief serves.
+const RELIEF_AFTER: std::time::Duration = std::time::Duration::from_millis(2);
+
+impl Relief {
+    fn new() -> Relief {
+        Relief {
+            epoch: std::time::Instant::now(),
+            busy_since: Default::default(),
+            sleeping: Default::default(),
+            parked: Default::default(),
+            stop: Default::default(),
+            thread: Default::default(),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64 + 1
+    }
+
+    fn begin(&self) {
+        self.busy_since
+            .store(self.now(), std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn end(&self) {
+        self.busy_since
+            .store(0, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The polling loop goes to sleep (`true`) or woke up.
+    pub(crate) fn set_sleeping(&self, sleeping: bool) {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.sleeping.store(sleeping, SeqCst);
+        if !sleeping && self.parked.load(SeqCst) {
+            if let Some(t) = self.thread.get() {
+                t.unpark();
+            }
+        }
+    }
+
+    fn finish(&self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+    }
 }
 
 impl<FS: Filesystem> AsFd for Session<FS> {
@@ -327,7 +407,16 @@ impl<FS: Filesystem> Session<FS> {
         #[cfg(not(target_os = "linux"))]
         channels.push(ch);
 
-        let mut threads = Vec::with_capacity(n_threads);
+        // commitfs: a lone polling loop gets a relief loop (`Relief`).
+        #[cfg(target_os = "linux")]
+        let relief = match (&spin, &_session_ch) {
+            (Some(_), Some(session_ch)) => Some((Arc::new(Relief::new()), session_ch.clone_fd()?)),
+            _ => None,
+        };
+        #[cfg(not(target_os = "linux"))]
+        let relief: Option<(Arc<Relief>, Channel)> = None;
+
+        let mut threads = Vec::with_capacity(n_threads + 1);
         for (i, ch) in channels.into_iter().enumerate() {
             let thread_name = format!("fuser-{i}");
             let event_loop = SessionEventLoop {
@@ -337,12 +426,33 @@ impl<FS: Filesystem> Session<FS> {
                 allowed,
                 session_owner,
                 spin: if i == 0 { spin.clone() } else { None },
+                relief: if i == 0 {
+                    relief.as_ref().map(|r| r.0.clone())
+                } else {
+                    None
+                },
             };
             threads.push(
                 thread::Builder::new()
                     .name(thread_name)
                     .spawn(move || event_loop.event_loop())?,
             );
+        }
+        if let Some((relief, ch)) = relief {
+            let counters = spin.as_ref().map(|s| s.1.clone()).unwrap_or_default();
+            let event_loop = SessionEventLoop {
+                thread_name: "fuser-relief".to_string(),
+                filesystem: filesystem.clone(),
+                ch,
+                allowed,
+                session_owner,
+                spin: None,
+                relief: None,
+            };
+            let handle = thread::Builder::new()
+                .name("fuser-relief".to_string())
+                .spawn(move || event_loop.relief_loop(&relief, &counters))?;
+            threads.push(handle);
         }
 
         let mut reply: io::Result<()> = Ok(());
@@ -579,6 +689,7 @@ impl<FS: Filesystem> Session<FS> {
                 allowed: self.allowed,
                 session_owner: self.session_owner,
                 spin: None,
+                relief: None,
             },
         }
     }
@@ -642,6 +753,8 @@ pub(crate) struct SessionEventLoop<FS: Filesystem> {
     /// commitfs: poll this loop's own descriptor for up to this long after
     /// each request before sleeping in the kernel (`Session::set_poll`).
     pub(crate) spin: Option<(std::time::Duration, Arc<PollCounters>)>,
+    /// commitfs: the relief loop standing by for this (polling) loop.
+    pub(crate) relief: Option<Arc<Relief>>,
 }
 
 impl<FS: Filesystem> SessionEventLoop<FS> {
@@ -663,30 +776,112 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
             // Read the next request from the given channel to kernel driver
             // The kernel driver makes sure that we get exactly one request per read
             let got = match spin {
-                Some((budget, counters)) => self.ch.receive_spinning(buf, *budget, counters),
+                Some((budget, counters)) => {
+                    self.ch
+                        .receive_spinning(buf, *budget, counters, self.relief.as_deref())
+                }
                 None => self.ch.receive_retrying(buf),
             };
-            match got {
-                Ok(size) => match RequestWithSender::new(self.ch.sender(), &buf[..size]) {
-                    // Dispatch request
-                    Some(req) => {
-                        if let Ok(Operation::Destroy(_)) = req.request.operation() {
-                            req.reply::<ReplyEmpty>().ok();
+            let served = match got {
+                Ok(size) => self.serve(&buf[..size]),
+                Err(nix::errno::Errno::ENODEV) => Ok(false),
+                Err(err) => Err(err.into()),
+            };
+            match served {
+                Ok(true) => {}
+                done => {
+                    if let Some(r) = &self.relief {
+                        r.finish();
+                    }
+                    return done.map(|_| ());
+                }
+            }
+        }
+    }
+
+    /// Dispatch one request read from the kernel; `Ok(false)` after DESTROY
+    /// (this loop ends).
+    fn serve(&self, buf: &[u8]) -> io::Result<bool> {
+        match RequestWithSender::new(self.ch.sender(), buf) {
+            Some(req) => {
+                if let Ok(Operation::Destroy(_)) = req.request.operation() {
+                    req.reply::<ReplyEmpty>().ok();
+                    Ok(false)
+                } else {
+                    if let Some(r) = &self.relief {
+                        r.begin();
+                    }
+                    req.dispatch(self);
+                    if let Some(r) = &self.relief {
+                        r.end();
+                    }
+                    Ok(true)
+                }
+            }
+            // Quit loop on illegal request
+            None => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "Invalid request",
+            )),
+        }
+    }
+
+    /// commitfs: the relief loop ([`Relief`]): reads its own descriptor
+    /// only while the polling loop is held by one request.
+    fn relief_loop(&self, relief: &Relief, counters: &PollCounters) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        use std::sync::atomic::Ordering::{Relaxed, SeqCst};
+        let _ = relief.thread.set(thread::current());
+        self.ch.set_nonblocking()?;
+        let mut buf = FuseReadBuf::new();
+        let buf = buf.as_mut();
+        let stuck_after = RELIEF_AFTER.as_nanos() as u64;
+        loop {
+            if relief.stop.load(SeqCst) {
+                return Ok(());
+            }
+            if relief.sleeping.load(SeqCst) {
+                // Nothing to do until the polling loop wakes; it unparks us
+                // (the timeout only bounds a missed wake-up).
+                relief.parked.store(true, SeqCst);
+                if relief.sleeping.load(SeqCst) && !relief.stop.load(SeqCst) {
+                    thread::park_timeout(std::time::Duration::from_millis(100));
+                }
+                relief.parked.store(false, SeqCst);
+                continue;
+            }
+            thread::sleep(RELIEF_TICK);
+            let since = relief.busy_since.load(SeqCst);
+            if since == 0 || relief.now().saturating_sub(since) < stuck_after {
+                continue;
+            }
+            counters.reliefs.fetch_add(1, Relaxed);
+            // Serve whatever is queued until that request ends.
+            while relief.busy_since.load(SeqCst) == since && !relief.stop.load(SeqCst) {
+                match self.ch.receive(buf) {
+                    Ok(size) => {
+                        counters.relieved.fetch_add(1, Relaxed);
+                        if !self.serve(&buf[..size])? {
                             return Ok(());
-                        } else {
-                            req.dispatch(self)
                         }
                     }
-                    // Quit loop on illegal request
-                    None => {
-                        return Err(io::Error::new(
-                            io::ErrorKind::InvalidData,
-                            "Invalid request",
-                        ));
+                    Err(nix::errno::Errno::EAGAIN) => {
+                        let mut pfd = libc::pollfd {
+                            fd: self.ch.as_fd().as_raw_fd(),
+                            events: libc::POLLIN,
+                            revents: 0,
+                        };
+                        let ts = libc::timespec {
+                            tv_sec: 0,
+                            tv_nsec: RELIEF_TICK.as_nanos() as libc::c_long,
+                        };
+                        // SAFETY: one valid pollfd, a valid timeout, no signal mask.
+                        unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
                     }
-                },
-                Err(nix::errno::Errno::ENODEV) => return Ok(()),
-                Err(err) => return Err(err.into()),
+                    Err(nix::errno::Errno::ENOENT | nix::errno::Errno::EINTR) => {}
+                    Err(nix::errno::Errno::ENODEV) => return Ok(()),
+                    Err(err) => return Err(err.into()),
+                }
             }
         }
     }

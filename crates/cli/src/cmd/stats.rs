@@ -45,6 +45,7 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
     let ring = fuse.map_or((0, 0), |f| f.ring());
     let poll = fuse.map_or((0, 0, 0), |f| f.poll());
     let reads = fuse.map_or((0, 0), |f| f.reads_deferred());
+    let relief = fuse.map_or((0, 0), |f| f.relief());
     let mut dev = serde_json::Map::new();
     for c in IoCategory::ALL {
         let k = s.device.category(c);
@@ -135,6 +136,8 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
             "budget_us": poll.0,
             "polled": poll.1,
             "slept": poll.2,
+            "reliefs": relief.0,
+            "relieved": relief.1,
         },
         "fuse_reads_deferred": {
             "reads": reads.0,
@@ -470,8 +473,9 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
                     0 => println!("FUSE transport: /dev/fuse"),
                     us => println!(
                         "FUSE transport: /dev/fuse, one loop polling {us} us after each request: \
-                         {} requests found while polling, {} sleeps",
-                        p["polled"], p["slept"]
+                         {} requests found while polling, {} sleeps; relief loop took over {} \
+                         times from a request held over 2 ms and served {} requests",
+                        p["polled"], p["slept"], p["reliefs"], p["relieved"]
                     ),
                 }
             }
