@@ -1522,12 +1522,14 @@ impl Fs {
         r.map(|()| n)
     }
 
-    /// A read the page cache answers whole, with no device I/O and no wait
-    /// for a writer of this file: `None` when it would need either (nothing
-    /// is read then; ask [`Self::read`]). For a front end with few event
-    /// loops: `commitfs-fuse` answers hits on its loop and hands the rest to
-    /// threads that may block, so that readahead's concurrent reads reach
-    /// the device together instead of one after another.
+    /// A read the page cache answers whole, with no data read from the
+    /// device and no wait for a writer of this file: `None` when it would
+    /// need either (ask [`Self::read`] then). As any cached read, it may
+    /// take `Inner` for a due atime update (and commit under `strictatime`).
+    /// For a front end with few event loops: `commitfs-fuse` answers hits
+    /// on its loop and hands the rest to threads that may block, so that
+    /// readahead's concurrent reads reach the device together instead of
+    /// one after another.
     pub fn read_if_cached(&self, ino: Ino, offset: u64, buf: &mut [u8]) -> Result<Option<usize>> {
         let Some(pc) = &self.pc else {
             return Ok(None);

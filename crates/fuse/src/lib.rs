@@ -42,7 +42,8 @@ pub struct FuseConfig {
     /// (`-o threads=`; `None`: [`default_threads`], or [`polling_threads`]
     /// when one loop polls, see `poll_us`).
     pub threads: Option<usize>,
-    /// Threads that serve fsync/fsyncdir, which wait for a commit
+    /// Threads that serve fsync/fsyncdir, which wait for a commit, and the
+    /// READs the daemon's cache cannot answer, which wait for the device
     /// (`-o fsync_threads=`; default 2 × `threads`, at least 32: waiting fsyncs
     /// are what group commit batches, so many may wait at once).
     pub fsync_threads: usize,

@@ -591,9 +591,13 @@ impl Filesystem for CommitFuse {
             None
         });
         if let Some((reply, mut buf)) = miss {
-            self.shared.stats.read_deferred();
+            if !crate::uring::in_ring_thread() {
+                // (A ring thread serves it itself, below.)
+                self.shared.stats.read_deferred();
+            }
+            let in_pool = !crate::uring::in_ring_thread();
             self.run_durable(Op::Read, move |s| {
-                let _done = ReadDone(&s.stats);
+                let _done = in_pool.then_some(ReadDone(&s.stats));
                 match s.fs.read(ino, offset, &mut buf) {
                     Ok(n) => reply.data(&buf[..n.min(buf.len())]),
                     Err(e) => reply.error(to_errno("read", &e)),

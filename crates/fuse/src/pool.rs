@@ -1,7 +1,9 @@
-//! A small fixed thread pool for the requests that wait for durability (fsync,
-//! fsyncdir): an event loop hands the request (with its reply object) to a
-//! worker and goes back to reading, so commits in flight never occupy every
-//! event loop.
+//! A small fixed thread pool for the requests that wait: for durability
+//! (fsync, fsyncdir) or for the device (a READ the daemon's cache does not
+//! hold whole). An event loop hands the request (with its reply object) to a
+//! worker and goes back to reading, so commits and reads in flight never
+//! occupy every event loop. FIFO: with more fsyncs waiting than workers
+//! (`fsync_threads`, at least 32), a cold READ waits for a worker too.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};

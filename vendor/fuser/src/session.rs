@@ -184,6 +184,17 @@ pub(crate) struct Relief {
     thread: std::sync::OnceLock<thread::Thread>,
 }
 
+/// Stops the relief loop when dropped.
+struct ReliefEnds<'a>(Option<&'a Relief>);
+
+impl Drop for ReliefEnds<'_> {
+    fn drop(&mut self) {
+        if let Some(r) = self.0 {
+            r.finish();
+        }
+    }
+}
+
 /// How often the relief loop looks at the polling loop (measured, loop
 /// device, 2 CPUs: a 1 ms tick cost postmark about 5%, 2 ms nothing
 /// measurable; a client's stat during a 3 GiB write waited at most 5.7 ms,
@@ -449,10 +460,20 @@ impl<FS: Filesystem> Session<FS> {
                 spin: None,
                 relief: None,
             };
-            let handle = thread::Builder::new()
+            let spawned = thread::Builder::new()
                 .name("fuser-relief".to_string())
-                .spawn(move || event_loop.relief_loop(&relief, &counters))?;
-            threads.push(handle);
+                .spawn({
+                    let relief = relief.clone();
+                    move || event_loop.relief_loop(&relief, &counters)
+                });
+            match spawned {
+                Ok(handle) => threads.push(handle),
+                // The polling loop already serves: go on without relief.
+                Err(e) => {
+                    warn!("no relief loop for the polling event loop: {e}");
+                    relief.finish();
+                }
+            }
         }
 
         let mut reply: io::Result<()> = Ok(());
@@ -772,6 +793,14 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
                 .loops
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
+        // The relief loop ends with this loop, however it ends (a panic
+        // included), and is not needed by a loop that cannot poll.
+        let _relief_ends = ReliefEnds(self.relief.as_deref());
+        if spin.is_none() {
+            if let Some(r) = &self.relief {
+                r.finish();
+            }
+        }
         loop {
             // Read the next request from the given channel to kernel driver
             // The kernel driver makes sure that we get exactly one request per read
@@ -789,12 +818,7 @@ impl<FS: Filesystem> SessionEventLoop<FS> {
             };
             match served {
                 Ok(true) => {}
-                done => {
-                    if let Some(r) = &self.relief {
-                        r.finish();
-                    }
-                    return done.map(|_| ());
-                }
+                done => return done.map(|_| ()),
             }
         }
     }
