@@ -33,6 +33,7 @@ pub mod testutil;
 use std::path::Path;
 use std::sync::Arc;
 
+pub use commitfs_device::AlignedBuf;
 use commitfs_device::{DeviceRef, FileDevice, StatsSnapshot};
 use commitfs_format::superblock::Superblock;
 use parking_lot::Mutex;

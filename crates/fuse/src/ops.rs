@@ -576,7 +576,9 @@ impl Filesystem for CommitFuse {
         reply: ReplyData,
     ) {
         let ino = ino_or_reply!(ino, reply);
-        let mut buf = vec![0u8; size as usize];
+        // Page-aligned: a large read from the device goes straight into it
+        // (O_DIRECT), with no bounce buffer and no second copy.
+        let mut buf = commitfs_fs::AlignedBuf::new(size as usize);
         // What the daemon's cache holds is answered on this loop; the rest
         // may wait for the device and goes to the pool, so that the loop
         // keeps serving and readahead's concurrent reads reach the device
