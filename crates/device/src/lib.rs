@@ -273,6 +273,10 @@ pub struct FileDevice {
     fua: Option<uring::Ring>,
     /// Batches of direct writes in flight together (uring.rs).
     batch: Option<uring::Ring>,
+    /// Byte ranges being written through a ring (asynchronous direct
+    /// writes), with the buffered reads that may not run beside them: see
+    /// [`RingWrites`].
+    ring_writes: RingWrites,
     size: u64,
     read_only: bool,
     stats: IoStats,
@@ -392,6 +396,7 @@ impl FileDevice {
                 .open(path)
                 .ok()
         };
+        let ra_window = direct.as_ref().map_or(0, |_| readahead_window(&file));
         // Still correct without it: a FUA write then costs a flush as well.
         let fua = direct.as_ref().and_then(|_| uring::Ring::new(4).ok());
         let batch = direct
@@ -402,6 +407,7 @@ impl FileDevice {
             direct,
             fua,
             batch,
+            ring_writes: RingWrites::new(ra_window),
             size,
             read_only,
             stats: IoStats::default(),
@@ -505,6 +511,7 @@ impl FileDevice {
                 use std::os::fd::AsRawFd;
                 let mut a = AlignedBuf::new(buf.len());
                 a.as_mut().copy_from_slice(buf);
+                let _in_flight = self.ring_writes.begin(&[(offset, buf.len())]);
                 match ring.write_fua(d.as_raw_fd(), a, offset) {
                     Ok(()) => {
                         self.drop_cached(offset, buf.len());
@@ -541,6 +548,31 @@ impl FileDevice {
         unsafe {
             libc::posix_fadvise(self.file.as_raw_fd(), off, len, libc::POSIX_FADV_DONTNEED);
         }
+    }
+
+    /// A read through the page cache, unless a ring write is in flight within
+    /// its readahead's reach: then directly (whole pages around it, through
+    /// an aligned buffer), so that no page of that range is read from the
+    /// device, and kept, before the write lands (see [`RingWrites`]).
+    fn read_buffered(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        let Some(d) = &self.direct else {
+            return self.file.read_exact_at(buf, offset);
+        };
+        let _reading = self.ring_writes.reading.read();
+        if !self.ring_writes.near(offset, buf.len()) {
+            return self.file.read_exact_at(buf, offset);
+        }
+        let start = offset / PAGE as u64 * PAGE as u64;
+        let end = (offset + buf.len() as u64).div_ceil(PAGE as u64) * PAGE as u64;
+        if end > self.size {
+            // The device's last partial page: its size is not a whole page.
+            return self.file.read_exact_at(buf, offset);
+        }
+        let mut a = AlignedBuf::new((end - start) as usize);
+        d.read_exact_at(a.as_mut(), start)?;
+        let at = (offset - start) as usize;
+        buf.copy_from_slice(&a.as_ref()[at..at + buf.len()]);
+        Ok(())
     }
 
     /// The direct handle, when a transfer of `len` bytes at `offset` may use
@@ -665,6 +697,88 @@ fn is_block_device(file: &File) -> bool {
         .unwrap_or(false)
 }
 
+/// Asynchronous direct writes (the batch and FUA rings) against the block
+/// device's page cache. The kernel drops a block device's cached pages of a
+/// range before any direct write and again after a *synchronous* one, but
+/// not after an asynchronous one: a buffered read running meanwhile (or its
+/// readahead, which reaches past it) could read old bytes of the range from
+/// the device and keep them, for a later small read, or a partial block's
+/// read-modify-write, to return. The device drops the range itself when the
+/// write is done (`posix_fadvise(DONTNEED)`), which skips pages still locked
+/// for reading. So while a ring write is in flight, buffered reads within
+/// [`Self::window`] before or on its range read directly instead, and the
+/// write is only submitted once every buffered read that began before it
+/// was registered has ended ([`Self::reading`]).
+struct RingWrites {
+    ranges: parking_lot::Mutex<Vec<(u64, u64)>>,
+    /// Held shared by a buffered read for its duration; taken exclusively
+    /// (at once released) by a ring write after registering its ranges.
+    reading: parking_lot::RwLock<()>,
+    /// How far past its end a buffered read may read ahead (twice the
+    /// device's readahead, the asynchronous window included).
+    window: u64,
+}
+
+/// A ring write's ranges, unregistered when dropped.
+struct InFlight<'a> {
+    w: &'a RingWrites,
+    ranges: Vec<(u64, u64)>,
+}
+
+impl RingWrites {
+    fn new(window: u64) -> RingWrites {
+        RingWrites {
+            ranges: parking_lot::Mutex::new(Vec::new()),
+            reading: parking_lot::RwLock::new(()),
+            window,
+        }
+    }
+
+    /// Register `(offset, len)` ranges about to be written through a ring
+    /// and wait for the buffered reads already under way.
+    fn begin(&self, ranges: &[(u64, usize)]) -> InFlight<'_> {
+        let ranges: Vec<(u64, u64)> = ranges.iter().map(|&(o, l)| (o, o + l as u64)).collect();
+        self.ranges.lock().extend_from_slice(&ranges);
+        drop(self.reading.write());
+        InFlight { w: self, ranges }
+    }
+
+    /// Whether a buffered read of `len` bytes at `offset` (or its readahead)
+    /// could touch a range being written.
+    fn near(&self, offset: u64, len: usize) -> bool {
+        let reach = offset + len as u64 + self.window;
+        self.ranges
+            .lock()
+            .iter()
+            .any(|&(s, e)| s < reach && e > offset)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut all = self.w.ranges.lock();
+        for r in &self.ranges {
+            if let Some(i) = all.iter().position(|x| x == r) {
+                all.swap_remove(i);
+            }
+        }
+    }
+}
+
+/// Twice the block device's readahead (`BLKRAGET`, in 512-byte sectors),
+/// at least 1 MiB; 8 MiB when it cannot be read.
+fn readahead_window(f: &File) -> u64 {
+    use std::os::fd::AsRawFd;
+    const BLKRAGET: libc::c_ulong = 0x1263;
+    let mut sectors: libc::c_long = 0;
+    // SAFETY: BLKRAGET writes one long through the pointer.
+    let rc = unsafe { libc::ioctl(f.as_raw_fd(), BLKRAGET as _, &mut sectors) };
+    if rc != 0 || sectors < 0 {
+        return 8 << 20;
+    }
+    (2 * sectors as u64 * 512).max(1 << 20)
+}
+
 /// A page-aligned, zeroed heap buffer (O_DIRECT needs aligned memory): a
 /// caller that reads large ranges into one of these spares the device a
 /// bounce buffer and a copy.
@@ -741,7 +855,7 @@ impl BlockDevice for FileDevice {
             source,
         };
         if !self.read_direct_large(offset, buf).map_err(io)? {
-            self.file.read_exact_at(buf, offset).map_err(io)?;
+            self.read_buffered(offset, buf).map_err(io)?;
         }
         self.stats.record_read(cat, buf.len());
         Ok(())
@@ -792,6 +906,10 @@ impl BlockDevice for FileDevice {
             len,
             source,
         };
+        let ranges: Vec<(u64, usize)> =
+            offs.iter().zip(&bufs).map(|(&o, b)| (o, b.len())).collect();
+        // Until the writes below are done and their pages dropped.
+        let _in_flight = self.ring_writes.begin(&ranges);
         let (bufs, res) = match ring.write_batch(d.as_raw_fd(), bufs, &offs) {
             Ok(r) => r,
             Err(_) => {
@@ -923,6 +1041,97 @@ pub type DeviceRef = Arc<dyn BlockDevice>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pages of `dev` (a block device) cached in `[at, at + span)`, as page
+    /// indexes from `at` (mincore(2) on a mapping of the device).
+    fn cached_pages(dev: &Path, at: u64, span: usize) -> Vec<usize> {
+        use std::os::fd::AsRawFd;
+        let f = File::open(dev).unwrap();
+        // SAFETY: a read-only mapping of `span` bytes of an open device,
+        // unmapped before returning; mincore fills one byte per page.
+        unsafe {
+            let map = libc::mmap(
+                std::ptr::null_mut(),
+                span,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                at as libc::off_t,
+            );
+            assert_ne!(map, libc::MAP_FAILED);
+            let mut pages = vec![0u8; span / PAGE];
+            assert_eq!(libc::mincore(map, span, pages.as_mut_ptr()), 0);
+            libc::munmap(map, span);
+            pages
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| **v & 1 != 0)
+                .map(|(i, _)| i)
+                .collect()
+        }
+    }
+
+    /// While a ring write is in flight, buffered reads within readahead
+    /// reach of its range read directly: no page of the device is cached by
+    /// them (a readahead there could keep bytes older than the write, which
+    /// the kernel does not drop after an asynchronous direct write). Before
+    /// and after, reads go through the page cache and read ahead. Needs root
+    /// (losetup), as the crate's other block-device tests.
+    #[test]
+    fn buffered_reads_near_a_ring_write_cache_nothing() {
+        use std::os::fd::AsRawFd;
+        use std::process::Command;
+        const MIB: u64 = 1 << 20;
+        let img = std::env::temp_dir().join(format!("commitfs-ringra-{}.img", std::process::id()));
+        File::create(&img).unwrap().set_len(16 * MIB).unwrap();
+        let out = Command::new("losetup")
+            .args(["-f", "--show"])
+            .arg(&img)
+            .output()
+            .unwrap();
+        let lo = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        struct Detach(String, std::path::PathBuf);
+        impl Drop for Detach {
+            fn drop(&mut self) {
+                let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
+                let _ = std::fs::remove_file(&self.1);
+            }
+        }
+        let _detach = Detach(lo.clone(), img.clone());
+        assert!(lo.starts_with("/dev/"), "losetup: {out:?}");
+        let dev = FileDevice::open(Path::new(&lo), false).unwrap();
+        assert!(dev.direct.is_some(), "a block device has a direct handle");
+        let drop_all = || {
+            let f = File::open(&lo).unwrap();
+            // SAFETY: a valid descriptor; advice only.
+            assert_eq!(
+                unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) },
+                0
+            );
+        };
+        // Two 64 KiB reads one after the other, 1 MiB before the write's
+        // range: a sequential stream the kernel reads ahead of.
+        let two_reads = || {
+            let mut b = vec![0u8; 64 << 10];
+            dev.read_at(4 * MIB, &mut b, IoCategory::Data).unwrap();
+            dev.read_at(4 * MIB + (64 << 10), &mut b, IoCategory::Data)
+                .unwrap();
+        };
+        drop_all();
+        let in_flight = dev.ring_writes.begin(&[(5 * MIB, 256 << 10)]);
+        two_reads();
+        let during = cached_pages(Path::new(&lo), 4 * MIB, 4 * MIB as usize);
+        drop(in_flight);
+        drop_all();
+        two_reads();
+        let after = cached_pages(Path::new(&lo), 4 * MIB, 4 * MIB as usize);
+        assert!(during.is_empty(), "cached during the write: {during:?}");
+        assert!(
+            after.len() > 32,
+            "the reads after it went through the page cache and read ahead: {after:?}"
+        );
+        assert!(dev.ring_writes.ranges.lock().is_empty());
+    }
 
     /// What a caller hands to a direct read: page-aligned and zeroed, of
     /// every size (an unaligned buffer costs the device a bounce copy).
