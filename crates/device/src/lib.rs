@@ -486,7 +486,7 @@ impl FileDevice {
                 self.write_direct_large(offset, buf).map_err(io)?
             };
             if !direct {
-                self.file.write_all_at(buf, offset).map_err(io)?;
+                self.write_buffered(offset, buf).map_err(io)?;
             }
         }
         self.stats.record_write(cat, buf.len(), fua);
@@ -525,6 +525,10 @@ impl FileDevice {
                 }
             }
         }
+        let _writing = self
+            .direct
+            .as_ref()
+            .and_then(|_| self.ring_writes.write(offset, buf.len()));
         match pwrite_all_flags(&self.file, buf, offset, libc::RWF_DSYNC) {
             Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) => {
                 // A kernel without per-write flags (before 4.7).
@@ -541,7 +545,15 @@ impl FileDevice {
     /// so a readahead that ran meanwhile could have left the old bytes there.
     fn drop_cached(&self, offset: u64, len: usize) {
         use std::os::fd::AsRawFd;
-        let (Ok(off), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        // Whole pages (DONTNEED keeps a page it covers only in part).
+        let (start, end) = (
+            page_down(offset),
+            page_up(offset.saturating_add(len as u64)),
+        );
+        let (Ok(off), Ok(len)) = (
+            libc::off_t::try_from(start),
+            libc::off_t::try_from(end - start),
+        ) else {
             return;
         };
         // SAFETY: plain system call on our descriptor.
@@ -558,21 +570,26 @@ impl FileDevice {
         let Some(d) = &self.direct else {
             return self.file.read_exact_at(buf, offset);
         };
-        let _reading = self.ring_writes.reading.read();
-        if !self.ring_writes.near(offset, buf.len()) {
+        if let Some(_reading) = self.ring_writes.read(offset, buf.len()) {
             return self.file.read_exact_at(buf, offset);
         }
-        let start = offset / PAGE as u64 * PAGE as u64;
-        let end = (offset + buf.len() as u64).div_ceil(PAGE as u64) * PAGE as u64;
-        if end > self.size {
-            // The device's last partial page: its size is not a whole page.
-            return self.file.read_exact_at(buf, offset);
-        }
+        // The device's size is a whole number of its logical blocks.
+        let start = page_down(offset);
+        let end = page_up(offset + buf.len() as u64).min(self.size);
         let mut a = AlignedBuf::new((end - start) as usize);
         d.read_exact_at(a.as_mut(), start)?;
         let at = (offset - start) as usize;
         buf.copy_from_slice(&a.as_ref()[at..at + buf.len()]);
         Ok(())
+    }
+
+    /// A write through the page cache (see [`RingWrites::write`]).
+    fn write_buffered(&self, offset: u64, buf: &[u8]) -> std::io::Result<()> {
+        let _writing = self
+            .direct
+            .as_ref()
+            .and_then(|_| self.ring_writes.write(offset, buf.len()));
+        self.file.write_all_at(buf, offset)
     }
 
     /// The direct handle, when a transfer of `len` bytes at `offset` may use
@@ -698,70 +715,152 @@ fn is_block_device(file: &File) -> bool {
 }
 
 /// Asynchronous direct writes (the batch and FUA rings) against the block
-/// device's page cache. The kernel drops a block device's cached pages of a
-/// range before any direct write and again after a *synchronous* one, but
-/// not after an asynchronous one: a buffered read running meanwhile (or its
-/// readahead, which reaches past it) could read old bytes of the range from
-/// the device and keep them, for a later small read, or a partial block's
-/// read-modify-write, to return. The device drops the range itself when the
-/// write is done (`posix_fadvise(DONTNEED)`), which skips pages still locked
-/// for reading. So while a ring write is in flight, buffered reads within
-/// [`Self::window`] before or on its range read directly instead, and the
-/// write is only submitted once every buffered read that began before it
-/// was registered has ended ([`Self::reading`]).
+/// device's page cache. Linux drops a block device's cached pages of a
+/// range before any direct write (waiting for pages locked for reading:
+/// readahead inserts and locks its pages inside the `pread` that starts it)
+/// and again after a *synchronous* one, but not after an asynchronous one. A
+/// buffered read running meanwhile, or its readahead, which reaches past it,
+/// could read old bytes of the range from the device and keep them, for a
+/// later small read, or a partial block's read-modify-write, to return; the
+/// device drops the range itself when the write is done
+/// (`posix_fadvise(DONTNEED)`), which skips locked pages. And a buffered
+/// write of part of a page reads the rest of the page from the device
+/// first: beside a write in flight to another part of that page, the page
+/// would go back to the device with that part's old bytes.
+///
+/// So, in whole pages: a ring write registers its ranges, then waits for the
+/// buffered reads and partial-page writes already under way that touch them;
+/// while it is in flight, a buffered read within readahead reach of it reads
+/// directly instead, and a buffered partial-page write of one of its pages
+/// waits for it to end.
 struct RingWrites {
-    ranges: parking_lot::Mutex<Vec<(u64, u64)>>,
-    /// Held shared by a buffered read for its duration; taken exclusively
-    /// (at once released) by a ring write after registering its ranges.
-    reading: parking_lot::RwLock<()>,
+    state: parking_lot::Mutex<RingState>,
+    /// Signalled when a ring write or a buffered access ends.
+    changed: parking_lot::Condvar,
     /// How far past its end a buffered read may read ahead (twice the
     /// device's readahead, the asynchronous window included).
     window: u64,
 }
 
-/// A ring write's ranges, unregistered when dropped.
+#[derive(Default)]
+struct RingState {
+    next: u64,
+    /// Ring writes in flight: (id, first byte, end), rounded out to pages.
+    writes: Vec<(u64, u64, u64)>,
+    /// Buffered reads (with their readahead reach) and partial-page writes
+    /// under way: (id, first byte, end).
+    buffered: Vec<(u64, u64, u64)>,
+}
+
+fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
+
+fn page_down(x: u64) -> u64 {
+    x / PAGE as u64 * PAGE as u64
+}
+
+fn page_up(x: u64) -> u64 {
+    x.div_ceil(PAGE as u64).saturating_mul(PAGE as u64)
+}
+
+/// A ring write's ranges, unregistered when dropped (forgotten instead when
+/// the ring failed with the write possibly still queued: the range stays
+/// out of the page cache's reach for good).
 struct InFlight<'a> {
     w: &'a RingWrites,
-    ranges: Vec<(u64, u64)>,
+    id: u64,
+}
+
+/// A buffered access registered with [`RingWrites`], unregistered when dropped.
+struct Buffered<'a> {
+    w: &'a RingWrites,
+    id: u64,
 }
 
 impl RingWrites {
     fn new(window: u64) -> RingWrites {
         RingWrites {
-            ranges: parking_lot::Mutex::new(Vec::new()),
-            reading: parking_lot::RwLock::new(()),
+            state: parking_lot::Mutex::new(RingState::default()),
+            changed: parking_lot::Condvar::new(),
             window,
         }
     }
 
     /// Register `(offset, len)` ranges about to be written through a ring
-    /// and wait for the buffered reads already under way.
+    /// and wait for the buffered accesses under way that touch their pages.
     fn begin(&self, ranges: &[(u64, usize)]) -> InFlight<'_> {
-        let ranges: Vec<(u64, u64)> = ranges.iter().map(|&(o, l)| (o, o + l as u64)).collect();
-        self.ranges.lock().extend_from_slice(&ranges);
-        drop(self.reading.write());
-        InFlight { w: self, ranges }
+        let pages: Vec<(u64, u64)> = ranges
+            .iter()
+            .map(|&(o, l)| (page_down(o), page_up(o.saturating_add(l as u64))))
+            .collect();
+        let mut st = self.state.lock();
+        st.next += 1;
+        let id = st.next;
+        for &(s, e) in &pages {
+            st.writes.push((id, s, e));
+        }
+        while st
+            .buffered
+            .iter()
+            .any(|&(_, s, e)| pages.iter().any(|&p| overlaps(p, (s, e))))
+        {
+            self.changed.wait(&mut st);
+        }
+        InFlight { w: self, id }
     }
 
-    /// Whether a buffered read of `len` bytes at `offset` (or its readahead)
-    /// could touch a range being written.
-    fn near(&self, offset: u64, len: usize) -> bool {
-        let reach = offset + len as u64 + self.window;
-        self.ranges
-            .lock()
-            .iter()
-            .any(|&(s, e)| s < reach && e > offset)
+    /// A buffered read of `len` bytes at `offset`: registered (`Some`) when
+    /// no ring write is in flight within its reach, `None` when it must read
+    /// directly. Its reach is the readahead window past it, or twice its
+    /// length if larger (a large read raises the readahead it starts).
+    fn read(&self, offset: u64, len: usize) -> Option<Buffered<'_>> {
+        let end = offset.saturating_add(len as u64);
+        let reach = (
+            page_down(offset),
+            end.saturating_add(self.window.max(2 * len as u64)),
+        );
+        let mut st = self.state.lock();
+        if st.writes.iter().any(|&(_, s, e)| overlaps(reach, (s, e))) {
+            return None;
+        }
+        st.next += 1;
+        let id = st.next;
+        st.buffered.push((id, reach.0, reach.1));
+        Some(Buffered { w: self, id })
+    }
+
+    /// A buffered write of `len` bytes at `offset`: when it covers part of a
+    /// page, waits until no ring write in flight touches its pages, and is
+    /// registered until it is done (the kernel reads the rest of the page).
+    fn write(&self, offset: u64, len: usize) -> Option<Buffered<'_>> {
+        let end = offset.saturating_add(len as u64);
+        if offset.is_multiple_of(PAGE as u64) && end.is_multiple_of(PAGE as u64) {
+            return None;
+        }
+        let pages = (page_down(offset), page_up(end));
+        let mut st = self.state.lock();
+        while st.writes.iter().any(|&(_, s, e)| overlaps(pages, (s, e))) {
+            self.changed.wait(&mut st);
+        }
+        st.next += 1;
+        let id = st.next;
+        st.buffered.push((id, pages.0, pages.1));
+        Some(Buffered { w: self, id })
     }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        let mut all = self.w.ranges.lock();
-        for r in &self.ranges {
-            if let Some(i) = all.iter().position(|x| x == r) {
-                all.swap_remove(i);
-            }
-        }
+        self.w.state.lock().writes.retain(|x| x.0 != self.id);
+        self.w.changed.notify_all();
+    }
+}
+
+impl Drop for Buffered<'_> {
+    fn drop(&mut self) {
+        self.w.state.lock().buffered.retain(|x| x.0 != self.id);
+        self.w.changed.notify_all();
     }
 }
 
@@ -776,7 +875,7 @@ fn readahead_window(f: &File) -> u64 {
     if rc != 0 || sectors < 0 {
         return 8 << 20;
     }
-    (2 * sectors as u64 * 512).max(1 << 20)
+    (sectors as u64).saturating_mul(1024).max(1 << 20)
 }
 
 /// A page-aligned, zeroed heap buffer (O_DIRECT needs aligned memory): a
@@ -908,9 +1007,13 @@ impl BlockDevice for FileDevice {
         };
         let ranges: Vec<(u64, usize)> =
             offs.iter().zip(&bufs).map(|(&o, b)| (o, b.len())).collect();
-        // Until the writes below are done and their pages dropped.
-        let _in_flight = self.ring_writes.begin(&ranges);
-        let (bufs, res) = match ring.write_batch(d.as_raw_fd(), bufs, &offs) {
+        let in_flight = self.ring_writes.begin(&ranges);
+        let done = ring.write_batch(d.as_raw_fd(), bufs, &offs);
+        // Every write of the batch has completed (or the ring failed: then
+        // an entry may still be queued, and land later with these same
+        // bytes, which are written again below).
+        drop(in_flight);
+        let (bufs, res) = match done {
             Ok(r) => r,
             Err(_) => {
                 // The ring itself failed (it is not used again; its buffers
@@ -929,8 +1032,8 @@ impl BlockDevice for FileDevice {
                 // Refused (alignment), or short: the rest through the page cache.
                 n if n == -libc::EINVAL || n >= 0 => {
                     let done = n.max(0) as usize;
-                    self.file
-                        .write_all_at(&b[done..], off + done as u64)
+                    self.drop_cached(off, done);
+                    self.write_buffered(off + done as u64, &b[done..])
                         .map_err(|e| io(off, b.len(), e))?;
                 }
                 // Anything else (EAGAIN, ECANCELED, an I/O error): once more,
@@ -1084,21 +1187,42 @@ mod tests {
         const MIB: u64 = 1 << 20;
         let img = std::env::temp_dir().join(format!("commitfs-ringra-{}.img", std::process::id()));
         File::create(&img).unwrap().set_len(16 * MIB).unwrap();
-        let out = Command::new("losetup")
-            .args(["-f", "--show"])
-            .arg(&img)
-            .output()
-            .unwrap();
-        let lo = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        let mut lo = String::new();
+        for _ in 0..20 {
+            let out = Command::new("losetup")
+                .args(["-f", "--show"])
+                .arg(&img)
+                .output()
+                .unwrap();
+            lo = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            if out.status.success() && lo.starts_with("/dev/") {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
         struct Detach(String, std::path::PathBuf);
         impl Drop for Detach {
             fn drop(&mut self) {
-                let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
+                for _ in 0..50 {
+                    if Command::new("losetup")
+                        .arg("-d")
+                        .arg(&self.0)
+                        .status()
+                        .is_ok_and(|s| s.success())
+                    {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
                 let _ = std::fs::remove_file(&self.1);
             }
         }
         let _detach = Detach(lo.clone(), img.clone());
-        assert!(lo.starts_with("/dev/"), "losetup: {out:?}");
+        assert!(
+            lo.starts_with("/dev/"),
+            "losetup -f --show {}: {lo}",
+            img.display()
+        );
         let dev = FileDevice::open(Path::new(&lo), false).unwrap();
         assert!(dev.direct.is_some(), "a block device has a direct handle");
         let drop_all = || {
@@ -1130,7 +1254,36 @@ mod tests {
             after.len() > 32,
             "the reads after it went through the page cache and read ahead: {after:?}"
         );
-        assert!(dev.ring_writes.ranges.lock().is_empty());
+        // A write of one 512-byte sector: its whole page is off limits, and
+        // a buffered write of another part of that page (which reads the
+        // page first) waits for it.
+        drop_all();
+        let in_flight = dev.ring_writes.begin(&[(8 * MIB, 512)]);
+        let mut b = vec![0u8; 512];
+        dev.read_at(8 * MIB + 1024, &mut b, IoCategory::Metadata)
+            .unwrap();
+        let during = cached_pages(Path::new(&lo), 8 * MIB, PAGE);
+        assert!(
+            during.is_empty(),
+            "the sector's page cached during its write"
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                dev.write_at(8 * MIB + 1024, &[7u8; 1024], IoCategory::Journal, false)
+                    .unwrap();
+                tx.send(()).unwrap();
+            });
+            assert!(
+                rx.recv_timeout(std::time::Duration::from_millis(300))
+                    .is_err(),
+                "a partial-page buffered write went ahead beside a write of its page"
+            );
+            drop(in_flight);
+            rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
+        });
+        let st = dev.ring_writes.state.lock();
+        assert!(st.writes.is_empty() && st.buffered.is_empty());
     }
 
     /// What a caller hands to a direct read: page-aligned and zeroed, of
