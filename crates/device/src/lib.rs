@@ -550,6 +550,10 @@ impl FileDevice {
             page_down(offset),
             page_up(offset.saturating_add(len as u64)),
         );
+        if end <= start {
+            // (A length of 0 would mean "to the end of the device".)
+            return;
+        }
         let (Ok(off), Ok(len)) = (
             libc::off_t::try_from(start),
             libc::off_t::try_from(end - start),
@@ -764,9 +768,7 @@ fn page_up(x: u64) -> u64 {
     x.div_ceil(PAGE as u64).saturating_mul(PAGE as u64)
 }
 
-/// A ring write's ranges, unregistered when dropped (forgotten instead when
-/// the ring failed with the write possibly still queued: the range stays
-/// out of the page cache's reach for good).
+/// A ring write's ranges, unregistered when dropped.
 struct InFlight<'a> {
     w: &'a RingWrites,
     id: u64,
@@ -800,10 +802,14 @@ impl RingWrites {
         for &(s, e) in &pages {
             st.writes.push((id, s, e));
         }
+        // Only for accesses registered before it: a partial-page write
+        // registers before it waits for older ring writes, and is served
+        // before any ring write that comes after it (first come, first
+        // served; the waits follow ids, so they cannot form a cycle).
         while st
             .buffered
             .iter()
-            .any(|&(_, s, e)| pages.iter().any(|&p| overlaps(p, (s, e))))
+            .any(|&(b, s, e)| b < id && pages.iter().any(|&p| overlaps(p, (s, e))))
         {
             self.changed.wait(&mut st);
         }
@@ -840,12 +846,16 @@ impl RingWrites {
         }
         let pages = (page_down(offset), page_up(end));
         let mut st = self.state.lock();
-        while st.writes.iter().any(|&(_, s, e)| overlaps(pages, (s, e))) {
-            self.changed.wait(&mut st);
-        }
         st.next += 1;
         let id = st.next;
         st.buffered.push((id, pages.0, pages.1));
+        while st
+            .writes
+            .iter()
+            .any(|&(w, s, e)| w < id && overlaps(pages, (s, e)))
+        {
+            self.changed.wait(&mut st);
+        }
         Some(Buffered { w: self, id })
     }
 }
@@ -1011,7 +1021,19 @@ impl BlockDevice for FileDevice {
         let done = ring.write_batch(d.as_raw_fd(), bufs, &offs);
         // Every write of the batch has completed (or the ring failed: then
         // an entry may still be queued, and land later with these same
-        // bytes, which are written again below).
+        // bytes, which are written again below). What they wrote leaves the
+        // page cache before the partial-page writes waiting for them go on;
+        // the fallbacks below must not wait for their own batch.
+        if let Ok((bufs, res)) = &done {
+            for ((b, r), &off) in bufs.iter().zip(res).zip(&offs) {
+                let written = if *r >= 0 {
+                    (*r as usize).min(b.as_ref().len())
+                } else {
+                    0
+                };
+                self.drop_cached(off, written);
+            }
+        }
         drop(in_flight);
         let (bufs, res) = match done {
             Ok(r) => r,
@@ -1028,11 +1050,11 @@ impl BlockDevice for FileDevice {
         for ((b, r), &off) in bufs.iter().zip(res).zip(&offs) {
             let b = b.as_ref();
             match r {
-                n if n >= 0 && n as usize == b.len() => self.drop_cached(off, b.len()),
+                // Written, and dropped from the page cache above.
+                n if n >= 0 && n as usize == b.len() => {}
                 // Refused (alignment), or short: the rest through the page cache.
                 n if n == -libc::EINVAL || n >= 0 => {
                     let done = n.max(0) as usize;
-                    self.drop_cached(off, done);
                     self.write_buffered(off + done as u64, &b[done..])
                         .map_err(|e| io(off, b.len(), e))?;
                 }
