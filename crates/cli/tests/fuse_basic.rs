@@ -1146,11 +1146,15 @@ fn stats_answer_as_soon_as_the_mount_appears() {
 /// Serving `/dev/fuse`, one event loop reads on for `fuse_poll` µs after each
 /// request (default 500): a client's back-to-back requests are found by it
 /// without a sleep; `-o fuse_poll=0` turns it off. With FUSE over io_uring
-/// (the kernel's `enable_uring`) no loop polls.
+/// (the kernel's `enable_uring`) no loop polls. Requests found while
+/// polling are required where the polling loop is the only loop: beside a
+/// second loop (blocked in read(2), woken by the kernel for each request)
+/// the other loop may take them all (seen once in CI under load).
 #[test]
 fn one_event_loop_polls_dev_fuse_unless_told_not_to() {
     let img = mkfs("fuse-poll", 32, &["-b", "4096"]);
     for (opts, want_us) in [
+        ("threads=1", 500),
         ("commit=5", 500),
         ("threads=2", 500),
         ("threads=2,fuse_poll=0", 0),
@@ -1174,10 +1178,12 @@ fn one_event_loop_polls_dev_fuse_unless_told_not_to() {
             );
         } else if want_us > 0 {
             assert_eq!(budget, want_us, "{opts}: {p}");
-            assert!(
-                polled > 0,
-                "{opts}: no request was found while polling: {p}"
-            );
+            if opts == "threads=1" {
+                assert!(
+                    polled > 0,
+                    "{opts}: no request was found while polling: {p}"
+                );
+            }
         } else {
             assert_eq!((budget, polled), (0, 0), "{opts}: {p}");
         }
