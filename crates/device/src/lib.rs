@@ -17,6 +17,8 @@ pub mod faulty;
 pub mod inuse;
 pub mod recording;
 pub mod size;
+#[doc(hidden)]
+pub mod testutil;
 mod uring;
 pub use faulty::{Fault, FaultOps, FaultyDevice};
 pub use inuse::OtherUser;
@@ -1205,46 +1207,10 @@ mod tests {
     #[test]
     fn buffered_reads_near_a_ring_write_cache_nothing() {
         use std::os::fd::AsRawFd;
-        use std::process::Command;
         const MIB: u64 = 1 << 20;
-        let img = std::env::temp_dir().join(format!("commitfs-ringra-{}.img", std::process::id()));
-        File::create(&img).unwrap().set_len(16 * MIB).unwrap();
-        let mut lo = String::new();
-        for _ in 0..20 {
-            let out = Command::new("losetup")
-                .args(["-f", "--show"])
-                .arg(&img)
-                .output()
-                .unwrap();
-            lo = String::from_utf8_lossy(&out.stdout).trim().to_string();
-            if out.status.success() && lo.starts_with("/dev/") {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-        struct Detach(String, std::path::PathBuf);
-        impl Drop for Detach {
-            fn drop(&mut self) {
-                for _ in 0..50 {
-                    if Command::new("losetup")
-                        .arg("-d")
-                        .arg(&self.0)
-                        .status()
-                        .is_ok_and(|s| s.success())
-                    {
-                        break;
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(100));
-                }
-                let _ = std::fs::remove_file(&self.1);
-            }
-        }
-        let _detach = Detach(lo.clone(), img.clone());
-        assert!(
-            lo.starts_with("/dev/"),
-            "losetup -f --show {}: {lo}",
-            img.display()
-        );
+        let img = crate::testutil::Image::new("ringra", 16 * MIB);
+        let attached = crate::testutil::Loop::attach(&img.0, false);
+        let lo = attached.0.clone();
         let dev = FileDevice::open(Path::new(&lo), false).unwrap();
         assert!(dev.direct.is_some(), "a block device has a direct handle");
         let drop_all = || {

@@ -217,12 +217,10 @@ impl CommitFuse {
     /// Serve a request on this event-loop thread. A panic is logged and the
     /// dropped reply answers EIO, as on the pool.
     fn run(&self, op: Op, job: impl FnOnce(&Shared)) {
-        self.gate.pass();
-        let t0 = Instant::now();
-        let _count = Count(&self.shared.stats, op, t0);
-        if catch_unwind(AssertUnwindSafe(|| job(&self.shared))).is_err() {
-            tracing::error!("FUSE request handler panicked (answered EIO)");
-        }
+        self.run_unless(op, |s| {
+            job(s);
+            None::<()>
+        });
     }
 
     /// Serve a request on this event loop if `job` can (it answers and
