@@ -294,6 +294,10 @@ pub enum FcPlan {
         tid: u32,
         records: Vec<FcRecord>,
         logged: FcLogged,
+        /// `fc_data_csum`: DATA_CSUM records whose CRC is still 0, to fill
+        /// with [`fill_data_csums`] outside `Inner` before packing
+        /// (ARCHITECTURE.md C.2: no device read under a file-system-wide lock).
+        csums: Vec<CsumTodo>,
     },
     /// Fall back to a full commit.
     Full(FcReason),
@@ -310,6 +314,70 @@ pub struct FcLogged {
     dentries: usize,
     /// Serial of its DATA_CSUM protection (`fc_data_csum`), if any.
     serial: Option<u64>,
+}
+
+/// A DATA_CSUM record of a plan whose CRC is still to be computed: record
+/// `index` covers device blocks `pblk..pblk+len`.
+#[derive(Debug, Clone, Copy)]
+pub struct CsumTodo {
+    index: usize,
+    pblk: u64,
+    len: u32,
+}
+
+/// Fill the CRCs `todo` names in `records`: each is the CRC of its blocks as
+/// they are once the plan's cut is written — from `written` where the cut
+/// wrote them, otherwise from the device. Called without `Inner` (the reads
+/// may reach the device).
+pub(crate) fn fill_data_csums(
+    dio: &crate::dataio::DataIo,
+    dev: &commitfs_device::DeviceRef,
+    bs: usize,
+    records: &mut [FcRecord],
+    todo: &[CsumTodo],
+    written: &DataOverlay,
+) -> Result<()> {
+    for t in todo {
+        let crc = range_crc(dio, dev, bs, t.pblk, t.len, written)?;
+        match records.get_mut(t.index) {
+            Some(Tlv::DataCsum { crc: c, pblk, .. }) if *pblk == t.pblk => *c = crc,
+            _ => {
+                return Err(crate::error::FsError::corrupt(
+                    "fast-commit plan: DATA_CSUM record out of place",
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// CRC of device blocks `pblk..pblk+len` as they will be once the fast
+/// commit's cut is written: blocks in `written` from there, the rest from
+/// the device.
+fn range_crc(
+    dio: &crate::dataio::DataIo,
+    dev: &commitfs_device::DeviceRef,
+    bs: usize,
+    pblk: u64,
+    len: u32,
+    written: &DataOverlay,
+) -> Result<u32> {
+    if !(pblk..pblk + len as u64).any(|b| written.contains_key(&b)) {
+        return commitfs_journal::data_range_crc(&**dev, bs, pblk, len)?
+            .ok_or_else(|| crate::error::FsError::corrupt("ADD_RANGE beyond the device"));
+    }
+    let mut crc = commitfs_format::fast_commit::DATA_CRC_SEED;
+    let mut buf = vec![0u8; bs];
+    for b in pblk..pblk + len as u64 {
+        match written.get(&b) {
+            Some(d) => crc = commitfs_format::fast_commit::data_crc(crc, &d[..bs]),
+            None => {
+                dio.read(b, &mut buf)?;
+                crc = commitfs_format::fast_commit::data_crc(crc, &buf);
+            }
+        }
+    }
+    Ok(crc)
 }
 
 impl FcTracker {
@@ -428,10 +496,10 @@ impl Inner {
         self.fc.dentries.retain(|(t, _)| !j.is_committed(*t));
     }
 
-    /// Decide how to make the running transaction's changes durable.
-    /// `written`: data of blocks about to be written by the caller (a page
-    /// cache cut) before the fast commit, for its DATA_CSUM records.
-    pub fn fc_plan(&mut self, written: &DataOverlay) -> Result<FcPlan> {
+    /// Decide how to make the running transaction's changes durable. With
+    /// `fc_data_csum` the caller fills the DATA_CSUM records' CRCs
+    /// ([`fill_data_csums`]) after dropping `Inner`.
+    pub fn fc_plan(&mut self) -> Result<FcPlan> {
         if !self.fc_enabled {
             return Ok(FcPlan::Full(FcReason::NoFullCommitYet));
         }
@@ -596,10 +664,11 @@ impl Inner {
                 }
             }
         }
-        let serial = if self.fc_data_csum {
-            Some(self.fc_add_data_csums(tid, &mut records, written)?)
+        let (serial, csums) = if self.fc_data_csum {
+            let (s, todo) = self.fc_add_data_csums(tid, &mut records);
+            (Some(s), todo)
         } else {
-            None
+            (None, Vec::new())
         };
         let logged = FcLogged {
             inodes: inos.iter().map(|(i, _, v)| (*i, *v)).collect(),
@@ -611,6 +680,7 @@ impl Inner {
             tid,
             records,
             logged,
+            csums,
         })
     }
 
@@ -648,16 +718,15 @@ impl Inner {
         drain_logged(&mut self.fc.dentries, logged.tid, logged.dentries);
     }
 
-    /// Append a DATA_CSUM record for every written ADD_RANGE in `records` (CRC of
-    /// the blocks as they are on the device now: data is written at `write` time)
-    /// and protect those blocks under a new serial, which is returned.
-    fn fc_add_data_csums(
-        &mut self,
-        tid: u32,
-        records: &mut Vec<FcRecord>,
-        written: &DataOverlay,
-    ) -> Result<u64> {
+    /// Append a DATA_CSUM record (CRC still 0) for every written ADD_RANGE in
+    /// `records` and protect those blocks under a new serial. Returns the
+    /// serial and what [`fill_data_csums`] must compute: the blocks' content
+    /// cannot change until this fast commit is written, since an in-place
+    /// overwrite of a protected range first waits for the fast-commit leader
+    /// ([`crate::Fs`]'s `fc_confirm`), whose lock the planner holds.
+    fn fc_add_data_csums(&mut self, tid: u32, records: &mut Vec<FcRecord>) -> (u64, Vec<CsumTodo>) {
         let mut csums = Vec::new();
+        let mut todo = Vec::new();
         let mut ranges = Vec::new();
         for r in records.iter() {
             if let Tlv::AddRange {
@@ -668,13 +737,17 @@ impl Inner {
                 unwritten: false,
             } = r
             {
-                let crc = self.fc_range_crc(*pblk, *len, written)?;
+                todo.push(CsumTodo {
+                    index: records.len() + csums.len(),
+                    pblk: *pblk,
+                    len: *len,
+                });
                 csums.push(Tlv::DataCsum {
                     ino: *ino,
                     lblk: *lblk,
                     len: *len,
                     pblk: *pblk,
-                    crc,
+                    crc: 0,
                 });
                 ranges.push((*ino, *lblk, *len));
             }
@@ -689,29 +762,7 @@ impl Inner {
         let s = p.next_serial;
         p.ranges
             .extend(ranges.into_iter().map(|(i, l, n)| (i, l, n, s)));
-        Ok(s)
-    }
-
-    /// CRC of device blocks `pblk..pblk+len` as they will be once the fast
-    /// commit's cut is written: blocks in `written` from there, the rest from
-    /// the device.
-    fn fc_range_crc(&self, pblk: u64, len: u32, written: &DataOverlay) -> Result<u32> {
-        if !(pblk..pblk + len as u64).any(|b| written.contains_key(&b)) {
-            return commitfs_journal::data_range_crc(&*self.dev, self.bs, pblk, len)?
-                .ok_or_else(|| crate::error::FsError::corrupt("ADD_RANGE beyond the device"));
-        }
-        let mut crc = commitfs_format::fast_commit::DATA_CRC_SEED;
-        let mut buf = vec![0u8; self.bs];
-        for b in pblk..pblk + len as u64 {
-            match written.get(&b) {
-                Some(d) => crc = commitfs_format::fast_commit::data_crc(crc, &d[..self.bs]),
-                None => {
-                    self.data_io().read(b, &mut buf)?;
-                    crc = commitfs_format::fast_commit::data_crc(crc, &buf);
-                }
-            }
-        }
-        Ok(crc)
+        (s, todo)
     }
 
     /// `fc_data_csum`: the transaction whose last fast commit protects a block of

@@ -2112,22 +2112,38 @@ impl Fs {
                 Some(c) if g.fc_data_csum => c.overlay(),
                 _ => Default::default(),
             };
-            let plan = g.fc_plan(&written);
+            let mut plan = g.fc_plan();
             drop(bw);
-            if let (Some(c), Some(pc)) = (cut, &self.pc) {
+            let crcs = matches!(&plan, Ok(fc::FcPlan::Fast { csums, .. }) if !csums.is_empty());
+            if cut.is_some() || crcs {
                 drop(g);
-                let r = writeback::write_runs(&self.dio, pc, &c.runs, true, &self.data_gens);
-                if let Err(e) = &r {
-                    // Mapped in the running transaction: it must not commit
-                    // without them (data_err=abort, see writeback_locked).
-                    for run in &c.runs {
-                        self.data_errors.insert(run.ino);
+                if let (Some(c), Some(pc)) = (cut, &self.pc) {
+                    let r = writeback::write_runs(&self.dio, pc, &c.runs, true, &self.data_gens);
+                    if let Err(e) = &r {
+                        // Mapped in the running transaction: it must not commit
+                        // without them (data_err=abort, see writeback_locked).
+                        for run in &c.runs {
+                            self.data_errors.insert(run.ino);
+                        }
+                        self.journal.abort();
+                        self.errors.journal_failed(&self.journal, "writeback", e);
                     }
-                    self.journal.abort();
-                    self.errors.journal_failed(&self.journal, "writeback", e);
+                    drop(c.h);
+                    r?;
                 }
-                drop(c.h);
-                r?;
+                // fc_data_csum: the CRCs of the plan's data ranges, read
+                // without `Inner` (C.2); the ranges are protected and this
+                // thread leads, so no in-place overwrite changes them first.
+                if let Ok(fc::FcPlan::Fast { records, csums, .. }) = &mut plan {
+                    fc::fill_data_csums(
+                        &self.dio,
+                        &self.dev,
+                        self.dio.bs,
+                        records,
+                        csums,
+                        &written,
+                    )?;
+                }
                 g = self.lock()?;
             }
             let (tid, blocks, flush, logged) = match plan? {
@@ -2164,6 +2180,7 @@ impl Fs {
                     tid,
                     records,
                     logged,
+                    ..
                 } => {
                     let packed = g
                         .journal

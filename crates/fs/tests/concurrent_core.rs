@@ -360,6 +360,7 @@ fn data_reads_run_in_parallel() {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum HoldOn {
     MetadataRead,
+    DataRead,
     Flush,
 }
 
@@ -457,8 +458,10 @@ impl Hold {
 
 impl BlockDevice for Hold {
     fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> DevResult<()> {
-        if cat == IoCategory::Metadata {
-            self.maybe_hold(HoldOn::MetadataRead);
+        match cat {
+            IoCategory::Metadata => self.maybe_hold(HoldOn::MetadataRead),
+            IoCategory::Data => self.maybe_hold(HoldOn::DataRead),
+            _ => {}
         }
         self.inner.read_at(offset, buf, cat)
     }
@@ -1404,6 +1407,57 @@ fn fsync_reads_home_copies_outside_the_fs_lock() {
     let (fs, buf) = remount_and_read(&img, fs, what, "/b", 5100);
     assert_eq!(&buf[..5000], &pattern(2, 5000)[..]);
     assert_eq!(&buf[5000..], &pattern(3, 100)[..]);
+    assert!(fs.lookup(ROOT_INO, b"c").is_ok());
+    fs.unmount().unwrap();
+}
+
+/// `fc_data_csum`: a fast commit's DATA_CSUM records carry the CRC of the
+/// file's blocks, here read from the device (the fsync's own write-back wrote
+/// them before the plan's cut). The fsync reads them after the plan, without
+/// `Inner` (ARCHITECTURE.md C.2): a create returns while that read is held in
+/// the device. Read by the plan, under `Inner`, it queued every operation
+/// behind the read.
+#[test]
+fn fast_commit_data_crcs_are_read_outside_the_fs_lock() {
+    let img = mkfs(
+        "cc-fccrc",
+        64,
+        &["-b", "4096", "-I", "256", "-O", "fast_commit"],
+    );
+    let dev = Arc::new(Hold::new(
+        Arc::new(FileDevice::open(&img.path, false).unwrap()),
+        HoldOn::DataRead,
+    ));
+    let o = MountOptions {
+        fast_commit: true,
+        fc_data_csum: true,
+        ..opts()
+    };
+    let fs = Fs::open(dev.clone(), o).unwrap();
+    // Fast commits need a full commit since mount.
+    fs.mkdir(ROOT_INO, b"primer", 0o755, 0, 0).unwrap();
+    fs.sync().unwrap();
+    let b = fs.create(ROOT_INO, b"b", 0o644, 0, 0).unwrap().ino;
+    fs.write(b, 0, &pattern(2, 9000)).unwrap();
+    let before = fs.fc_stats().commits;
+    let (synced, got) = dev.while_held(
+        || fs.fsync(b, false),
+        || fs.create(ROOT_INO, b"c", 0o644, 0, 0).map(|a| a.ino),
+    );
+    assert!(
+        matches!(got, Some(Ok(_))),
+        "create did not return while an fsync read data for its CRCs: {got:?}"
+    );
+    synced.unwrap();
+    assert_eq!(
+        fs.fc_stats().commits,
+        before + 1,
+        "fsync was not a fast commit"
+    );
+    drop(dev);
+    let what = "after a create during a fast commit's CRC read";
+    let (fs, buf) = remount_and_read(&img, fs, what, "/b", 9000);
+    assert!(buf == pattern(2, 9000), "content of /b");
     assert!(fs.lookup(ROOT_INO, b"c").is_ok());
     fs.unmount().unwrap();
 }
