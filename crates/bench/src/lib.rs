@@ -650,6 +650,9 @@ impl Bench {
         let app1 = measure::rusage_secs(external);
         let cpu1 = fs_pid.and_then(measure::proc_cpu_secs);
         let stats1 = self.fs_stats(target);
+        if let Target::Mount { dir, .. } = target {
+            run.null_rt_us = measure::null_round_trip_us(dir);
+        }
         run.result = res?;
         run.device = c1.delta(&c0);
         run.peak = peak;

@@ -166,6 +166,38 @@ pub fn peak(s: &[(f64, DevCounters)]) -> Peak {
     }
 }
 
+/// Median µs per call of three batches of `getxattr(dir, "user.…", 0)` for a
+/// name nobody sets: through FUSE a request the daemon answers from memory,
+/// i.e. the transport's own cost per request on this machine (the kernel's
+/// file systems answer it in-kernel). None when the call fails otherwise than
+/// with ENODATA (or ENOTSUP: no user xattrs, still a full round trip).
+pub fn null_round_trip_us(dir: &std::path::Path) -> Option<f64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let name = c"user.commitfs-bench-null";
+    let call = || {
+        // SAFETY: NUL-terminated path and name; a null buffer of size 0 only
+        // asks for the value's size.
+        let r = unsafe { libc::getxattr(path.as_ptr(), name.as_ptr(), std::ptr::null_mut(), 0) };
+        let e = std::io::Error::last_os_error().raw_os_error();
+        r < 0 && matches!(e, Some(libc::ENODATA) | Some(libc::ENOTSUP))
+    };
+    if !call() {
+        return None;
+    }
+    const CALLS: u32 = 2000;
+    let mut per = Vec::with_capacity(3);
+    for _ in 0..3 {
+        let t = Instant::now();
+        for _ in 0..CALLS {
+            call();
+        }
+        per.push(t.elapsed().as_secs_f64() * 1e6 / CALLS as f64);
+    }
+    per.sort_by(f64::total_cmp);
+    Some(per[1])
+}
+
 /// CPU seconds (user + system) of a process or thread from /proc/PID/stat.
 pub fn proc_cpu_secs(pid: u32) -> Option<f64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

@@ -448,6 +448,7 @@ pub fn markdown(r: &Results, plots: &[PlotOut]) -> String {
         }
         let _ = writeln!(w);
     }
+    fuse_floor(w, r);
     let _ = writeln!(w, "## Cost (FastCommit §6.4)\n");
     let _ = writeln!(w, "{}\n", r.price_model.describe());
     let _ = writeln!(
@@ -504,6 +505,76 @@ pub fn markdown(r: &Results, plots: &[PlotOut]) -> String {
         r.command
     );
     s
+}
+
+/// Workloads whose one client waits for each request in turn: time per
+/// operation is then the sum of its requests' round trips.
+const ONE_CLIENT: [&str; 3] = ["fc-micro", "postmark", "cp-a"];
+
+/// `(requests, daemon µs)` summed over `commitfs stats`' FUSE request counters.
+fn fuse_requests(stats: &serde_json::Value) -> Option<(f64, f64)> {
+    let m = stats.get("fuse_requests")?.as_object()?;
+    let (mut n, mut us) = (0.0, 0.0);
+    for v in m.values() {
+        n += v.get("count")?.as_f64()?;
+        us += v.get("total_us")?.as_f64()?;
+    }
+    (n > 0.0).then_some((n, us))
+}
+
+/// Where a one-client workload's time goes through FUSE: requests per
+/// operation, the daemon's time per request, and the floor that the measured
+/// null round trip puts under any daemon (requests × round trip), beside the
+/// kernel's time per operation in the same run.
+fn fuse_floor(w: &mut String, r: &Results) {
+    let rows: Vec<(&Run, f64, f64, f64)> = r
+        .runs
+        .iter()
+        .filter(|x| x.ok() && x.pass == "mount" && ONE_CLIENT.contains(&x.workload.as_str()))
+        .filter_map(|x| {
+            let (n, us) = fuse_requests(x.commitfs_stats.as_ref()?)?;
+            Some((x, n, us, x.null_rt_us?))
+        })
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let _ = writeln!(w, "## FUSE requests per operation (one-client workloads)\n");
+    let _ = writeln!(
+        w,
+        "One client waits for each request in turn, so an operation costs at least its requests times a null request's round trip (`getxattr` of a missing xattr on the mount, answered from memory; measured after each point). 'Floor' is that product: what a daemon doing no work at all would take per operation here. 'Best ratio' is the kernel's time per operation divided by the floor: the most any FUSE daemon could reach against that kernel file system in this run, with these requests.\n"
+    );
+    let _ = writeln!(
+        w,
+        "| system | workload | point | requests / op | daemon µs / request | null round trip µs | floor µs / op | measured µs / op | kernel µs / op | best ratio |"
+    );
+    let _ = writeln!(w, "|---|---|---|---|---|---|---|---|---|---|");
+    for (x, n, us, rt) in rows {
+        let ops = x.result.ops.max(1) as f64;
+        let per_op = n / ops;
+        let floor = per_op * rt;
+        let measured = x.result.secs * 1e6 / ops;
+        let kernel = ["ext4-fc", "ext4"].iter().find_map(|k| {
+            find(r, k, &x.workload, &x.variant)
+                .filter(|k| k.ok() && k.result.ops > 0)
+                .map(|k| k.result.secs * 1e6 / k.result.ops as f64)
+        });
+        let _ = writeln!(
+            w,
+            "| {} | {} | {} | {:.2} | {:.1} | {:.1} | {:.0} | {:.0} | {} | {} |",
+            label(r, &x.system),
+            x.workload,
+            x.variant,
+            per_op,
+            us / n,
+            rt,
+            floor,
+            measured,
+            kernel.map_or("-".into(), |k| format!("{k:.0}")),
+            kernel.map_or("-".into(), |k| format!("{:.2}×", k / floor)),
+        );
+    }
+    let _ = writeln!(w);
 }
 
 fn pct(a: f64, b: f64) -> String {
@@ -688,5 +759,40 @@ mod tests {
         }
         let h = headline(&r);
         assert!(h.contains("| ext4 | 100 |"), "{h}");
+    }
+
+    #[test]
+    fn fuse_floor_counts_requests_per_operation() {
+        let mut c = run("commitfs-fc", 100.0);
+        c.workload = "postmark".into();
+        c.variant = "-".into();
+        c.null_rt_us = Some(10.0);
+        c.commitfs_stats = Some(serde_json::json!({
+            "fuse_requests": {
+                "getattr": {"count": 300, "total_us": 1500.0},
+                "write": {"count": 200, "total_us": 2500.0}
+            }
+        }));
+        let mut k = run("ext4-fc", 1000.0);
+        k.workload = "postmark".into();
+        k.variant = "-".into();
+        k.result.secs = 0.004;
+        let r = Results {
+            runs: vec![k, c],
+            ..Default::default()
+        };
+        let md = markdown(&r, &[]);
+        // 500 requests for 100 ops, 8 µs each in the daemon; floor 5 × 10 µs;
+        // measured 1 s / 100 ops; the kernel 40 µs per op: at best 0.80×.
+        assert!(
+            md.contains("| postmark | - | 5.00 | 8.0 | 10.0 | 50 | 10000 | 40 | 0.80× |"),
+            "{md}"
+        );
+        // No FUSE counters: no section.
+        let plain = Results {
+            runs: vec![run("ext4", 100.0)],
+            ..Default::default()
+        };
+        assert!(!markdown(&plain, &[]).contains("## FUSE requests"));
     }
 }

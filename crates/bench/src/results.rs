@@ -120,6 +120,12 @@ pub struct Run {
     pub cpu: Cpu,
     pub peak: Peak,
     pub cost: Cost,
+    /// A null request's round trip through the mount, µs: `getxattr` of a
+    /// missing user xattr on the mount's root from one thread (median of three
+    /// batches), taken after the point. Through FUSE every request costs at
+    /// least this; None in the library pass.
+    #[serde(default)]
+    pub null_rt_us: Option<f64>,
 }
 
 impl Run {
