@@ -702,6 +702,15 @@ impl Inner {
         Some(self.inode_location(j).ok()?.0)
     }
 
+    /// A planned fast commit was not written (an error, or a full commit took
+    /// its transaction first): the data ranges its plan protected need no
+    /// protection for it. Its tracked changes stay, for the next plan.
+    pub fn fc_plan_dropped(&mut self, logged: &FcLogged) {
+        if let Some(s) = logged.serial {
+            self.fc.protect.ranges.retain(|r| r.3 != s);
+        }
+    }
+
     /// A fast commit covering `logged` is durable: forget those changes (later
     /// fast commits of the same transaction carry only what changed since).
     pub fn fc_logged(&mut self, logged: &FcLogged) {

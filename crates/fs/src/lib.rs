@@ -2108,15 +2108,17 @@ impl Fs {
             let arrivals = self
                 .fsync_arrivals
                 .load(std::sync::atomic::Ordering::Acquire);
-            let written = match &cut {
-                Some(c) if g.fc_data_csum => c.overlay(),
-                _ => Default::default(),
-            };
             let mut plan = g.fc_plan();
             drop(bw);
             let crcs = matches!(&plan, Ok(fc::FcPlan::Fast { csums, .. }) if !csums.is_empty());
             if cut.is_some() || crcs {
                 drop(g);
+                // The cut's data by block, for the CRCs (built from its own
+                // snapshots: no lock needed).
+                let written = match &cut {
+                    Some(c) if crcs => c.overlay(),
+                    _ => Default::default(),
+                };
                 if let (Some(c), Some(pc)) = (cut, &self.pc) {
                     let r = writeback::write_runs(&self.dio, pc, &c.runs, true, &self.data_gens);
                     if let Err(e) = &r {
@@ -2134,15 +2136,27 @@ impl Fs {
                 // fc_data_csum: the CRCs of the plan's data ranges, read
                 // without `Inner` (C.2); the ranges are protected and this
                 // thread leads, so no in-place overwrite changes them first.
-                if let Ok(fc::FcPlan::Fast { records, csums, .. }) = &mut plan {
-                    fc::fill_data_csums(
+                if let Ok(fc::FcPlan::Fast {
+                    records,
+                    csums,
+                    logged,
+                    ..
+                }) = &mut plan
+                {
+                    let r = fc::fill_data_csums(
                         &self.dio,
                         &self.dev,
                         self.dio.bs,
                         records,
                         csums,
                         &written,
-                    )?;
+                    );
+                    if let Err(e) = r {
+                        // Never written: its ranges need no protection (an
+                        // overwrite would pay a confirming commit for nothing).
+                        self.lock()?.fc_plan_dropped(logged);
+                        return Err(e);
+                    }
                 }
                 g = self.lock()?;
             }
@@ -2188,7 +2202,14 @@ impl Fs {
                         .filter(|s| s.0 == tid)
                         .and_then(|(_, head, free)| fc::pack(&records, tid, head, g.bs, free));
                     let Some(blocks) = packed else {
-                        if j.full_commit_in_flight() {
+                        if j.full_commit_in_flight()
+                            || g.journal.fc_slot().is_some_and(|s| s.0 != tid)
+                        {
+                            // A full commit took (or is taking) the planned
+                            // transaction while the locks were dropped (the
+                            // cut's write-back, the CRC reads): check what it
+                            // covered, not a fallback for a full area.
+                            g.fc_plan_dropped(&logged);
                             continue;
                         }
                         // Would it fit an empty area? Then the area is just full.

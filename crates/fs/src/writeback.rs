@@ -455,8 +455,9 @@ pub(crate) struct FcCut {
 }
 
 impl FcCut {
-    /// The runs' data by device block (`fc_data_csum`: the plan checksums
-    /// these blocks from the snapshots, which are what gets written).
+    /// The runs' data by device block (`fc_data_csum`: the fsync checksums
+    /// these blocks from the snapshots, which are what gets written, after the
+    /// plan and outside `Inner`; `fc::fill_data_csums`).
     pub fn overlay(&self) -> crate::fc::DataOverlay {
         self.runs
             .iter()

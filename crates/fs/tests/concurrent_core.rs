@@ -1412,18 +1412,15 @@ fn fsync_reads_home_copies_outside_the_fs_lock() {
 }
 
 /// `fc_data_csum`: a fast commit's DATA_CSUM records carry the CRC of the
-/// file's blocks, here read from the device (the fsync's own write-back wrote
-/// them before the plan's cut). The fsync reads them after the plan, without
-/// `Inner` (ARCHITECTURE.md C.2): a create returns while that read is held in
-/// the device. Read by the plan, under `Inner`, it queued every operation
-/// behind the read.
-#[test]
-fn fast_commit_data_crcs_are_read_outside_the_fs_lock() {
-    let img = mkfs(
-        "cc-fccrc",
-        64,
-        &["-b", "4096", "-I", "256", "-O", "fast_commit"],
-    );
+/// file's blocks, here read from the device (with the page cache the fsync's
+/// own write-back wrote them before the plan's cut; without it, `write`
+/// did). The fsync reads them after the plan, without `Inner` (ARCHITECTURE.md
+/// C.2): a create returns while that read is held in the device. Read by the
+/// plan, under `Inner`, it queued every operation behind the read. The device
+/// as the fsync left it, recovered, must replay that fast commit: recovery
+/// checks the CRCs against the data (a wrong one drops the commit and `b`).
+fn data_crcs_outside_the_fs_lock(tag: &str, page_cache: bool) {
+    let img = mkfs(tag, 64, &["-b", "4096", "-I", "256", "-O", "fast_commit"]);
     let dev = Arc::new(Hold::new(
         Arc::new(FileDevice::open(&img.path, false).unwrap()),
         HoldOn::DataRead,
@@ -1431,9 +1428,10 @@ fn fast_commit_data_crcs_are_read_outside_the_fs_lock() {
     let o = MountOptions {
         fast_commit: true,
         fc_data_csum: true,
+        page_cache,
         ..opts()
     };
-    let fs = Fs::open(dev.clone(), o).unwrap();
+    let fs = Fs::open(dev.clone(), o.clone()).unwrap();
     // Fast commits need a full commit since mount.
     fs.mkdir(ROOT_INO, b"primer", 0o755, 0, 0).unwrap();
     fs.sync().unwrap();
@@ -1454,12 +1452,41 @@ fn fast_commit_data_crcs_are_read_outside_the_fs_lock() {
         before + 1,
         "fsync was not a fast commit"
     );
+    let crashed = TempImage {
+        path: img.path.with_extension("crash.img"),
+    };
+    std::fs::copy(&img.path, &crashed.path).unwrap();
+    {
+        let rec = Fs::open_path(&crashed.path, o).unwrap();
+        let f = rec.resolve("/b").expect("b recovered from the fast commit");
+        let mut buf = vec![0u8; 9100];
+        assert_eq!(rec.read(f, 0, &mut buf).unwrap(), 9000, "size of b");
+        assert!(
+            buf[..9000] == pattern(2, 9000)[..],
+            "content of recovered b"
+        );
+        rec.unmount().unwrap();
+    }
+    assert_clean(
+        &crashed.path,
+        "after recovering a fast commit with data CRCs",
+    );
     drop(dev);
     let what = "after a create during a fast commit's CRC read";
     let (fs, buf) = remount_and_read(&img, fs, what, "/b", 9000);
     assert!(buf == pattern(2, 9000), "content of /b");
     assert!(fs.lookup(ROOT_INO, b"c").is_ok());
     fs.unmount().unwrap();
+}
+
+#[test]
+fn fast_commit_data_crcs_are_read_outside_the_fs_lock() {
+    data_crcs_outside_the_fs_lock("cc-fccrc", true);
+}
+
+#[test]
+fn fast_commit_data_crcs_are_read_outside_the_fs_lock_without_the_cache() {
+    data_crcs_outside_the_fs_lock("cc-fccrc-nc", false);
 }
 
 /// The same when the file's last change (an append: fdatasync's stamp) went
