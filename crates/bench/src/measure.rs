@@ -166,10 +166,12 @@ pub fn peak(s: &[(f64, DevCounters)]) -> Peak {
     }
 }
 
-/// Median µs per call of three batches of `getxattr(dir, "user.…", 0)` for a
-/// name nobody sets: through FUSE a request the daemon answers from memory,
-/// i.e. the transport's own cost per request on this machine (the kernel's
-/// file systems answer it in-kernel). None when the call fails otherwise than
+/// Least µs per call of five batches of `getxattr(dir, "user.…", 0)` for a
+/// name nobody sets, after a 100 ms pause: through FUSE a request the daemon
+/// answers from memory, i.e. the transport's own cost per request on this
+/// machine (the kernel's file systems answer it in-kernel). The least batch,
+/// since a floor must not include what a commit or write-back still running
+/// from the point took from it. None when the call fails otherwise than
 /// with ENODATA (or ENOTSUP: no user xattrs, still a full round trip).
 pub fn null_round_trip_us(dir: &std::path::Path) -> Option<f64> {
     use std::os::unix::ffi::OsStrExt;
@@ -182,20 +184,20 @@ pub fn null_round_trip_us(dir: &std::path::Path) -> Option<f64> {
         let e = std::io::Error::last_os_error().raw_os_error();
         r < 0 && matches!(e, Some(libc::ENODATA) | Some(libc::ENOTSUP))
     };
+    std::thread::sleep(Duration::from_millis(100));
     if !call() {
         return None;
     }
-    const CALLS: u32 = 2000;
-    let mut per = Vec::with_capacity(3);
-    for _ in 0..3 {
-        let t = Instant::now();
-        for _ in 0..CALLS {
-            call();
-        }
-        per.push(t.elapsed().as_secs_f64() * 1e6 / CALLS as f64);
-    }
-    per.sort_by(f64::total_cmp);
-    Some(per[1])
+    const CALLS: u32 = 1000;
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..CALLS {
+                call();
+            }
+            t.elapsed().as_secs_f64() * 1e6 / CALLS as f64
+        })
+        .min_by(f64::total_cmp)
 }
 
 /// CPU seconds (user + system) of a process or thread from /proc/PID/stat.

@@ -542,7 +542,7 @@ fn fuse_floor(w: &mut String, r: &Results) {
     let _ = writeln!(w, "## FUSE requests per operation (one-client workloads)\n");
     let _ = writeln!(
         w,
-        "One client waits for each request in turn, so an operation costs at least its requests times a null request's round trip (`getxattr` of a missing xattr on the mount, answered from memory; measured after each point). 'Floor' is that product: what a daemon doing no work at all would take per operation here. 'Best ratio' is the kernel's time per operation divided by the floor: the most any FUSE daemon could reach against that kernel file system in this run, with these requests.\n"
+        "One client waits for each request in turn, so an operation costs at least its requests times a null request's round trip (`getxattr` of a missing xattr on the mount, answered from memory; the least of five batches, measured after each point). 'Floor' is that product: what a daemon doing no work at all would take per operation here. 'Best ratio' is the kernel's time per operation divided by the floor: the most any FUSE daemon could reach against that kernel file system in this run, with these requests.\n"
     );
     let _ = writeln!(
         w,

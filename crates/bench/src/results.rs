@@ -121,8 +121,8 @@ pub struct Run {
     pub peak: Peak,
     pub cost: Cost,
     /// A null request's round trip through the mount, µs: `getxattr` of a
-    /// missing user xattr on the mount's root from one thread (median of three
-    /// batches), taken after the point. Through FUSE every request costs at
+    /// missing user xattr on the mount's root from one thread (the least of
+    /// five batches), taken after the point. Through FUSE every request costs at
     /// least this; None in the library pass.
     #[serde(default)]
     pub null_rt_us: Option<f64>,
