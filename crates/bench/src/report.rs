@@ -511,11 +511,13 @@ pub fn markdown(r: &Results, plots: &[PlotOut]) -> String {
 /// operation is then the sum of its requests' round trips.
 const ONE_CLIENT: [&str; 3] = ["fc-micro", "postmark", "cp-a"];
 
-/// `(requests, daemon µs)` summed over `commitfs stats`' FUSE request counters.
+/// `(requests, daemon µs)` summed over `commitfs stats`' FUSE request
+/// counters, FORGET left out: it has no reply, so nobody waits for it (and
+/// the cache drop before `cp -a` sends thousands of them in the window).
 fn fuse_requests(stats: &serde_json::Value) -> Option<(f64, f64)> {
     let m = stats.get("fuse_requests")?.as_object()?;
     let (mut n, mut us) = (0.0, 0.0);
-    for v in m.values() {
+    for (_, v) in m.iter().filter(|(k, _)| k.as_str() != "forget") {
         n += v.get("count")?.as_f64()?;
         us += v.get("total_us")?.as_f64()?;
     }
@@ -542,7 +544,7 @@ fn fuse_floor(w: &mut String, r: &Results) {
     let _ = writeln!(w, "## FUSE requests per operation (one-client workloads)\n");
     let _ = writeln!(
         w,
-        "One client waits for each request in turn, so an operation costs at least its requests times a null request's round trip (`getxattr` of a missing xattr on the mount, answered from memory; the least of five batches, measured after each point). 'Floor' is that product: what a daemon doing no work at all would take per operation here. 'Best ratio' is the kernel's time per operation divided by the floor: the most any FUSE daemon could reach against that kernel file system in this run, with these requests.\n"
+        "One client waits for each request in turn (FORGET, which has no reply, is not counted), so an operation costs at least its requests times a null request's round trip (`getxattr` of a missing xattr on the mount, answered from memory; the least of five batches, measured after each point). 'Floor' is that product: what a daemon doing no work at all would take per operation here. 'Best ratio' is the kernel's time per operation divided by the floor: the most any FUSE daemon could reach against that kernel file system in this run, with these requests.\n"
     );
     let _ = writeln!(
         w,
@@ -770,6 +772,7 @@ mod tests {
         c.commitfs_stats = Some(serde_json::json!({
             "fuse_requests": {
                 "getattr": {"count": 300, "total_us": 1500.0},
+                "forget": {"count": 900, "total_us": 90.0},
                 "write": {"count": 200, "total_us": 2500.0}
             }
         }));
@@ -782,7 +785,8 @@ mod tests {
             ..Default::default()
         };
         let md = markdown(&r, &[]);
-        // 500 requests for 100 ops, 8 µs each in the daemon; floor 5 × 10 µs;
+        // 500 requests (FORGET, which has no reply, left out) for 100 ops,
+        // 8 µs each in the daemon; floor 5 × 10 µs;
         // measured 1 s / 100 ops; the kernel 40 µs per op: at best 0.80×.
         assert!(
             md.contains("| postmark | - | 5.00 | 8.0 | 10.0 | 50 | 10000 | 40 | 0.80× |"),
