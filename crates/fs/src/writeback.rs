@@ -46,71 +46,65 @@ impl Inner {
         let old_blocks = i.blocks_512(self.bs);
         let mut runs = Vec::new();
         let mut changed = false;
-        let mut unmapped_from = None;
+        // Pages left dirty (ENOSPC), in the order found.
+        let mut unmapped: Vec<Snap> = Vec::new();
         self.fc_track_inode(ino, h.tid(), None);
         let mut k = 0;
         while k < t.snaps.len() {
-            let mut e = k + 1;
-            while e < t.snaps.len() && t.snaps[e].lblk == t.snaps[e - 1].lblk + 1 {
-                e += 1;
+            let mut full = k + 1;
+            while full < t.snaps.len() && t.snaps[full].lblk == t.snaps[full - 1].lblk + 1 {
+                full += 1;
             }
-            let l0 = t.snaps[k].lblk;
-            let mut chunks = Vec::new();
-            self.claiming = true;
-            let r = self.write_map(
-                h,
-                ino,
-                &mut i,
-                l0 as u64 * bs,
-                (e - k) * bs as usize,
-                &mut chunks,
-            );
-            self.claiming = false;
-            if let Err(FsError::NoSpace) = r {
-                // Nothing of this run could be mapped (the reservation's
-                // margin for extent blocks ran out): it stays dirty.
-                unmapped_from = Some(k);
-                break;
-            }
-            if let Err(err) = r {
-                // Blocks mapped for this run must not stay mapped without data.
-                for c in chunks.iter().filter(|c| c.changed > 0) {
-                    let end = c.lblk as u64 + c.changed as u64;
-                    let _ = self.remove_blocks(h, ino, &mut i, c.lblk, end);
+            let mut e = full;
+            if !unmapped.is_empty() {
+                // After an ENOSPC only pages that start inside the file's size
+                // go on (in-place overwrites need no space): left dirty, such a
+                // page's block could be in a commit's data checksums
+                // (`fc_data_csum`) and be rewritten in place later, after that
+                // commit, without the overwrite check; and the size must not
+                // pass the first page left behind.
+                let inside = t.snaps[k..full]
+                    .iter()
+                    .take_while(|s| (s.lblk as u64) * bs < old_size)
+                    .count();
+                unmapped.extend_from_slice(&t.snaps[k + inside..full]);
+                e = k + inside;
+                if e == k {
+                    k = full;
+                    continue;
                 }
-                let _ = self.write_inode(h, ino, &i);
-                return Err(err);
             }
-            let mut done = 0;
-            for c in &chunks {
-                changed |= c.changed > 0;
-                let first = k + c.pos / bs as usize;
-                let n = c.span / bs as usize;
-                runs.push(WbRun {
-                    ino,
-                    pblk: c.pblk,
-                    snaps: t.snaps[first..first + n].to_vec(),
-                });
-                done += n;
-            }
+            let done = self
+                .wb_map_run(h, ino, &mut i, t, k..e, &mut runs, &mut changed)?
+                .unwrap_or(0);
             if k + done < e {
-                // ENOSPC part-way: the rest stays dirty.
-                unmapped_from = Some(k + done);
-                break;
+                // ENOSPC (the reservation's margin for extent blocks ran
+                // out). Of the rest, the pages over blocks already mapped
+                // (not unwritten) are overwrites in place, which need no
+                // space: those alone; the others stay dirty.
+                let (a0, l0) = (k + done, t.snaps[k + done].lblk as u64);
+                let segs = self.ext_segments(ino, &i, l0, l0 + (e - a0) as u64)?;
+                let mut next = a0;
+                for (sl, n, m) in segs {
+                    let a = (a0 + sl.saturating_sub(l0) as usize).clamp(next, e);
+                    let b = (a + n as usize).min(e);
+                    unmapped.extend_from_slice(&t.snaps[next..a]);
+                    let mapped = match m.is_some_and(|m| !m.unwritten) && a < b {
+                        true => self
+                            .wb_map_run(h, ino, &mut i, t, a..b, &mut runs, &mut changed)?
+                            .unwrap_or(0),
+                        false => 0,
+                    };
+                    unmapped.extend_from_slice(&t.snaps[a + mapped..b]);
+                    next = b;
+                }
+                unmapped.extend_from_slice(&t.snaps[next..e]);
             }
-            k = e;
+            k = full;
         }
-        let unmapped = match unmapped_from {
-            Some(u) => {
-                let end = t.snaps[u].lblk as u64 * bs;
-                i.size = i.size.max(t.size.min(end));
-                t.snaps[u..].to_vec()
-            }
-            None => {
-                i.size = i.size.max(t.size);
-                Vec::new()
-            }
-        };
+        // Visible up to the first page left dirty, if any.
+        let end = unmapped.iter().map(|s| s.lblk as u64 * bs).min();
+        i.size = i.size.max(end.map_or(t.size, |e| t.size.min(e)));
         if let Some(tm) = t.times {
             i.mtime = tm;
             i.ctime = i.ctime.max(tm);
@@ -135,6 +129,61 @@ impl Inner {
             }
         }
         Ok((runs, unmapped))
+    }
+
+    /// Map the pages `t.snaps[r]` (consecutive blocks) for [`Self::wb_map`]:
+    /// the device runs go to `runs`. `Some(n)`: the first `n` pages are
+    /// mapped (fewer than all: ENOSPC part-way); `None`: ENOSPC before any.
+    #[allow(clippy::too_many_arguments)]
+    fn wb_map_run(
+        &mut self,
+        h: &Handle,
+        ino: u32,
+        i: &mut commitfs_format::inode::Inode,
+        t: &Taken,
+        r: std::ops::Range<usize>,
+        runs: &mut Vec<WbRun>,
+        changed: &mut bool,
+    ) -> Result<Option<usize>> {
+        let bs = self.bs as u64;
+        let k = r.start;
+        let l0 = t.snaps[k].lblk;
+        let mut chunks = Vec::new();
+        self.claiming = true;
+        let res = self.write_map(
+            h,
+            ino,
+            i,
+            l0 as u64 * bs,
+            r.len() * bs as usize,
+            &mut chunks,
+        );
+        self.claiming = false;
+        if let Err(FsError::NoSpace) = res {
+            return Ok(None);
+        }
+        if let Err(err) = res {
+            // Blocks mapped for this run must not stay mapped without data.
+            for c in chunks.iter().filter(|c| c.changed > 0) {
+                let end = c.lblk as u64 + c.changed as u64;
+                let _ = self.remove_blocks(h, ino, i, c.lblk, end);
+            }
+            let _ = self.write_inode(h, ino, i);
+            return Err(err);
+        }
+        let mut done = 0;
+        for c in &chunks {
+            *changed |= c.changed > 0;
+            let first = k + c.pos / bs as usize;
+            let n = c.span / bs as usize;
+            runs.push(WbRun {
+                ino,
+                pblk: c.pblk,
+                snaps: t.snaps[first..first + n].to_vec(),
+            });
+            done += n;
+        }
+        Ok(Some(done))
     }
 
     /// Put the pending times of cached writes into the cached inode (written

@@ -483,3 +483,95 @@ fn truncate_writes_back_pages_past_the_new_size() {
     }
     assert_fsck_clean(&img.path);
 }
+
+/// A cut that runs out of space part-way (the last free blocks went to a
+/// hole's block and the extent block a fifth extent needs) still writes the
+/// pages after that which overwrite blocks in place inside the file's size;
+/// only what needs space stays dirty. Left dirty, such a page's block could
+/// be in the data checksums of the commit the cut served (`fc_data_csum`) and
+/// be rewritten in place after it without the overwrite check, and recovery
+/// would drop that acknowledged commit (found by a review). Checked on the
+/// device as another file's fsync left it, in both fast-commit modes; the
+/// cut left a hole unfilled, or the test says it never ran out of space.
+#[test]
+fn a_cut_out_of_space_still_writes_in_place_pages() {
+    const BS: usize = 4096;
+    for csum in [false, true] {
+        let img = mkfs("pc-cut-enospc", 8, &["-b", "4096", "-O", "fast_commit"]);
+        let o = MountOptions {
+            fast_commit: true,
+            fc_data_csum: csum,
+            ..opts()
+        };
+        let (fs, _) = open(&img, o.clone());
+        // f: blocks 0, 2, 4 and 6 mapped (four extents: the inode's room),
+        // 1, 3 and 5 holes.
+        let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
+        fs.write(f, 0, &pattern(1, 7 * BS)).unwrap();
+        fs.sync().unwrap();
+        let punch = FallocFlags {
+            punch_hole: true,
+            keep_size: true,
+            ..Default::default()
+        };
+        for l in [1u64, 3, 5] {
+            fs.fallocate(f, l * BS as u64, BS as u64, punch).unwrap();
+        }
+        let g = fs.create(ROOT_INO, b"g", 0o644, 0, 0).unwrap().ino;
+        fs.write(g, 0, &pattern(2, BS)).unwrap();
+        fs.sync().unwrap();
+        // Cached: holes 3 and 5 filled (a block reserved for each), block 6
+        // and g's block overwritten in place.
+        fs.write(f, 3 * BS as u64, &pattern(3, BS)).unwrap();
+        fs.write(f, 5 * BS as u64, &pattern(5, BS)).unwrap();
+        fs.write(f, 6 * BS as u64, &pattern(6, BS)).unwrap();
+        fs.write(g, 0, &pattern(4, BS)).unwrap();
+        // Every other free block to h: the two reserved ones are all that is
+        // left.
+        let h = fs.create(ROOT_INO, b"h", 0o644, 0, 0).unwrap().ino;
+        let mut off = 0u64;
+        for chunk in [256 * BS as u64, BS as u64] {
+            loop {
+                match fs.fallocate(h, off, chunk, FallocFlags::default()) {
+                    Ok(()) => off += chunk,
+                    Err(FsError::NoSpace) => break,
+                    Err(e) => panic!("fallocate: {e}"),
+                }
+            }
+        }
+        // g's fsync cuts every dirty page.
+        fs.fsync(g, false).unwrap();
+        // Only the two holes wait for space.
+        assert_eq!(
+            fs.cache_stats().unwrap().dirty_bytes,
+            2 * BS as u64,
+            "csum={csum}: dirty after the cut"
+        );
+        let crashed = TempImage {
+            path: img.path.with_extension("crash.img"),
+        };
+        std::fs::copy(&img.path, &crashed.path).unwrap();
+        drop(fs);
+        let (rec, _) = open(&crashed, o);
+        let fr = rec.resolve("/f").unwrap();
+        let mut buf = vec![0u8; 7 * BS];
+        assert_eq!(rec.read(fr, 0, &mut buf).unwrap(), 7 * BS);
+        assert!(
+            buf[5 * BS..6 * BS].iter().all(|&b| b == 0),
+            "csum={csum}: hole 5 was filled: the cut never ran out of space"
+        );
+        assert!(
+            buf[6 * BS..] == pattern(6, BS)[..],
+            "csum={csum}: block 6, overwritten in place, stayed dirty in the cut"
+        );
+        assert!(
+            buf[..BS] == pattern(1, 7 * BS)[..BS],
+            "csum={csum}: block 0"
+        );
+        let gr = rec.resolve("/g").unwrap();
+        assert_eq!(read_all(&rec, gr), pattern(4, BS), "csum={csum}: g");
+        rec.unmount().unwrap();
+        drop(rec);
+        assert_fsck_clean(&crashed.path);
+    }
+}
