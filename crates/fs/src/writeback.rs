@@ -102,9 +102,22 @@ impl Inner {
             }
             k = full;
         }
-        // Visible up to the first page left dirty, if any.
+        // Visible up to the first page left dirty, if any; but at least to
+        // the end of a page written that starts inside the old size (the
+        // file's last, partial block overwritten in place after an ENOSPC):
+        // clean, its bytes past the size would read as zeros once evicted.
+        // No page left dirty starts between the old size and that end.
         let end = unmapped.iter().map(|s| s.lblk as u64 * bs).min();
-        i.size = i.size.max(end.map_or(t.size, |e| t.size.min(e)));
+        let inside_end = runs
+            .iter()
+            .flat_map(|r| r.snaps.iter())
+            .map(|s| s.lblk as u64 * bs)
+            .filter(|&o| o < old_size)
+            .max()
+            .map_or(0, |o| o + bs);
+        i.size = i
+            .size
+            .max(end.map_or(t.size, |e| t.size.min(e.max(inside_end))));
         if let Some(tm) = t.times {
             i.mtime = tm;
             i.ctime = i.ctime.max(tm);

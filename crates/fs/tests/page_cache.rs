@@ -490,12 +490,16 @@ fn truncate_writes_back_pages_past_the_new_size() {
 /// only what needs space stays dirty. Left dirty, such a page's block could
 /// be in the data checksums of the commit the cut served (`fc_data_csum`) and
 /// be rewritten in place after it without the overwrite check, and recovery
-/// would drop that acknowledged commit (found by a review). Checked on the
-/// device as another file's fsync left it, in both fast-commit modes; the
-/// cut left a hole unfilled, or the test says it never ran out of space.
+/// would drop that acknowledged commit (found by a review). The file's last,
+/// partial block is such a page here, with an append past it: once written,
+/// the size covers it (clean, its bytes past the size would read as zeros
+/// once evicted). Checked on the device as another file's fsync left it, in
+/// both fast-commit modes; the cut left a hole unfilled, or the test says it
+/// never ran out of space.
 #[test]
 fn a_cut_out_of_space_still_writes_in_place_pages() {
     const BS: usize = 4096;
+    let size0 = 6 * BS + BS / 2;
     for csum in [false, true] {
         let img = mkfs("pc-cut-enospc", 8, &["-b", "4096", "-O", "fast_commit"]);
         let o = MountOptions {
@@ -504,10 +508,11 @@ fn a_cut_out_of_space_still_writes_in_place_pages() {
             ..opts()
         };
         let (fs, _) = open(&img, o.clone());
-        // f: blocks 0, 2, 4 and 6 mapped (four extents: the inode's room),
-        // 1, 3 and 5 holes.
+        // f: blocks 0, 2, 4 and 6 (half full) mapped (four extents: the
+        // inode's room), 1, 3 and 5 holes.
         let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
-        fs.write(f, 0, &pattern(1, 7 * BS)).unwrap();
+        let base = pattern(1, size0);
+        fs.write(f, 0, &base).unwrap();
         fs.sync().unwrap();
         let punch = FallocFlags {
             punch_hole: true,
@@ -520,14 +525,14 @@ fn a_cut_out_of_space_still_writes_in_place_pages() {
         let g = fs.create(ROOT_INO, b"g", 0o644, 0, 0).unwrap().ino;
         fs.write(g, 0, &pattern(2, BS)).unwrap();
         fs.sync().unwrap();
-        // Cached: holes 3 and 5 filled (a block reserved for each), block 6
-        // and g's block overwritten in place.
+        // Cached: holes 3 and 5 filled (a block reserved for each), an
+        // append over the rest of block 6 (in place) into block 7 (a block
+        // reserved), g's block overwritten in place.
         fs.write(f, 3 * BS as u64, &pattern(3, BS)).unwrap();
         fs.write(f, 5 * BS as u64, &pattern(5, BS)).unwrap();
-        fs.write(f, 6 * BS as u64, &pattern(6, BS)).unwrap();
+        fs.write(f, size0 as u64, &pattern(6, BS)).unwrap();
         fs.write(g, 0, &pattern(4, BS)).unwrap();
-        // Every other free block to h: the two reserved ones are all that is
-        // left.
+        // Every other free block to h: the reserved ones are all that is left.
         let h = fs.create(ROOT_INO, b"h", 0o644, 0, 0).unwrap().ino;
         let mut off = 0u64;
         for chunk in [256 * BS as u64, BS as u64] {
@@ -541,10 +546,10 @@ fn a_cut_out_of_space_still_writes_in_place_pages() {
         }
         // g's fsync cuts every dirty page.
         fs.fsync(g, false).unwrap();
-        // Only the two holes wait for space.
+        // Only what needs space waits: the two holes and block 7.
         assert_eq!(
             fs.cache_stats().unwrap().dirty_bytes,
-            2 * BS as u64,
+            3 * BS as u64,
             "csum={csum}: dirty after the cut"
         );
         let crashed = TempImage {
@@ -554,19 +559,24 @@ fn a_cut_out_of_space_still_writes_in_place_pages() {
         drop(fs);
         let (rec, _) = open(&crashed, o);
         let fr = rec.resolve("/f").unwrap();
-        let mut buf = vec![0u8; 7 * BS];
-        assert_eq!(rec.read(fr, 0, &mut buf).unwrap(), 7 * BS);
+        let got = read_all(&rec, fr);
+        assert_eq!(
+            got.len(),
+            7 * BS,
+            "csum={csum}: size after the cut (block 6 written, block 7 not)"
+        );
         assert!(
-            buf[5 * BS..6 * BS].iter().all(|&b| b == 0),
+            got[5 * BS..6 * BS].iter().all(|&b| b == 0),
             "csum={csum}: hole 5 was filled: the cut never ran out of space"
         );
+        assert!(got[..BS] == base[..BS], "csum={csum}: block 0");
         assert!(
-            buf[6 * BS..] == pattern(6, BS)[..],
-            "csum={csum}: block 6, overwritten in place, stayed dirty in the cut"
+            got[6 * BS..size0] == base[6 * BS..],
+            "csum={csum}: block 6's first half"
         );
         assert!(
-            buf[..BS] == pattern(1, 7 * BS)[..BS],
-            "csum={csum}: block 0"
+            got[size0..] == pattern(6, BS)[..7 * BS - size0],
+            "csum={csum}: block 6's second half, written in place, stayed dirty in the cut"
         );
         let gr = rec.resolve("/g").unwrap();
         assert_eq!(read_all(&rec, gr), pattern(4, BS), "csum={csum}: g");
