@@ -321,24 +321,28 @@ pub struct FcLogged {
 #[derive(Debug, Clone, Copy)]
 pub struct CsumTodo {
     index: usize,
+    ino: u32,
+    lblk: u32,
     pblk: u64,
     len: u32,
 }
 
 /// Fill the CRCs `todo` names in `records`: each is the CRC of its blocks as
 /// they are once the plan's cut is written — from `written` where the cut
-/// wrote them, otherwise from the device. Called without `Inner` (the reads
-/// may reach the device).
+/// wrote them, from the page cache where it holds a block clean (the
+/// fsynced file's own write-back wrote it just before: no read-back), the
+/// rest from the device. Called without `Inner` (the reads may reach the
+/// device).
 pub(crate) fn fill_data_csums(
     dio: &crate::dataio::DataIo,
     dev: &commitfs_device::DeviceRef,
-    bs: usize,
+    pc: Option<&crate::pagecache::PageCache>,
     records: &mut [FcRecord],
     todo: &[CsumTodo],
     written: &DataOverlay,
 ) -> Result<()> {
     for t in todo {
-        let crc = range_crc(dio, dev, bs, t.pblk, t.len, written)?;
+        let crc = range_crc(dio, dev, pc, t, written)?;
         match records.get_mut(t.index) {
             Some(Tlv::DataCsum { crc: c, pblk, .. }) if *pblk == t.pblk => *c = crc,
             _ => {
@@ -351,25 +355,32 @@ pub(crate) fn fill_data_csums(
     Ok(())
 }
 
-/// CRC of device blocks `pblk..pblk+len` as they will be once the fast
-/// commit's cut is written: blocks in `written` from there, the rest from
-/// the device.
+/// CRC of the blocks `t` names as they will be once the fast commit's cut is
+/// written (see [`fill_data_csums`]).
 fn range_crc(
     dio: &crate::dataio::DataIo,
     dev: &commitfs_device::DeviceRef,
-    bs: usize,
-    pblk: u64,
-    len: u32,
+    pc: Option<&crate::pagecache::PageCache>,
+    t: &CsumTodo,
     written: &DataOverlay,
 ) -> Result<u32> {
-    if !(pblk..pblk + len as u64).any(|b| written.contains_key(&b)) {
-        return commitfs_journal::data_range_crc(&**dev, bs, pblk, len)?
+    let bs = dio.bs;
+    let known: Vec<Option<std::sync::Arc<Vec<u8>>>> = (0..t.len)
+        .map(|i| {
+            written.get(&(t.pblk + i as u64)).cloned().or_else(|| {
+                let l = t.lblk.checked_add(i)?;
+                pc?.clean_block(t.ino, l)
+            })
+        })
+        .collect();
+    if known.iter().all(Option::is_none) {
+        return commitfs_journal::data_range_crc(&**dev, bs, t.pblk, t.len)?
             .ok_or_else(|| crate::error::FsError::corrupt("ADD_RANGE beyond the device"));
     }
     let mut crc = commitfs_format::fast_commit::DATA_CRC_SEED;
     let mut buf = vec![0u8; bs];
-    for b in pblk..pblk + len as u64 {
-        match written.get(&b) {
+    for (b, k) in (t.pblk..).zip(&known) {
+        match k {
             Some(d) => crc = commitfs_format::fast_commit::data_crc(crc, &d[..bs]),
             None => {
                 dio.read(b, &mut buf)?;
@@ -748,6 +759,8 @@ impl Inner {
             {
                 todo.push(CsumTodo {
                     index: records.len() + csums.len(),
+                    ino: *ino,
+                    lblk: *lblk,
                     pblk: *pblk,
                     len: *len,
                 });

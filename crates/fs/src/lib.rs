@@ -2146,7 +2146,7 @@ impl Fs {
                     let r = fc::fill_data_csums(
                         &self.dio,
                         &self.dev,
-                        self.dio.bs,
+                        self.pc.as_deref(),
                         records,
                         csums,
                         &written,

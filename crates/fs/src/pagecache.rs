@@ -664,6 +664,15 @@ impl PageCache {
         Some((len, hit))
     }
 
+    /// The data of `ino`'s page `lblk` when it is cached and clean (neither
+    /// dirty nor being written): then it is what the block holds on the
+    /// device, since reads are served from it.
+    pub fn clean_block(&self, ino: u32, lblk: u32) -> Option<Arc<Vec<u8>>> {
+        let files = self.files.lock();
+        let p = files.get(&ino)?.pages.get(&lblk)?;
+        (!p.dirty && !p.writing).then(|| p.data.clone())
+    }
+
     /// The discard count, taken by a reader before it checks under `Inner`
     /// that its file is live; [`Self::fill`] compares it.
     pub fn discard_epoch(&self) -> u64 {
