@@ -472,8 +472,13 @@ pub fn record_conc(
     seed: u64,
     opts: MountOptions,
 ) -> Result<ConcRecording, String> {
-    // A flush takes a while, as on a real device: fsyncs and commits overlap it.
-    let dev = Arc::new(RecordingDevice::new(base.to_vec()).with_flush_latency(FLUSH_LATENCY));
+    // A flush takes a while, as on a real device, and so does a write: fsyncs
+    // and commits overlap them.
+    let dev = Arc::new(
+        RecordingDevice::new(base.to_vec())
+            .with_flush_latency(FLUSH_LATENCY)
+            .with_write_latency(WRITE_LATENCY),
+    );
     let per_file = opts.data_order == commitfs_fs::DataOrder::File;
     let fs = Fs::open(dev.clone(), opts).map_err(|e| format!("mount of the base image: {e}"))?;
     let bs = fs.block_size() as usize;
@@ -979,6 +984,10 @@ pub fn mode_name(fast_commit: bool, fc_data_csum: bool) -> &'static str {
 
 /// How long a flush of a concurrent recording takes to be acknowledged.
 pub const FLUSH_LATENCY: std::time::Duration = std::time::Duration::from_micros(500);
+
+/// How long a write of a concurrent recording takes to complete (an SSD's
+/// 4 KiB write is some tens of µs).
+pub const WRITE_LATENCY: std::time::Duration = std::time::Duration::from_micros(20);
 
 /// Record a concurrent workload as `cfg` says (image made with `-O fast_commit`
 /// for the fast-commit modes).

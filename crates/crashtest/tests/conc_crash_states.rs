@@ -10,9 +10,10 @@
 //! (7,250) and fc_crash_states.rs (10,100): 21,850 per CI run.
 //!
 //! `committing_transactions_overlap` is the in-flight gate: every 8- and
-//! 16-thread recording in JBD2 and fast-commit mode must show at least
-//! [`MIN_INFLIGHT`] committing transactions at once, counted from the device log.
-//! It fails against a journal that commits one transaction at a time.
+//! 16-thread recording in JBD2, fast-commit and `fc_data_csum` mode must show at
+//! least [`MIN_INFLIGHT`] committing transactions at once, counted from the
+//! device log. It fails against a journal that commits one transaction at a
+//! time.
 
 use commitfs_crashtest::concurrent::{check_conc_states, plan_conc_states, record_for, ConcConfig};
 use commitfs_crashtest::{run_conc, ConcSummary, CONC_WORKLOADS, MIN_INFLIGHT};
@@ -89,26 +90,28 @@ fn conc_fc_data_csum() {
 
 /// Gate of acceptance 1: at least [`MIN_INFLIGHT`] committing transactions at once
 /// in every 8- and 16-thread recording, of full JBD2 commits and of fast commits
-/// (counted from the device log by `crashtest::inflight`, which knows nothing of
-/// the journal). Fast commits overlap by chaining: a TAIL written without FUA
-/// stays in flight until the next fast commit's flush (docs/ARCHITECTURE.md
-/// "Chained fast commits"); one fast commit at a time, as the kernel writes
-/// them, never shows two.
+/// in both fast-commit modes (counted from the device log by
+/// `crashtest::inflight`, which knows nothing of the journal). Fast commits
+/// overlap by chaining: a TAIL written without FUA (`fc_data_csum`: a commit
+/// written without its flush) stays in flight until the next fast commit's
+/// flush (docs/ARCHITECTURE.md "Chained fast commits"); one fast commit at a
+/// time, as the kernel writes them, never shows two.
 #[test]
 fn committing_transactions_overlap() {
     let mut short = Vec::new();
-    for fast_commit in [false, true] {
+    for (fast_commit, fc_data_csum) in [(false, false), (true, false), (true, true)] {
         let min = MIN_INFLIGHT;
         for (i, w) in CONC_WORKLOADS.iter().enumerate() {
             let cfg = ConcConfig {
                 workload: w.name.into(),
                 seed: 760 + i as u64,
                 fast_commit,
+                fc_data_csum,
                 ..ConcConfig::default()
             };
             let rec = record_for(&cfg).unwrap_or_else(|e| panic!("{}: {e}", w.name));
             let line = format!(
-                "{} fast_commit={fast_commit}: {} fsyncs, {} flushes, {}",
+                "{} fast_commit={fast_commit} fc_data_csum={fc_data_csum}: {} fsyncs, {} flushes, {}",
                 w.name,
                 rec.fsyncs(),
                 rec.flushes,

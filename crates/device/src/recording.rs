@@ -59,6 +59,9 @@ pub struct RecordingDevice {
     /// Time a flush takes to be acknowledged after it was logged (a device's
     /// cache flush is slow; concurrent recordings need requests to overlap it).
     flush_latency: std::time::Duration,
+    /// Time a write takes to complete after it was logged (the transfer:
+    /// requests of other threads overlap it, as on a real device).
+    write_latency: std::time::Duration,
 }
 
 impl RecordingDevice {
@@ -70,7 +73,14 @@ impl RecordingDevice {
             base,
             log: Mutex::new(Vec::new()),
             flush_latency: std::time::Duration::ZERO,
+            write_latency: std::time::Duration::ZERO,
         }
+    }
+
+    /// Complete each write `d` after logging it (see [`Self::with_flush_latency`]).
+    pub fn with_write_latency(mut self, d: std::time::Duration) -> RecordingDevice {
+        self.write_latency = d;
+        self
     }
 
     /// Acknowledge each flush `d` after logging it. Writes issued meanwhile are
@@ -116,6 +126,10 @@ impl BlockDevice for RecordingDevice {
             fua,
             cat,
         });
+        drop(log);
+        if !self.write_latency.is_zero() {
+            std::thread::sleep(self.write_latency);
+        }
         Ok(())
     }
     fn flush(&self) -> Result<()> {

@@ -43,6 +43,12 @@ pub const TAG_HEAD: u16 = 0x0009;
 pub const TAG_DATA_CSUM: u16 = 0x8001;
 /// Value length of DATA_CSUM: `ino`, `lblk`, `len`, `pblk` (u64), `crc`.
 pub const DATA_CSUM_LEN: usize = 24;
+/// commitfs extension `DATA_CHAIN` (docs/FORMAT.md, `-o fc_data_csum`, chained
+/// fast commits): this fast commit was written before the flush that makes the
+/// previous one durable had completed, so its presence does not prove the
+/// previous commit's data durable and recovery verifies that commit's DATA_CSUM
+/// records too. Empty value. Same validity rule as [`TAG_DATA_CSUM`].
+pub const TAG_DATA_CHAIN: u16 = 0x8002;
 
 /// CRC32C of data blocks for DATA_CSUM: register seeded with `!0`, as the ext4
 /// metadata checksums (ext4-format.md §1.3), over the bytes of the whole range.
@@ -139,6 +145,9 @@ pub enum Tlv<'a> {
         pblk: u64,
         crc: u32,
     },
+    /// commitfs extension [`TAG_DATA_CHAIN`]: the previous commit's flush had not
+    /// completed when this one was written.
+    DataChain,
     Creat(Dentry<'a>),
     Link(Dentry<'a>),
     Unlink(Dentry<'a>),
@@ -169,6 +178,7 @@ impl<'a> Tlv<'a> {
             Tlv::AddRange { .. } => TAG_ADD_RANGE,
             Tlv::DelRange { .. } => TAG_DEL_RANGE,
             Tlv::DataCsum { .. } => TAG_DATA_CSUM,
+            Tlv::DataChain => TAG_DATA_CHAIN,
             Tlv::Creat(_) => TAG_CREAT,
             Tlv::Link(_) => TAG_LINK,
             Tlv::Unlink(_) => TAG_UNLINK,
@@ -185,6 +195,7 @@ impl<'a> Tlv<'a> {
             Tlv::AddRange { .. } => ADD_RANGE_LEN,
             Tlv::DelRange { .. } => DEL_RANGE_LEN,
             Tlv::DataCsum { .. } => DATA_CSUM_LEN,
+            Tlv::DataChain => 0,
             Tlv::Creat(d) | Tlv::Link(d) | Tlv::Unlink(d) => DENTRY_FIXED_LEN + d.name.len(),
             Tlv::Inode { raw, .. } => INODE_FIXED_LEN + raw.len(),
             Tlv::Pad { len } => *len as usize,
@@ -240,6 +251,7 @@ impl<'a> Tlv<'a> {
                 pblk,
                 crc,
             },
+            Tlv::DataChain => Tlv::DataChain,
             Tlv::Creat(d) => Tlv::Creat(d.into_owned()),
             Tlv::Link(d) => Tlv::Link(d.into_owned()),
             Tlv::Unlink(d) => Tlv::Unlink(d.into_owned()),
@@ -343,6 +355,7 @@ impl<'a> Tlv<'a> {
                 put_le32(v, 16, (*pblk >> 32) as u32);
                 put_le32(v, 20, *crc);
             }
+            Tlv::DataChain => {}
             Tlv::Creat(d) | Tlv::Link(d) | Tlv::Unlink(d) => {
                 put_le32(v, 0, d.parent);
                 put_le32(v, 4, d.ino);
@@ -414,6 +427,12 @@ pub fn decode(buf: &[u8], inode_size: usize) -> Result<(Tlv<'_>, usize), FcError
             crc: le32(v, 20),
         };
         return Ok((tlv, TL_LEN + len));
+    }
+    if tag == TAG_DATA_CHAIN {
+        if len != 0 {
+            return Err(FcError::BadLength { tag, len });
+        }
+        return Ok((Tlv::DataChain, TL_LEN));
     }
     if !value_len_valid(tag, len, inode_size) {
         return Err(if (TAG_ADD_RANGE..=TAG_HEAD).contains(&tag) {
@@ -714,32 +733,55 @@ impl FcScan {
         self.tags.iter().filter(|t| {
             !matches!(
                 t,
-                Tlv::Head { .. } | Tlv::Pad { .. } | Tlv::Tail { .. } | Tlv::DataCsum { .. }
+                Tlv::Head { .. }
+                    | Tlv::Pad { .. }
+                    | Tlv::Tail { .. }
+                    | Tlv::DataCsum { .. }
+                    | Tlv::DataChain
             )
         })
     }
 
-    /// Index in [`Self::tags`] where the last valid commit starts.
-    fn last_commit_start(&self) -> usize {
-        let tails: Vec<usize> = self
-            .tags
-            .iter()
-            .enumerate()
-            .filter(|(_, t)| matches!(t, Tlv::Tail { .. }))
-            .map(|(i, _)| i)
-            .collect();
-        match tails.len() {
-            0 => self.tags.len(),
-            1 => 0,
-            n => tails[n - 2] + 1,
+    /// `tags` index ranges of the valid commits, in log order.
+    fn commit_spans(&self) -> Vec<std::ops::Range<usize>> {
+        let mut spans = Vec::new();
+        let mut s = 0;
+        for (i, t) in self.tags.iter().enumerate() {
+            if matches!(t, Tlv::Tail { .. }) {
+                spans.push(s..i + 1);
+                s = i + 1;
+            }
         }
+        spans
     }
 
-    /// DATA_CSUM records of the last valid commit. Only those need checking: a later
-    /// commit is written after the earlier one's flush completed, so its presence
-    /// proves the earlier data durable (docs/FORMAT.md, fc_data_csum).
-    pub fn last_commit_data_csums(&self) -> Vec<(u64, u32, u32)> {
-        self.tags[self.last_commit_start()..]
+    /// The commits (indices from 0) whose DATA_CSUM records recovery verifies:
+    /// the last valid commit and, for as long as a commit of the group carries
+    /// DATA_CHAIN, the one before it. Any commit before the group was followed
+    /// by one written after its flush completed, which proves its data durable
+    /// (docs/FORMAT.md, fc_data_csum).
+    pub fn final_group(&self) -> std::ops::Range<u32> {
+        let spans = self.commit_spans();
+        let mut first = spans.len();
+        while first > 0 {
+            first -= 1;
+            let chained = self.tags[spans[first].clone()]
+                .iter()
+                .any(|t| matches!(t, Tlv::DataChain));
+            if !chained {
+                break;
+            }
+        }
+        first as u32..spans.len() as u32
+    }
+
+    /// DATA_CSUM records `(pblk, len, crc)` of valid commit `k` (from 0).
+    pub fn commit_data_csums(&self, k: u32) -> Vec<(u64, u32, u32)> {
+        let spans = self.commit_spans();
+        let Some(span) = spans.get(k as usize) else {
+            return Vec::new();
+        };
+        self.tags[span.clone()]
             .iter()
             .filter_map(|t| match t {
                 Tlv::DataCsum { pblk, len, crc, .. } => Some((*pblk, *len, *crc)),
@@ -748,15 +790,19 @@ impl FcScan {
             .collect()
     }
 
-    /// Forget the last valid commit (its data did not all reach the disk, so the
-    /// fsync that wrote it never returned). Recomputes [`Self::in_use`].
-    pub fn drop_last_commit(&mut self) {
-        if self.commits == 0 {
+    /// Keep only the first `k` valid commits (a later one's data did not all
+    /// reach the disk, so no fsync that wrote it or a commit after it returned).
+    /// Recomputes [`Self::in_use`].
+    pub fn truncate_commits(&mut self, k: u32) {
+        if k >= self.commits {
             return;
         }
-        let start = self.last_commit_start();
-        self.tags.truncate(start);
-        self.commits -= 1;
+        let end = match k {
+            0 => 0,
+            k => self.commit_spans()[k as usize - 1].end,
+        };
+        self.tags.truncate(end);
+        self.commits = k;
         self.in_use = self
             .tags
             .iter()
@@ -850,11 +896,11 @@ impl FcScanner {
                 }
             };
             let bytes = &block[cur..cur + total];
-            if matches!(tlv, Tlv::DataCsum { .. }) && !self.data_csum {
+            if matches!(tlv, Tlv::DataCsum { .. } | Tlv::DataChain) && !self.data_csum {
                 return self.stop(ScanEnd::BadRecord {
                     block: off,
                     offset: cur,
-                    error: FcError::UnknownTag(TAG_DATA_CSUM),
+                    error: FcError::UnknownTag(tlv.tag()),
                 });
             }
             match tlv {
@@ -1274,6 +1320,67 @@ mod tests {
 
     fn blocks(a: &[u8], bs: usize) -> Vec<&[u8]> {
         a.chunks(bs).collect()
+    }
+
+    /// Chained fast commits (`fc_data_csum`): the final group runs back from
+    /// the last commit through every commit that carries DATA_CHAIN; a kernel
+    /// scan (no data_csum) stops at the record; truncation keeps a prefix.
+    #[test]
+    fn data_chain_marks_the_final_group() {
+        let csum = |k: u32| Tlv::DataCsum {
+            ino: 12,
+            lblk: k,
+            len: 1,
+            pblk: 700 + k as u64,
+            crc: 0xabc0 + k,
+        };
+        // Commits 0..5: 2 and 4 carry DATA_CHAIN (3 does not): group = 3..5.
+        let commits: Vec<Vec<Tlv<'static>>> = (0..5u32)
+            .map(|k| {
+                let mut c = vec![csum(k)];
+                if k == 2 || k == 4 {
+                    c.push(Tlv::DataChain);
+                }
+                c
+            })
+            .collect();
+        let (a, _) = area(4096, 8, &commits);
+        let mut s = FcScanner::new(ISZ, 8).with_data_csum(true);
+        for (i, b) in blocks(&a, 4096).into_iter().enumerate() {
+            s.feed(i as u32, b);
+        }
+        let mut s = s.finish();
+        assert_eq!(s.commits, 5);
+        assert_eq!(s.final_group(), 3..5);
+        assert_eq!(s.commit_data_csums(4), vec![(704, 1, 0xabc4)]);
+        assert_eq!(s.commit_data_csums(3), vec![(703, 1, 0xabc3)]);
+        assert!(s.commit_data_csums(5).is_empty());
+        assert!(!s.replayable().any(|t| matches!(t, Tlv::DataChain)));
+        // Dropping from commit 3 on leaves commits 0..3, whose last one chains
+        // to commit 1.
+        s.truncate_commits(3);
+        assert_eq!(s.commits, 3);
+        assert_eq!(s.final_group(), 1..3);
+        assert_eq!(
+            s.tags
+                .iter()
+                .filter(|t| matches!(t, Tlv::Tail { .. }))
+                .count(),
+            3
+        );
+        s.truncate_commits(0);
+        assert!(s.tags.is_empty() && s.in_use.is_empty());
+        assert_eq!(s.final_group(), 0..0);
+        // Without the data_csum incompat bit the record ends the scan.
+        let k = scan_blocks(blocks(&a, 4096), ISZ, 8);
+        assert_eq!(k.commits, 0);
+        // A DATA_CHAIN with a value is corrupt.
+        let mut buf = [0u8; 8];
+        put_le16(&mut buf, 0, TAG_DATA_CHAIN);
+        put_le16(&mut buf, 2, 4);
+        assert!(decode(&buf, ISZ).is_err());
+        put_le16(&mut buf, 2, 0);
+        assert_eq!(decode(&buf, ISZ).unwrap(), (Tlv::DataChain, 4));
     }
 
     #[test]

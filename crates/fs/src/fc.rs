@@ -273,6 +273,11 @@ struct FcProtect {
     /// `(ino, lblk, len, serial)`; `serial` numbers the fast commit.
     ranges: Vec<(u32, u32, u32, u64)>,
     next_serial: u64,
+    /// Chained fast commits without DATA_CHAIN, written but not yet durable:
+    /// `(serial, flush generation)`. Once a flush numbered after the
+    /// generation completes, the commit follows every earlier one in the log
+    /// and their ranges are released ([`Inner::fc_protect_hit`]).
+    deferred: Vec<(u64, u64)>,
 }
 
 /// A chained fast commit written with its TAIL left to a later flush.
@@ -314,6 +319,16 @@ pub struct FcLogged {
     dentries: usize,
     /// Serial of its DATA_CSUM protection (`fc_data_csum`), if any.
     serial: Option<u64>,
+    /// It carries DATA_CHAIN: recovery verifies the previous commit's data
+    /// while this one is final, so that commit's ranges stay protected.
+    chained: bool,
+}
+
+impl FcLogged {
+    /// The commit carries DATA_CHAIN (see [`Self::chained`]).
+    pub fn set_chained(&mut self) {
+        self.chained = true;
+    }
 }
 
 /// A DATA_CSUM record of a plan whose CRC is still to be computed: record
@@ -686,6 +701,7 @@ impl Inner {
             tid,
             dentries: dentries.len(),
             serial,
+            chained: false,
         };
         Ok(FcPlan::Fast {
             tid,
@@ -722,13 +738,20 @@ impl Inner {
         }
     }
 
-    /// A fast commit covering `logged` is durable: forget those changes (later
-    /// fast commits of the same transaction carry only what changed since).
-    pub fn fc_logged(&mut self, logged: &FcLogged) {
-        if let Some(s) = logged.serial {
-            // This commit now follows every earlier one in the log: their data is
-            // proven durable by its presence, only its own blocks stay protected.
-            self.fc.protect.ranges.retain(|r| r.3 >= s);
+    /// A fast commit covering `logged` is written, durable now (`pending` is
+    /// `None`) or once a flush numbered after `pending` completes (chained):
+    /// forget those changes (later fast commits of the same transaction carry
+    /// only what changed since).
+    pub fn fc_logged(&mut self, logged: &FcLogged, pending: Option<u64>) {
+        if let (Some(s), false) = (logged.serial, logged.chained) {
+            // Once durable this commit follows every earlier one in the log:
+            // their data is proven durable by its presence, only its own
+            // blocks stay protected. A DATA_CHAIN commit proves nothing of
+            // the one before it (recovery verifies that one's data too).
+            match pending {
+                None => self.fc.protect.ranges.retain(|r| r.3 >= s),
+                Some(g) => self.fc.protect.deferred.push((s, g)),
+            }
         }
         for (ino, v) in &logged.inodes {
             if self.fc.inodes.get(ino).is_some_and(|t| t.version == *v) {
@@ -778,6 +801,7 @@ impl Inner {
         let p = &mut self.fc.protect;
         if p.tid != tid {
             p.ranges.clear();
+            p.deferred.clear();
             p.tid = tid;
         }
         p.next_serial += 1;
@@ -797,7 +821,21 @@ impl Inner {
         }
         if self.journal.is_committed(p.tid) {
             p.ranges.clear();
+            p.deferred.clear();
             return None;
+        }
+        // Chained commits made durable since: release what they follow.
+        let j = &self.journal;
+        let mut upto = None;
+        p.deferred.retain(|&(s, g)| {
+            let durable = j.flushed_since(g);
+            if durable {
+                upto = upto.max(Some(s));
+            }
+            !durable
+        });
+        if let Some(s) = upto {
+            p.ranges.retain(|r| r.3 >= s);
         }
         p.ranges
             .iter()
@@ -809,6 +847,7 @@ impl Inner {
     /// commit): nothing is protected any more.
     pub fn fc_protect_confirmed(&mut self) {
         self.fc.protect.ranges.clear();
+        self.fc.protect.deferred.clear();
     }
 
     fn fc_inode_record(&mut self, ino: u32) -> Result<FcRecord> {

@@ -262,7 +262,11 @@ impl Inner {
             Tlv::Creat(d) => self.fc_creat(h, st, d),
             Tlv::Link(d) => self.fc_link_tag(h, d),
             Tlv::Unlink(d) => self.fc_unlink(h, d),
-            Tlv::Head { .. } | Tlv::Pad { .. } | Tlv::Tail { .. } | Tlv::DataCsum { .. } => Ok(()),
+            Tlv::Head { .. }
+            | Tlv::Pad { .. }
+            | Tlv::Tail { .. }
+            | Tlv::DataCsum { .. }
+            | Tlv::DataChain => Ok(()),
         }
     }
 

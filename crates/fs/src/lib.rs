@@ -2192,10 +2192,19 @@ impl Fs {
                 }
                 fc::FcPlan::Fast {
                     tid,
-                    records,
-                    logged,
+                    mut records,
+                    mut logged,
                     ..
                 } => {
+                    if g.fc_data_csum && j.fc_chain_pending() {
+                        // A chained fast commit's flush has not completed:
+                        // recovery must verify its data with this one's
+                        // (docs/FORMAT.md, DATA_CHAIN). Checked under the
+                        // leader's lock: no other fast commit is written
+                        // before this one.
+                        records.push(commitfs_format::fast_commit::Tlv::DataChain);
+                        logged.set_chained();
+                    }
                     let packed = g
                         .journal
                         .fc_slot()
@@ -2254,7 +2263,11 @@ impl Fs {
             // Logged once written: the next plan (possibly before this one is
             // durable) must not repeat its records; a failed write aborts.
             let mut g = self.lock()?;
-            g.fc_logged(&logged);
+            let pending = match wrote {
+                commitfs_journal::FcWritten::Pending(gen) => Some(gen),
+                _ => None,
+            };
+            g.fc_logged(&logged, pending);
             let mut d = self.fcd.lock();
             let st = &mut d.stats;
             st.commits += 1;

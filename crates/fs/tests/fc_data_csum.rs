@@ -765,3 +765,177 @@ fn concurrent_overwrites_fsyncs_and_full_commits() {
     let t = write_image("fcdc-concurrent", &after);
     assert_fsck_clean(&t.path);
 }
+
+/// A device that, once armed, holds the next fast-commit write until released.
+struct HoldFc {
+    inner: Arc<commitfs_device::recording::RecordingDevice>,
+    /// (armed, holding, released)
+    st: std::sync::Mutex<(bool, bool, bool)>,
+    cv: std::sync::Condvar,
+}
+
+impl HoldFc {
+    fn wait(&self, what: impl Fn(&(bool, bool, bool)) -> bool) {
+        let st = self.st.lock().unwrap();
+        let (st, t) = self
+            .cv
+            .wait_timeout_while(st, std::time::Duration::from_secs(10), |s| !what(s))
+            .unwrap();
+        assert!(!t.timed_out() || what(&st), "HoldFc: timed out");
+    }
+}
+
+impl BlockDevice for HoldFc {
+    fn read_at(&self, o: u64, b: &mut [u8], c: IoCategory) -> commitfs_device::Result<()> {
+        self.inner.read_at(o, b, c)
+    }
+    fn write_at(&self, o: u64, b: &[u8], c: IoCategory, fua: bool) -> commitfs_device::Result<()> {
+        if c == IoCategory::FastCommit {
+            let mut st = self.st.lock().unwrap();
+            if st.0 {
+                st.0 = false;
+                st.1 = true;
+                self.cv.notify_all();
+                while !st.2 {
+                    st = self.cv.wait(st).unwrap();
+                }
+            }
+        }
+        self.inner.write_at(o, b, c, fua)
+    }
+    fn flush(&self) -> commitfs_device::Result<()> {
+        self.inner.flush()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn is_read_only(&self) -> bool {
+        false
+    }
+    fn stats(&self) -> &commitfs_device::IoStats {
+        self.inner.stats()
+    }
+}
+
+/// Chained fast commits (docs/ARCHITECTURE.md "Chained fast commits",
+/// docs/FORMAT.md DATA_CHAIN): an fsync that arrives while a fast commit is
+/// being written makes that commit leave its flush to the next one, which
+/// carries DATA_CHAIN; one flush serves both. Recovery then verifies both
+/// commits' data: a crash that lost the first one's data block drops both,
+/// never replays the first over a block that does not hold its data.
+#[test]
+fn chained_fast_commits_share_a_flush_and_recovery_verifies_both() {
+    use commitfs_device::recording::{LogOp, RecordingDevice};
+    let img0 = fresh().contents();
+    let rec = Arc::new(RecordingDevice::new(img0.clone()));
+    let hold = Arc::new(HoldFc {
+        inner: rec.clone(),
+        st: Default::default(),
+        cv: Default::default(),
+    });
+    let dev: DeviceRef = hold.clone();
+    let fs = Fs::open(dev, csum_opts()).unwrap();
+    prime(&fs);
+    let a = fs.create(ROOT_INO, b"a", 0o644, 0, 0).unwrap().ino;
+    fs.write(a, 0, &pattern(1, BS)).unwrap();
+    let b = fs.create(ROOT_INO, b"b", 0o644, 0, 0).unwrap().ino;
+    fs.write(b, 0, &pattern(2, BS)).unwrap();
+    let m = rec.op_count();
+    let s0 = fs.stats();
+    hold.st.lock().unwrap().0 = true;
+    std::thread::scope(|sc| {
+        // a's fsync leads the first fast commit (a and b as they are now) and
+        // is held at its first log write.
+        let t1 = sc.spawn(|| fs.fsync(a, false));
+        hold.wait(|s| s.1);
+        // b grows after that plan; its fsync must wait for a second commit.
+        fs.write(b, BS as u64, &pattern(3, BS)).unwrap();
+        let t2 = sc.spawn(|| fs.fsync(b, false));
+        let t0 = std::time::Instant::now();
+        while fs.stats().fsyncs < s0.fsyncs + 2 {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(10));
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        hold.st.lock().unwrap().2 = true;
+        hold.cv.notify_all();
+        t1.join().unwrap().unwrap();
+        t2.join().unwrap().unwrap();
+    });
+    let s1 = fs.stats();
+    assert_eq!(fs.fc_stats().commits, 2);
+    assert_eq!(
+        s1.journal.fc_chained - s0.journal.fc_chained,
+        1,
+        "the first fast commit did not chain"
+    );
+    let log = rec.log();
+    let flushes: Vec<usize> = (m..log.len()).filter(|&i| log[i].is_flush()).collect();
+    assert_eq!(flushes.len(), 1, "one flush for both fast commits");
+    let e = flushes[0];
+    drop(fs);
+    // The device as left just before that flush, with every write in...
+    let base = {
+        let c = RecordingDevice::new(img0);
+        for op in &log[..m] {
+            match op {
+                LogOp::Write {
+                    offset, data, cat, ..
+                } => c.write_at(*offset, data, *cat, false).unwrap(),
+                LogOp::Flush => c.flush().unwrap(),
+            }
+        }
+        c.contents()
+    };
+    let image = |skip: &dyn Fn(&[u8]) -> bool| {
+        let mut img = base.clone();
+        for op in &log[m..e] {
+            if let LogOp::Write { offset, data, .. } = op {
+                for (i, c) in data.chunks(BS).enumerate() {
+                    if !skip(c) {
+                        let at = *offset as usize + i * BS;
+                        img[at..at + c.len()].copy_from_slice(c);
+                    }
+                }
+            }
+        }
+        img
+    };
+    // (name, size, whether the content is as expected): short failure output.
+    let check = |files: Files, want: &[(&str, Vec<u8>)]| {
+        let got: Vec<(String, u64, bool)> = files
+            .into_iter()
+            .map(|(n, s, c)| {
+                let ok = want.iter().any(|(w, d)| *w == n && *d == c);
+                (n, s, ok)
+            })
+            .collect();
+        let want: Vec<(String, u64, bool)> = want
+            .iter()
+            .map(|(n, d)| (n.to_string(), d.len() as u64, true))
+            .collect();
+        assert_eq!(got, want);
+    };
+    let (files, after) = recover(image(&|_| false));
+    check(
+        files,
+        &[
+            ("a", pattern(1, BS)),
+            ("b", [pattern(2, BS), pattern(3, BS)].concat()),
+        ],
+    );
+    let t = write_image("fcdc-chain", &after);
+    assert_fsck_clean(&t.path);
+    // ...and without a's data block: the first commit is not durable, so
+    // neither is the second, which follows it.
+    let a_data = pattern(1, BS);
+    let (files, after) = recover(image(&|c| c == a_data.as_slice()));
+    // A commit replayed over data that was lost shows up here.
+    check(files, &[]);
+    let t = write_image("fcdc-chain-lost", &after);
+    assert_fsck_clean(&t.path);
+    // Without the second commit's new data block only the second is dropped.
+    let b_data = pattern(3, BS);
+    let (files, _) = recover(image(&|c| c == b_data.as_slice()));
+    check(files, &[("a", pattern(1, BS)), ("b", pattern(2, BS))]);
+}

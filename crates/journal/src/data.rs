@@ -109,9 +109,22 @@ pub(crate) struct DataTrack {
     /// commit (fast or full) is durable behind it: recovery verifies those ranges
     /// while it is the last transaction in the log.
     pub protected: Option<(u32, RangeSet)>,
+    /// A chained fast commit (its flush left to a successor) follows
+    /// `protected`: once a flush numbered after this completes, `protected` is
+    /// non-final ([`Self::settle`]); until then a crash may leave it last.
+    pub unprotect_after: Option<u64>,
 }
 
 impl DataTrack {
+    /// Apply [`Self::unprotect_after`] once flush generation `done` (the highest
+    /// completed) has passed it.
+    pub fn settle(&mut self, done: u64) {
+        if self.unprotect_after.is_some_and(|g| done > g) {
+            self.unprotect_after = None;
+            self.protected = None;
+        }
+    }
+
     /// A transaction other than `tid` (the caller's) guards a block of `[s, e)`.
     pub fn conflict(&self, s: u64, e: u64) -> Option<u32> {
         for (t, set) in self

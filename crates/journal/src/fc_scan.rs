@@ -73,11 +73,13 @@ pub fn read_fast_commits(
 }
 
 /// [`read_fast_commits`] on an image with commitfs's `fc_data_csum` incompat bit
-/// (`data_csum`): DATA_CSUM records are accepted, and the last valid commit is
-/// dropped when the data it names does not match its checksums — its data and log
-/// went out under one flush that never completed, so its fsync never returned.
-/// Earlier commits need no check: each later commit was written only after the
-/// earlier one's flush completed.
+/// (`data_csum`): DATA_CSUM and DATA_CHAIN records are accepted, and the last
+/// valid commit, with the commits chained before it (DATA_CHAIN: written before
+/// the previous one's flush completed), is checked against its data: from the
+/// first whose data does not match on, the commits are dropped — data and log
+/// went out under flushes that never completed, so no fsync they cover
+/// returned. Earlier commits need no check: a commit written after their flush
+/// completed follows them.
 pub fn read_fast_commits_with(
     dev: &dyn BlockDevice,
     map: &JournalMap,
@@ -102,17 +104,22 @@ pub fn read_fast_commits_with(
     }
     let mut scan = scanner.finish();
     if data_csum {
-        for (pblk, len, want) in scan.last_commit_data_csums() {
-            let got = data_range_crc(dev, bs, pblk, len)?;
-            if got != Some(want) {
-                tracing::warn!(
-                    "fast commit {} of tid {expected_tid}: data blocks {pblk}+{len} do not \
-                     match their DATA_CSUM (crc {got:?}, logged {want:#010x}); the commit's \
-                     fsync never completed, dropping it",
-                    scan.commits
-                );
-                scan.drop_last_commit();
-                break;
+        // The last commit and those chained before it (DATA_CHAIN): the first
+        // whose data does not match ends the log, with everything after it.
+        'group: for k in scan.final_group() {
+            for (pblk, len, want) in scan.commit_data_csums(k) {
+                let got = data_range_crc(dev, bs, pblk, len)?;
+                if got != Some(want) {
+                    tracing::warn!(
+                        "fast commit {} of tid {expected_tid}: data blocks {pblk}+{len} do not \
+                         match their DATA_CSUM (crc {got:?}, logged {want:#010x}); its flush \
+                         never completed, dropping it and the {} after it",
+                        k + 1,
+                        scan.commits - k - 1
+                    );
+                    scan.truncate_commits(k);
+                    break 'group;
+                }
             }
         }
     }

@@ -1352,6 +1352,17 @@ impl Core {
     /// they stay tracked. The caller excludes other flushes that move the
     /// tracking (`fc_ongoing`, `flush_busy`).
     fn flushing_data<T>(&self, io: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.flushing_data_if(io, |_| true)
+    }
+
+    /// [`Self::flushing_data`] for I/O that may end without its flush
+    /// (`flushed` says whether it did: a chained fast commit leaves it to a
+    /// successor): the data blocks then stay tracked.
+    fn flushing_data_if<T>(
+        &self,
+        io: impl FnOnce() -> Result<T>,
+        flushed: impl FnOnce(&T) -> bool,
+    ) -> Result<T> {
         {
             let mut q = self.txq.lock();
             let d = std::mem::take(&mut q.running.data.running);
@@ -1360,7 +1371,7 @@ impl Core {
         let res = io();
         let mut q = self.txq.lock();
         let d = std::mem::take(&mut q.running.data.flushing);
-        if res.is_err() {
+        if !res.as_ref().is_ok_and(flushed) {
             q.running.data.running.union(&d);
         }
         res
@@ -1484,10 +1495,13 @@ impl Core {
     /// commit (still final in the log), checksummed. Returns that transaction's
     /// tid: call [`Self::confirm_data`] with it (without holding a handle) first.
     pub fn data_conflict(&self, h: &Handle, runs: &[(u64, u32)]) -> Option<u32> {
-        let q = self.txq.lock();
+        let mut q = self.txq.lock();
         if !q.running.data.on {
             return None;
         }
+        q.running
+            .data
+            .settle(self.gens.done.load(Ordering::Acquire));
         runs.iter()
             .filter_map(|&(p, n)| q.running.data.conflict(p, p.saturating_add(n as u64)))
             .find(|&t| t != h.tid)
@@ -1522,15 +1536,49 @@ impl Core {
         }
     }
 
-    fn release_fc(&self, wrote: bool) {
+    /// Release the slot [`Self::claim_fc`] took. `wrote`: a fast commit was
+    /// written, durable at once (`None`) or once a flush numbered after
+    /// `Some(gen)` completes (chained).
+    fn release_fc(&self, wrote: bool, pending: Option<u64>) {
         let mut q = self.txq.lock();
         q.fc_ongoing = false;
         if wrote {
             // A durable fast commit of the running tid follows the last full
-            // commit: that commit is no longer final.
-            q.running.data.protected = None;
+            // commit: that commit is no longer final. A chained one only once
+            // its flush completes.
+            match pending {
+                None => {
+                    q.running.data.protected = None;
+                    q.running.data.unprotect_after = None;
+                }
+                Some(g) => {
+                    if q.running.data.protected.is_some() {
+                        q.running.data.unprotect_after = Some(g);
+                    }
+                }
+            }
         }
         self.cv.notify_all();
+    }
+
+    /// Whether a chained fast commit's flush has not completed yet: a fast
+    /// commit written now must carry DATA_CHAIN (`fc_data_csum`, docs/FORMAT.md),
+    /// and a confirming one must flush first.
+    pub fn fc_chain_pending(&self) -> bool {
+        let q = self.txq.lock();
+        q.fc_pending != 0 && !self.flushed_since(q.fc_pending)
+    }
+
+    /// The flush discipline of a confirming empty fast commit: FUA alone, or a
+    /// flush first while a chained fast commit is not durable (else the
+    /// confirmation could be durable without it, and recovery, stopping at the
+    /// chained one, would still verify the commit this confirms).
+    fn confirm_mode(&self) -> FcFlush {
+        if self.fc_chain_pending() {
+            FcFlush::Ordered { flush_first: true }
+        } else {
+            FcFlush::Fua
+        }
     }
 
     /// Make transaction `tid`'s single-flush commit non-final before one of its
@@ -1551,7 +1599,10 @@ impl Core {
         let running = loop {
             let running = self.running_tid();
             {
-                let q = self.txq.lock();
+                let mut q = self.txq.lock();
+                q.running
+                    .data
+                    .settle(self.gens.done.load(Ordering::Acquire));
                 if q.running.data.protected.as_ref().is_none_or(|p| p.0 != tid) {
                     // Two-flush, confirmed already, or superseded.
                     return Ok(false);
@@ -1562,6 +1613,7 @@ impl Core {
             }
         };
         let mut wrote = false;
+        let mode = self.confirm_mode();
         let r = (|| {
             let planned = {
                 let st = l.lock();
@@ -1569,7 +1621,7 @@ impl Core {
                     Some((t, head, free)) if t == running && st.fc_has_room(1) => {
                         pack(t, head, free)
                             .map(|b| {
-                                st.fc_plan_io(std::slice::from_ref(&b), FcFlush::Fua)
+                                st.fc_plan_io(std::slice::from_ref(&b), mode)
                                     .map(|io| (b, io))
                             })
                             .transpose()?
@@ -1577,17 +1629,22 @@ impl Core {
                     _ => None,
                 }
             };
+            let mut flushes = 0;
             if let Some((b, io)) = planned {
-                io.issue(&*self.dev, std::slice::from_ref(&b))?;
+                flushes = io
+                    .issue_chained(&*self.dev, std::slice::from_ref(&b), &|| false)?
+                    .1;
                 l.lock().fc_written(&io);
                 wrote = true;
             }
-            Ok(())
+            Ok(flushes)
         })();
-        self.release_fc(wrote);
-        self.or_abort(r)?;
+        self.release_fc(wrote, None);
+        let flushes = self.or_abort(r)?;
         if wrote {
-            self.stats.lock().fc_blocks += 1;
+            let mut s = self.stats.lock();
+            s.fc_blocks += 1;
+            s.flushes += flushes as u64;
             return Ok(true);
         }
         // A commit of the next transaction, even an empty one.
@@ -1642,15 +1699,18 @@ impl Core {
         )
     }
 
-    /// [`Self::fast_commit_mode`] that may leave the last block of an `Ordered`
-    /// fast commit to a later flush (chained fast commits, CJFS §4.1/§4.4 on the
-    /// fast-commit area; docs/ARCHITECTURE.md "Chained fast commits"): when
-    /// `chain()` says, just before that write, that a successor is expected, the
-    /// TAIL goes out without FUA and the slot is released at once; the
-    /// successor's pre-tail flush (forced while a chained TAIL is not durable)
-    /// makes it durable, and one flush then serves two fast commits. Recovery
-    /// stops at the first block whose tag or checksum chain fails, so the
-    /// successor never replays without it. The caller waits for
+    /// [`Self::fast_commit_mode`] that may leave an `Ordered` or `Together` fast
+    /// commit's durability to a later flush (chained fast commits, CJFS
+    /// §4.1/§4.4 on the fast-commit area; docs/ARCHITECTURE.md "Chained fast
+    /// commits"): when `chain()` says, just before the last write, that a
+    /// successor is expected, an `Ordered` commit's TAIL goes out without FUA
+    /// (a `Together` one skips its flush) and the slot is released at once; the
+    /// successor's flush (`Ordered`: its pre-tail flush, forced while a chained
+    /// TAIL is not durable) makes it durable, and one flush then serves two
+    /// fast commits. Recovery stops at the first block whose tag or checksum
+    /// chain fails, so the successor never replays without it; a `Together`
+    /// successor carries DATA_CHAIN (the caller packs it when
+    /// [`Self::fc_chain_pending`]) so that recovery verifies both commits' data. The caller waits for
     /// [`FcWritten::Pending`] with [`Self::wait_data`] (the flush thread holds
     /// such a request back briefly for the expected successor).
     pub fn fast_commit_chained(
@@ -1688,8 +1748,8 @@ impl Core {
             Ok(r)
         };
         let r = if mode == FcFlush::Together {
-            // Its flush makes the data written so far durable.
-            self.flushing_data(write)
+            // Its flush (unless chained) makes the data written so far durable.
+            self.flushing_data_if(write, |r| r.0)
         } else {
             write()
         };
@@ -1700,12 +1760,16 @@ impl Core {
             Ok((false, _)) => FcWritten::Pending(self.gens.started.load(Ordering::Acquire)),
             Err(_) => FcWritten::NotWritten,
         };
-        if let FcWritten::Pending(g) = out {
-            let mut q = self.txq.lock();
-            q.fc_pending = g;
-            q.fc_handoff = Some(std::time::Instant::now() + self.flush_batch());
-        }
-        self.release_fc(r.is_ok());
+        let pending = match out {
+            FcWritten::Pending(g) => {
+                let mut q = self.txq.lock();
+                q.fc_pending = g;
+                q.fc_handoff = Some(std::time::Instant::now() + self.flush_batch());
+                Some(g)
+            }
+            _ => None,
+        };
+        self.release_fc(r.is_ok(), pending);
         // A failed fast commit leaves the area in an unknown state; the kernel
         // falls back to a full commit, which then writes the same device: abort.
         let (_, flushed) = self.or_abort(r)?;
@@ -1729,24 +1793,27 @@ impl Core {
         if !self.claim_fc(tid)? {
             return Ok(false);
         }
+        let mode = self.confirm_mode();
         let r = (|| {
             let blocks = [block.to_vec()];
             let io = {
                 let st = l.lock();
                 if !st.fc_has_room(1) || !st.fc_started() {
-                    return Ok(false);
+                    return Ok(None);
                 }
-                st.fc_plan_io(&blocks, FcFlush::Fua)?
+                st.fc_plan_io(&blocks, mode)?
             };
-            io.issue(&*self.dev, &blocks)?;
+            let (_, flushes) = io.issue_chained(&*self.dev, &blocks, &|| false)?;
             l.lock().fc_written(&io);
-            Ok(true)
+            Ok(Some(flushes))
         })();
-        let wrote = matches!(r, Ok(true));
-        self.release_fc(wrote);
-        let wrote = self.or_abort(r)?;
-        if wrote {
-            self.stats.lock().fc_blocks += 1;
+        let wrote = matches!(r, Ok(Some(_)));
+        self.release_fc(wrote, None);
+        let flushes = self.or_abort(r)?;
+        if let Some(f) = flushes {
+            let mut s = self.stats.lock();
+            s.fc_blocks += 1;
+            s.flushes += f as u64;
         }
         Ok(wrote)
     }

@@ -628,7 +628,7 @@ impl LogState {
             flush_before,
             fua,
             flush_after,
-            chainable: matches!(mode, FcFlush::Ordered { .. }),
+            chainable: !matches!(mode, FcFlush::Fua),
             n,
         })
     }
@@ -709,23 +709,19 @@ pub struct FcIo {
     flush_before: bool,
     fua: bool,
     flush_after: bool,
-    /// `Ordered`: the last block may be left to a later flush
-    /// ([`Self::issue_chained`]).
+    /// `Ordered` or `Together`: the last block (`Together`: the flush) may be
+    /// left to a later flush ([`Self::issue_chained`]).
     chainable: bool,
     n: u32,
 }
 
 impl FcIo {
-    /// Issue the writes (and flushes) for `blocks`, the blocks it was planned for.
-    pub fn issue(&self, dev: &dyn BlockDevice, blocks: &[Vec<u8>]) -> Result<()> {
-        self.issue_chained(dev, blocks, &|| false).map(|_| ())
-    }
-
-    /// [`Self::issue`], except that an `Ordered` commit's last block is written
-    /// without FUA when `chain()` says so just before that write (a successor
-    /// is expected: its pre-tail flush will make this one durable, CJFS §4.4
-    /// compound flush, docs/ARCHITECTURE.md "Chained fast commits"). Returns
-    /// `(last block durable, flushes issued)`.
+    /// Issue the writes (and flushes) for `blocks`, the blocks it was planned
+    /// for; except that when `chain()` says so just before the
+    /// last write (a successor is expected: its flush will make this one
+    /// durable, CJFS §4.4 compound flush, docs/ARCHITECTURE.md "Chained fast
+    /// commits") an `Ordered` commit's last block is written without FUA and a
+    /// `Together` commit skips its flush. Returns `(durable, flushes issued)`.
     pub fn issue_chained(
         &self,
         dev: &dyn BlockDevice,
@@ -741,18 +737,22 @@ impl FcIo {
             dev.flush()?;
             flushes += 1;
         }
-        let fua = self.fua && !(self.chainable && chain());
+        // `Ordered`: asked before the TAIL (FUA or not); `Together`: after it,
+        // as late as possible (an fsync arriving meanwhile needs the successor).
+        let ordered_chain = self.chainable && self.fua && chain();
+        let fua = self.fua && !ordered_chain;
         dev.write_at(
             self.last_at,
             &blocks[self.last],
             IoCategory::FastCommit,
             fua,
         )?;
-        if self.flush_after {
+        let flush_after = self.flush_after && !(self.chainable && chain());
+        if flush_after {
             dev.flush()?;
             flushes += 1;
         }
-        Ok((fua || self.flush_after, flushes))
+        Ok((fua || flush_after, flushes))
     }
 }
 

@@ -635,6 +635,7 @@ impl Core {
                 Some(d) if !d.is_empty() => Some((tid, d)),
                 _ => None,
             };
+            q.running.data.unprotect_after = None;
             if q.force.is_some_and(|f| tid_le(f, tid)) {
                 q.force = None;
             }
