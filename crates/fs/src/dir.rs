@@ -481,6 +481,14 @@ impl Inner {
             st.dx = Some(idx);
         }
         let geo = self.leaf_geo();
+        // Deferred misses: every missing leaf at once.
+        self.warm_all(
+            is_leaf
+                .iter()
+                .zip(&st.pblocks)
+                .filter(|(leaf, _)| **leaf)
+                .map(|(_, &p)| p),
+        )?;
         for (l, leaf) in is_leaf.iter().enumerate() {
             if !leaf {
                 continue;

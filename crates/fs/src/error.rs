@@ -63,6 +63,12 @@ pub enum FsError {
     /// commits (no space to map it, or the cache stayed busy); EIO.
     #[error("I/O error: cached data could not be written back")]
     WritebackIncomplete,
+    /// Internal: metadata blocks missing from the cache while reads are
+    /// deferred ([`crate::Fs`]'s `lock_warm`): the caller reads them without
+    /// the file-system lock and runs the operation again. Never returned by
+    /// the public API (EIO if it ever were).
+    #[error("internal: metadata blocks {0:?} not cached")]
+    MetadataMiss(Vec<u64>),
     /// `errors=panic` after an I/O error: the file system serves nothing more.
     #[error("I/O error: file system stopped after a device error (errors=panic)")]
     Shutdown,

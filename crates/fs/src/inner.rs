@@ -140,6 +140,10 @@ const SUPPORTED_RO_COMPAT: u32 = sbf::RO_COMPAT_SPARSE_SUPER
 
 pub(crate) struct Inner {
     pub dev: DeviceRef,
+    /// Set while an operation that may be run again (one without side
+    /// effects so far, `Fs::read_locked`) holds the lock: a metadata miss
+    /// returns [`FsError::MetadataMiss`] instead of reading the device.
+    pub defer_misses: std::sync::atomic::AtomicBool,
     /// Shared so that a commit (device writes and flush) can run outside the
     /// `Inner` lock: a slow fsync must not block unrelated requests.
     pub journal: Arc<Journal>,
@@ -312,6 +316,7 @@ impl Inner {
         }
         let mut inner = Inner {
             dev,
+            defer_misses: Default::default(),
             journal,
             bs,
             groups,
@@ -572,6 +577,14 @@ impl Inner {
                 "metadata block {blk} beyond the end of the file system"
             )));
         }
+        if self.defer_misses.load(std::sync::atomic::Ordering::Relaxed) {
+            // No device read under `Inner` (ARCHITECTURE.md C.2): the caller
+            // reads it outside and runs the operation again.
+            return self
+                .journal
+                .bread_cached(blk)
+                .ok_or_else(|| FsError::MetadataMiss(vec![blk]));
+        }
         match self.journal.bread(blk) {
             Ok(b) => Ok(b),
             Err(e) => {
@@ -583,6 +596,24 @@ impl Inner {
                 }
                 Err(e.into())
             }
+        }
+    }
+
+    /// While misses are deferred, every block of `blks` that is not cached,
+    /// as one [`FsError::MetadataMiss`] (a pass over many blocks, a whole
+    /// directory, then runs again once instead of once per block).
+    pub fn warm_all(&self, blks: impl IntoIterator<Item = u64>) -> Result<()> {
+        if !self.defer_misses.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(());
+        }
+        let missing: Vec<u64> = blks
+            .into_iter()
+            .filter(|&b| b < self.sb.blocks_count() && self.journal.bread_cached(b).is_none())
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(FsError::MetadataMiss(missing))
         }
     }
 

@@ -84,6 +84,15 @@ impl Drop for Guarded<'_> {
 /// reply buffer holds far fewer).
 pub const READDIRPLUS_BATCH: usize = 512;
 
+/// Passes after which [`Fs`]'s `lock_warm` reads under the lock (each pass
+/// that misses reads what it missed and keeps it pinned, so each makes
+/// progress).
+const READ_RETRIES: usize = 64;
+
+/// Entries a plain readdir's warm pass reads ahead (the FUSE kernel asks for
+/// a page of entries at a time, fewer than this).
+const READDIR_WARM: usize = 1024;
+
 /// Bytes a copy_file_range moves per read/write pair.
 const COPY_CHUNK: u64 = 1 << 20;
 
@@ -98,6 +107,9 @@ pub struct Stats {
     /// fdatasyncs that only had to make file data durable (no commit: the
     /// inode's size and mapping were durable already, C.5).
     pub fdatasyncs_data_only: u64,
+    /// Metadata blocks read without the file-system lock by an operation
+    /// that met them missing from the cache and ran again (C.2).
+    pub metadata_reads_unlocked: u64,
 }
 
 /// The metadata caches now ([`Fs::meta_cache_stats`]).
@@ -141,6 +153,8 @@ pub struct Fs {
     fc_lock: LeaderLock,
     /// fsync/fdatasync calls (flushes per fsync = device flushes / this).
     fsyncs: std::sync::atomic::AtomicU64,
+    /// Metadata blocks read outside `Inner` by `lock_warm`.
+    reads_outside: std::sync::atomic::AtomicU64,
     /// [`Stats::fdatasyncs_data_only`].
     fdatasyncs_data_only: std::sync::atomic::AtomicU64,
     /// Fast-commit fsyncs under way (leader batching), and the most seen at
@@ -150,6 +164,13 @@ pub struct Fs {
     /// Fast-commit fsyncs entered so far: one entering after a leader's plan
     /// may need a successor fast commit, so the leader chains its TAIL.
     fsync_arrivals: std::sync::atomic::AtomicU64,
+    /// The highest tracker sequence an entering fast-commit fsync noted: one
+    /// above a plan's `upto` entered after it with changes the plan does not
+    /// hold (an fsync a written commit already covers needs no successor).
+    fsync_seq_max: std::sync::atomic::AtomicU64,
+    /// The same for the page cache's write sequence (cached writes a cut has
+    /// not taken).
+    fsync_wseq_max: std::sync::atomic::AtomicU64,
     /// Batching limits (the journal pipeline's options).
     pipeline: commitfs_journal::PipelineOptions,
     /// Per inode, the flush generation when its data was last written (an
@@ -482,20 +503,106 @@ impl Fs {
             errors,
             fc_lock: LeaderLock::default(),
             fsyncs: Default::default(),
+            reads_outside: Default::default(),
             fdatasyncs_data_only: Default::default(),
             fsync_active: Default::default(),
             fsync_peak: Default::default(),
             fsync_arrivals: Default::default(),
+            fsync_seq_max: Default::default(),
+            fsync_wseq_max: Default::default(),
             pipeline,
             data_gens,
             journal,
         })
     }
 
+    /// Test seam: run `f` while holding the file-system lock, for tests that
+    /// show an operation does not need it (it must return meanwhile).
+    #[doc(hidden)]
+    pub fn with_fs_lock_held<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
+        let _g = self.lock()?;
+        Ok(f())
+    }
+
     /// The file-system lock; `Err(Shutdown)` once errors=panic fired.
     fn lock(&self) -> Result<parking_lot::MutexGuard<'_, Inner>> {
         self.live()?;
-        Ok(self.inner.lock())
+        let g = self.inner.lock();
+        // Reads are deferred only inside `lock_warm`'s pass; a pass that
+        // panicked (the FUSE layer survives that) must not leave them so.
+        g.defer_misses
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        Ok(g)
+    }
+
+    /// The file-system lock for an operation whose metadata reads happen
+    /// outside it (ARCHITECTURE.md C.2, "no device I/O under `Inner`"): `warm`
+    /// runs under the lock with misses deferred; a block it needs that is not
+    /// cached ends it with [`FsError::MetadataMiss`], the lock is dropped, the
+    /// block read into the journal's cache, and `warm` runs again. `warm` must
+    /// therefore change nothing before its last metadata read (a lookup, an
+    /// attribute or mapping read). Returns the lock, still held, with `warm`'s
+    /// result: what the caller does next under it finds those blocks cached.
+    /// After [`READ_RETRIES`] misses in a row (a cache evicting faster than
+    /// this reads) `warm` runs with reads under the lock, as before.
+    fn lock_warm<R>(
+        &self,
+        mut warm: impl FnMut(&mut Inner) -> Result<R>,
+    ) -> Result<(parking_lot::MutexGuard<'_, Inner>, R)> {
+        use std::sync::atomic::Ordering::Relaxed;
+        // What was read outside the lock stays pinned (a cache sweep keeps
+        // held buffers) until the pass that needs it has run.
+        let mut pins = Vec::new();
+        for _ in 0..READ_RETRIES {
+            let mut g = self.lock()?;
+            g.defer_misses.store(true, Relaxed);
+            let r = warm(&mut g);
+            g.defer_misses.store(false, Relaxed);
+            match r {
+                Err(FsError::MetadataMiss(blks)) => {
+                    drop(g);
+                    self.read_meta_unlocked(&blks, &mut pins)?;
+                }
+                Err(e) => return Err(e),
+                Ok(v) => return Ok((g, v)),
+            }
+        }
+        let mut g = self.lock()?;
+        let v = warm(&mut g)?;
+        Ok((g, v))
+    }
+
+    /// [`Self::lock_warm`] for an operation that is all reads: its result.
+    fn read_locked<R>(&self, f: impl FnMut(&mut Inner) -> Result<R>) -> Result<R> {
+        self.lock_warm(f).map(|(_, v)| v)
+    }
+
+    /// Read metadata blocks `blks` into the journal's cache without `Inner`,
+    /// keeping them in `pins`, with `Inner::read_meta`'s error handling: a
+    /// device error is an ext4_error (`errors=` decides) and the operation's
+    /// error. (Read again under the lock, a transient error could pass
+    /// unrecorded.)
+    fn read_meta_unlocked(
+        &self,
+        blks: &[u64],
+        pins: &mut Vec<Arc<commitfs_journal::Buffer>>,
+    ) -> Result<()> {
+        for &blk in blks {
+            self.reads_outside
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            match self.journal.bread(blk) {
+                Ok(b) => pins.push(b),
+                Err(e) => {
+                    if let commitfs_journal::JournalError::Device(d) = &e {
+                        let cause = format!("metadata read failed: {d}");
+                        self.errors
+                            .handle(&self.journal, "read_meta", 0, blk, &cause, true);
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(())
     }
 
     /// What every operation checks first, with or without the lock: an error
@@ -552,6 +659,24 @@ impl Fs {
     /// commit (making them reusable) and retry once, like ext4's retry-alloc.
     fn retry_nospace<T>(&self, f: impl FnMut(&mut Inner) -> Result<T>) -> Result<T> {
         self.retry_nospace_guarded(None, f)
+    }
+
+    /// [`Self::retry_nospace`] after the warm pass `warm` ([`Self::lock_warm`],
+    /// in the same lock hold): the metadata the operation reads first is read
+    /// outside the lock.
+    fn retry_nospace_warm<T>(
+        &self,
+        warm: impl FnMut(&mut Inner) -> Result<()>,
+        mut f: impl FnMut(&mut Inner) -> Result<T>,
+    ) -> Result<T> {
+        let first = {
+            let (mut g, ()) = self.lock_warm(warm)?;
+            f(&mut g)
+        };
+        if !matches!(first, Err(FsError::NoSpace)) {
+            return first;
+        }
+        self.retry_nospace(f)
     }
 
     /// [`Self::retry_nospace`] for an operation that may overwrite data of
@@ -827,7 +952,7 @@ impl Fs {
 
     /// Live counters: device I/O by category and journal activity.
     pub fn stats(&self) -> Stats {
-        let j = self.inner.lock().journal.clone();
+        let j = &self.journal;
         Stats {
             device: self.dev.stats().snapshot(),
             journal: j.stats(),
@@ -839,6 +964,9 @@ impl Fs {
             fsyncs: self.fsyncs.load(std::sync::atomic::Ordering::Relaxed),
             fdatasyncs_data_only: self
                 .fdatasyncs_data_only
+                .load(std::sync::atomic::Ordering::Relaxed),
+            metadata_reads_unlocked: self
+                .reads_outside
                 .load(std::sync::atomic::Ordering::Relaxed),
         }
     }
@@ -1008,16 +1136,17 @@ impl Fs {
         if let Some(a) = self.cached_attr(ino) {
             return a;
         }
-        self.lock()?.getattr(ino)
+        self.read_locked(|g| g.getattr(ino))
     }
 
     pub fn lookup(&self, parent: Ino, name: &[u8]) -> Result<Attr> {
         if let Some(r) = self.lookup_cached(parent, name) {
             return r;
         }
-        let mut g = self.lock()?;
-        let ino = g.lookup_ino(parent, name)?;
-        g.getattr(ino)
+        self.read_locked(|g| {
+            let ino = g.lookup_ino(parent, name)?;
+            g.getattr(ino)
+        })
     }
 
     /// [`Fs::lookup`] answered by the directory cache and the inode table
@@ -1047,12 +1176,13 @@ impl Fs {
 
     /// Resolve an absolute path (without following symlinks), e.g. `/a/b`.
     pub fn resolve(&self, path: &str) -> Result<Ino> {
-        let mut g = self.lock()?;
-        let mut ino = ROOT_INO;
-        for comp in path.split('/').filter(|c| !c.is_empty()) {
-            ino = g.lookup_ino(ino, comp.as_bytes())?;
-        }
-        Ok(ino)
+        self.read_locked(|g| {
+            let mut ino = ROOT_INO;
+            for comp in path.split('/').filter(|c| !c.is_empty()) {
+                ino = g.lookup_ino(ino, comp.as_bytes())?;
+            }
+            Ok(ino)
+        })
     }
 
     pub fn setattr(&self, ino: Ino, set: &SetAttr) -> Result<Attr> {
@@ -1111,11 +1241,19 @@ impl Fs {
             self.readdir_atime(ino);
             return Ok(());
         }
-        let mut g = self.lock()?;
-        let d = g.read_inode(ino)?;
-        if !d.is_dir() {
-            return Err(FsError::NotDir);
-        }
+        // The listing's blocks are read outside the lock first (a pass that
+        // hands out nothing), then listed under it.
+        let (mut g, ()) = self.lock_warm(|g| {
+            let d = g.read_inode(ino)?;
+            if !d.is_dir() {
+                return Err(FsError::NotDir);
+            }
+            let mut n = 0usize;
+            g.dir_readdir(ino, offset, &mut |_, _, _, _| {
+                n += 1;
+                n < READDIR_WARM
+            })
+        })?;
         g.dir_readdir(ino, offset, &mut entry)?;
         if g.touch_atime(ino) {
             drop(g);
@@ -1155,15 +1293,34 @@ impl Fs {
         if let Some(r) = self.readdir_plus_cached(ino, offset, &mut f) {
             return r;
         }
-        let mut g = self.lock()?;
-        let d = g.read_inode(ino)?;
-        if !d.is_dir() {
-            return Err(FsError::NotDir);
-        }
-        let mut entries = Vec::new();
-        g.dir_readdir(ino, offset, &mut |ino, ft, name, next| {
-            entries.push(DirEntry::of(ino, ft, name, next));
-            entries.len() < READDIRPLUS_BATCH
+        // The batch and its inodes are read outside the lock (the warm pass
+        // changes nothing), then handed out under it.
+        let (mut g, entries) = self.lock_warm(|g| {
+            let d = g.read_inode(ino)?;
+            if !d.is_dir() {
+                return Err(FsError::NotDir);
+            }
+            let mut entries = Vec::new();
+            g.dir_readdir(ino, offset, &mut |ino, ft, name, next| {
+                entries.push(DirEntry::of(ino, ft, name, next));
+                entries.len() < READDIRPLUS_BATCH
+            })?;
+            // The batch's inode-table blocks at once, not one pass each.
+            let itable_blocks: Vec<u64> = entries
+                .iter()
+                .filter(|e| g.itable.with(e.ino, |_| ()).is_none())
+                .filter_map(|e| g.inode_location(e.ino).ok().map(|l| l.0))
+                .collect();
+            g.warm_all(itable_blocks)?;
+            for e in &entries {
+                match g.getattr(e.ino) {
+                    Ok(_) => {}
+                    Err(FsError::MetadataMiss(b)) => return Err(FsError::MetadataMiss(b)),
+                    // Reported by the pass below, as before.
+                    Err(_) => break,
+                }
+            }
+            Ok(entries)
         })?;
         for (k, e) in entries.iter().enumerate() {
             let attr = match g.getattr(e.ino) {
@@ -1276,8 +1433,10 @@ impl Fs {
         gid: u32,
     ) -> Result<Attr> {
         let mode = FileType::Regular.mode_bits() | (perm & 0o7777);
-        let a = self
-            .retry_nospace(|g| g.create_node_umask(parent, name, mode, umask, 0, uid, gid, None))?;
+        let a = self.retry_nospace_warm(
+            |g| g.warm_lookup(parent, name),
+            |g| g.create_node_umask(parent, name, mode, umask, 0, uid, gid, None),
+        )?;
         self.maybe_commit()?;
         Ok(a)
     }
@@ -1311,9 +1470,10 @@ impl Fs {
             Some(FileType::Directory) | Some(FileType::Symlink) | None => {
                 Err(FsError::Invalid("mknod: bad file type"))
             }
-            _ => self.retry_nospace(|g| {
-                g.create_node_umask(parent, name, mode, umask, rdev, uid, gid, None)
-            }),
+            _ => self.retry_nospace_warm(
+                |g| g.warm_lookup(parent, name),
+                |g| g.create_node_umask(parent, name, mode, umask, rdev, uid, gid, None),
+            ),
         }
     }
 
@@ -1335,7 +1495,8 @@ impl Fs {
     ) -> Result<Attr> {
         let mode = FileType::Directory.mode_bits() | (perm & 0o7777);
         // Through `lock` like every other change: errors=panic refuses it.
-        self.lock()?
+        self.lock_warm(|g| g.warm_lookup(parent, name))?
+            .0
             .create_node_umask(parent, name, mode, umask, 0, uid, gid, None)
     }
 
@@ -1348,15 +1509,28 @@ impl Fs {
         gid: u32,
     ) -> Result<Attr> {
         let mode = FileType::Symlink.mode_bits() | 0o777;
-        self.retry_nospace(|g| g.create_node(parent, name, mode, 0, uid, gid, Some(target)))
+        self.retry_nospace_warm(
+            |g| g.warm_lookup(parent, name),
+            |g| g.create_node(parent, name, mode, 0, uid, gid, Some(target)),
+        )
     }
 
     pub fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {
-        self.lock()?.readlink(ino)
+        // The inode (and a slow symlink's mapping) read outside the lock.
+        self.read_locked(|g| g.readlink(ino))
     }
 
     pub fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> Result<Attr> {
-        self.retry_nospace(|g| g.link(ino, new_parent, new_name))
+        self.retry_nospace_warm(
+            |g| {
+                g.warm_lookup(new_parent, new_name)?;
+                match g.live_inode(ino) {
+                    Err(FsError::MetadataMiss(b)) => Err(FsError::MetadataMiss(b)),
+                    _ => Ok(()),
+                }
+            },
+            |g| g.link(ino, new_parent, new_name),
+        )
     }
 
     pub fn unlink(&self, parent: Ino, name: &[u8]) -> Result<()> {
@@ -1365,7 +1539,7 @@ impl Fs {
         loop {
             let victim = self.victim_hint(parent, name)?;
             let _il = self.ilocks.write(victim);
-            let mut g = self.lock()?;
+            let (mut g, ()) = self.lock_warm(|g| g.warm_name(parent, name))?;
             if g.lookup_ino(parent, name)? != victim {
                 continue;
             }
@@ -1384,12 +1558,14 @@ impl Fs {
         let peeked = self.dirs.lock().peek(parent, name);
         match peeked {
             Some(Some(ino)) => Ok(ino),
-            _ => self.lock()?.lookup_ino(parent, name),
+            _ => self.read_locked(|g| g.lookup_ino(parent, name)),
         }
     }
 
     pub fn rmdir(&self, parent: Ino, name: &[u8]) -> Result<()> {
-        self.lock()?.rmdir(parent, name)
+        self.lock_warm(|g| g.warm_dir_name(parent, name))?
+            .0
+            .rmdir(parent, name)
     }
 
     pub fn rename(
@@ -1417,7 +1593,11 @@ impl Fs {
             };
             let _il = victim.map(|v| self.ilocks.write(v));
             let mut moved = false;
-            let r = self.retry_nospace(|g| {
+            let warm = |g: &mut Inner| {
+                g.warm_name(parent, name)?;
+                g.warm_name(new_parent, new_name)
+            };
+            let r = self.retry_nospace_warm(warm, |g| {
                 if !flags.exchange && g.lookup_ino(new_parent, new_name).ok() != victim {
                     moved = true;
                     return Ok(());
@@ -1446,13 +1626,17 @@ impl Fs {
         else {
             return Ok(());
         };
-        let (src, replaces) = {
-            let mut g = self.lock()?;
-            (
-                g.lookup_ino(parent, name).ok(),
-                g.lookup_ino(new_parent, new_name).is_ok(),
-            )
-        };
+        let (src, replaces) = self.read_locked(|g| {
+            let src = match g.lookup_ino(parent, name) {
+                Err(FsError::MetadataMiss(b)) => return Err(FsError::MetadataMiss(b)),
+                r => r.ok(),
+            };
+            let replaces = match g.lookup_ino(new_parent, new_name) {
+                Err(FsError::MetadataMiss(b)) => return Err(FsError::MetadataMiss(b)),
+                r => r.is_ok(),
+            };
+            Ok((src, replaces))
+        })?;
         match src {
             Some(s) if replaces && pc.is_dirty(s) => self.writeback_file(s),
             _ => Ok(()),
@@ -1511,8 +1695,8 @@ impl Fs {
             }
         }
         let (n, segs, atime) = {
-            let mut g = self.lock()?;
-            let (n, segs) = g.read_begin(ino, offset, buf.len())?;
+            // The inode and extent blocks are read outside the lock.
+            let (mut g, (n, segs)) = self.lock_warm(|g| g.read_begin(ino, offset, buf.len()))?;
             (n, segs, !buf.is_empty() && g.touch_atime(ino))
         };
         let r = self.dio.read_segs(&segs, &mut buf[..n]);
@@ -1557,7 +1741,7 @@ impl Fs {
         // Cached data counts: its blocks are mapped first.
         self.writeback_file(ino)?;
         let _il = self.ilocks.read(ino);
-        self.lock()?.seek_data_hole(ino, offset, data)
+        self.read_locked(|g| g.seek_data_hole(ino, offset, data))
     }
 
     /// copy_file_range(2) as a plain copy (nothing is shared): up to `len`
@@ -1762,11 +1946,12 @@ impl Fs {
         if let Some(r) = self.getxattr_cached(ino, name) {
             return r;
         }
-        let mut g = self.lock()?;
-        if name.starts_with(b"user.") && !g.user_xattr_allowed(ino)? {
-            return Err(FsError::NoData);
-        }
-        g.xattr_get(ino, name)
+        self.read_locked(|g| {
+            if name.starts_with(b"user.") && !g.user_xattr_allowed(ino)? {
+                return Err(FsError::NoData);
+            }
+            g.xattr_get(ino, name)
+        })
     }
 
     /// [`Fs::getxattr`] of a cached inode without an xattr block, from its
@@ -1804,7 +1989,7 @@ impl Fs {
     }
 
     pub fn listxattr(&self, ino: Ino) -> Result<Vec<Vec<u8>>> {
-        self.lock()?.xattr_list(ino)
+        self.read_locked(|g| g.xattr_list(ino))
     }
 
     /// Set an attribute. `system.posix_acl_access` also sets the mode (and is not
@@ -2012,6 +2197,12 @@ impl Fs {
             return self.sync_for(entry_tid, dgen, wseq);
         }
         let _active = ActiveFsync::enter(&self.fsync_active, &self.fsync_peak);
+        self.fsync_seq_max
+            .fetch_max(entry_seq, std::sync::atomic::Ordering::AcqRel);
+        if let Some(w) = wseq {
+            self.fsync_wseq_max
+                .fetch_max(w, std::sync::atomic::Ordering::AcqRel);
+        }
         self.fsync_arrivals
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         let t0 = std::time::Instant::now();
@@ -2245,12 +2436,16 @@ impl Fs {
             };
             drop(g);
             let t_io = std::time::Instant::now();
-            // Chain (leave the TAIL to the next fast commit's flush) when an
-            // fsync entered after this plan: it may need that successor.
+            // Chain (leave the TAIL, or the flush, to the next fast commit's
+            // flush) when an fsync entered after this plan with changes it
+            // does not hold: that one needs a successor. One this commit
+            // covers (a second fsync of a file) would only wait for the
+            // flush thread's hand-off.
             let chain = || {
-                self.fsync_arrivals
-                    .load(std::sync::atomic::Ordering::Acquire)
-                    != arrivals
+                use std::sync::atomic::Ordering::Acquire;
+                self.fsync_arrivals.load(Acquire) != arrivals
+                    && (self.fsync_seq_max.load(Acquire) > upto
+                        || self.fsync_wseq_max.load(Acquire) > cut_seq.unwrap_or(0))
             };
             let wrote = j.fast_commit_chained(tid, &blocks, flush, &chain)?;
             let io_ns = t_io.elapsed().as_nanos() as u64;

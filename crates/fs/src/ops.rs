@@ -98,6 +98,44 @@ impl Inner {
         self.attr_of(ino, &i)
     }
 
+    /// The warm pass of an operation that adds `name` to `parent`
+    /// (`Fs::lock_warm`): what its lookup reads, the parent's inode and
+    /// directory blocks. Changes nothing; errors other than a deferred miss
+    /// are the operation's own to report.
+    pub fn warm_lookup(&mut self, parent: u32, name: &[u8]) -> Result<()> {
+        match self.lookup_ino(parent, name) {
+            Err(FsError::MetadataMiss(b)) => Err(FsError::MetadataMiss(b)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The warm pass of an operation on `name` in `parent` (`Fs::lock_warm`):
+    /// what a lookup reads (the parent's inode and directory blocks) and the
+    /// inode the name holds. Changes nothing; errors other than a deferred
+    /// miss are the operation's own to report.
+    pub fn warm_name(&mut self, parent: u32, name: &[u8]) -> Result<()> {
+        let r = self
+            .lookup_ino(parent, name)
+            .and_then(|ino| self.live_inode(ino).map(|_| ()));
+        match r {
+            Err(FsError::MetadataMiss(b)) => Err(FsError::MetadataMiss(b)),
+            _ => Ok(()),
+        }
+    }
+
+    /// [`Self::warm_name`] for a directory about to be removed: also its
+    /// own blocks (the emptiness check reads them).
+    pub fn warm_dir_name(&mut self, parent: u32, name: &[u8]) -> Result<()> {
+        self.warm_name(parent, name)?;
+        let r = self
+            .lookup_ino(parent, name)
+            .and_then(|ino| self.dir_is_empty(ino).map(|_| ()));
+        match r {
+            Err(FsError::MetadataMiss(b)) => Err(FsError::MetadataMiss(b)),
+            _ => Ok(()),
+        }
+    }
+
     pub fn lookup_ino(&mut self, parent: u32, name: &[u8]) -> Result<u32> {
         if name.len() > 255 {
             return Err(FsError::NameTooLong);

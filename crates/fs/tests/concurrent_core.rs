@@ -384,7 +384,8 @@ impl Hold {
         }
     }
     fn arm(&self) {
-        self.st.lock().unwrap().0 = true;
+        // Not released: a Hold can be armed again after a release.
+        *self.st.lock().unwrap() = (true, false, false);
     }
     fn holding(&self) -> bool {
         self.st.lock().unwrap().1
@@ -509,13 +510,92 @@ fn image_with_gated_dir(tag: &str, data: &[u8]) -> (TempImage, Arc<Hold>, Fs, In
 }
 
 /// Run `op` on another thread while a third one holds the file-system lock
-/// across the gated directory-block read (`image_with_gated_dir`): what `op`
-/// returned within [`GATE_TIMEOUT`] (`None`: it did not return while the lock
-/// was held). Checks that the lock was held, and still held when `op` ended.
-fn while_fs_lock_held<T: Send>(fs: &Fs, dev: &Hold, op: impl FnOnce() -> T + Send) -> Option<T> {
-    let (resolved, got) = dev.while_held(|| fs.resolve("/d/x"), op);
-    resolved.unwrap();
-    got
+/// (`Fs::with_fs_lock_held`; once it held it across the gated directory-block
+/// read of `image_with_gated_dir`, but that read now happens outside it):
+/// what `op` returned within [`GATE_TIMEOUT`] (`None`: it did not return
+/// while the lock was held). Checks that the lock was held, and still held
+/// when `op` ended.
+fn while_fs_lock_held<T: Send>(fs: &Fs, _dev: &Hold, op: impl FnOnce() -> T + Send) -> Option<T> {
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let holder = s.spawn(move || {
+            fs.with_fs_lock_held(|| {
+                held_tx.send(()).unwrap();
+                let _ = release_rx.recv_timeout(2 * GATE_TIMEOUT);
+            })
+        });
+        held_rx
+            .recv_timeout(GATE_TIMEOUT)
+            .expect("the file-system lock was never taken");
+        let (tx, rx) = std::sync::mpsc::channel();
+        s.spawn(move || {
+            let _ = tx.send(op());
+        });
+        let got = rx.recv_timeout(GATE_TIMEOUT).ok();
+        let still_held = !holder.is_finished();
+        release_tx.send(()).unwrap();
+        holder.join().unwrap().unwrap();
+        if got.is_some() {
+            assert!(still_held, "the lock was released early");
+        }
+        got
+    })
+}
+
+/// A metadata block missing from the cache is read without the file-system
+/// lock (ARCHITECTURE.md C.2): while a lookup's read of an uncached directory
+/// block is held in the device, another thread takes the lock and returns;
+/// so do a create in that directory and a listing of it. With the read under
+/// `Inner` the lock stayed taken until the device answered.
+#[test]
+fn uncached_metadata_is_read_outside_the_fs_lock() {
+    let (_img, dev, fs, _f) = image_with_gated_dir("cc-coldread", &pattern(1, 100));
+    let lock_free = || fs.with_fs_lock_held(|| ()).is_ok();
+    let before = fs.stats().metadata_reads_unlocked;
+    let (x, got) = dev.while_held(|| fs.resolve("/d/x"), lock_free);
+    assert_eq!(got, Some(true), "a lookup held the lock across its read");
+    let x = x.unwrap();
+    assert!(fs.stats().metadata_reads_unlocked > before);
+    assert_eq!(fs.lookup(fs.resolve("/d").unwrap(), b"x").unwrap().ino, x);
+    // Evicted again by a remount: a create and a readdir in /d.
+    fs.unmount().unwrap();
+    drop(fs);
+    let fs = Fs::open(dev.clone(), opts()).unwrap();
+    let d = fs.lookup(ROOT_INO, b"d").unwrap().ino;
+    let lock_free = || fs.with_fs_lock_held(|| ()).is_ok();
+    let (y, got) = dev.while_held(|| fs.create(d, b"y", 0o644, 0, 0), lock_free);
+    assert_eq!(got, Some(true), "a create held the lock across its read");
+    let y = y.unwrap().ino;
+    fs.unmount().unwrap();
+    drop(fs);
+    let fs = Fs::open(dev.clone(), opts()).unwrap();
+    let d = fs.lookup(ROOT_INO, b"d").unwrap().ino;
+    let lock_free = || fs.with_fs_lock_held(|| ()).is_ok();
+    let (names, got) = dev.while_held(
+        || {
+            let mut v = Vec::new();
+            fs.readdir(d, 0, |e| {
+                v.push((e.name.clone(), e.ino));
+                true
+            })
+            .map(|()| v)
+        },
+        lock_free,
+    );
+    assert_eq!(got, Some(true), "a readdir held the lock across its read");
+    let mut names = names.unwrap();
+    names.sort();
+    assert_eq!(
+        names,
+        vec![
+            (b".".to_vec(), d),
+            (b"..".to_vec(), ROOT_INO),
+            (b"x".to_vec(), x),
+            (b"y".to_vec(), y)
+        ]
+    );
+    fs.unmount().unwrap();
 }
 
 /// `getattr` of a cached inode is answered by the inode table without the

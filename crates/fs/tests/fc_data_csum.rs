@@ -823,11 +823,32 @@ impl BlockDevice for HoldFc {
 /// carries DATA_CHAIN; one flush serves both. Recovery then verifies both
 /// commits' data: a crash that lost the first one's data block drops both,
 /// never replays the first over a block that does not hold its data.
+///
+/// The flush thread flushes for a chained commit's waiters if the successor
+/// has not claimed the slot within a fraction of a flush (a wrong guess costs
+/// latency, never durability): on a loaded machine the second fsync's thread
+/// can miss that window, and the two commits get a flush each. Up to three
+/// rounds; one must show the shared flush, and is checked in full.
 #[test]
 fn chained_fast_commits_share_a_flush_and_recovery_verifies_both() {
+    for round in 0..3 {
+        if chained_round() {
+            return;
+        }
+        eprintln!("round {round}: the chained commit got a flush of its own, again");
+    }
+    panic!("no round in which one flush served both fast commits");
+}
+
+/// One round of the test above: `false` when the two fast commits did not
+/// share a flush (nothing else checked).
+fn chained_round() -> bool {
     use commitfs_device::recording::{LogOp, RecordingDevice};
     let img0 = fresh().contents();
-    let rec = Arc::new(RecordingDevice::new(img0.clone()));
+    // A slow flush (as a SATA SSD's): the hand-off window is the longest.
+    let rec = Arc::new(
+        RecordingDevice::new(img0.clone()).with_flush_latency(std::time::Duration::from_millis(3)),
+    );
     let hold = Arc::new(HoldFc {
         inner: rec.clone(),
         st: Default::default(),
@@ -871,7 +892,9 @@ fn chained_fast_commits_share_a_flush_and_recovery_verifies_both() {
     );
     let log = rec.log();
     let flushes: Vec<usize> = (m..log.len()).filter(|&i| log[i].is_flush()).collect();
-    assert_eq!(flushes.len(), 1, "one flush for both fast commits");
+    if flushes.len() != 1 {
+        return false;
+    }
     let e = flushes[0];
     drop(fs);
     // The device as left just before that flush, with every write in...
@@ -938,4 +961,5 @@ fn chained_fast_commits_share_a_flush_and_recovery_verifies_both() {
     let b_data = pattern(3, BS);
     let (files, _) = recover(image(&|c| c == b_data.as_slice()));
     check(files, &[("a", pattern(1, BS)), ("b", pattern(2, BS))]);
+    true
 }

@@ -34,7 +34,10 @@ pub fn errno_of(e: &FsError) -> i32 {
         // Only at mount time; the kernel's answer for a missing superblock.
         FsError::Open(_) => libc::EINVAL,
         FsError::NeedsRecovery | FsError::Device(_) | FsError::Journal(_) => libc::EIO,
-        FsError::DataWriteFailed | FsError::WritebackIncomplete | FsError::Shutdown => libc::EIO,
+        FsError::DataWriteFailed
+        | FsError::WritebackIncomplete
+        | FsError::Shutdown
+        | FsError::MetadataMiss(_) => libc::EIO,
     }
 }
 

@@ -509,6 +509,11 @@ pub struct Core {
     /// Size at which the next drop is tried (when most buffers were dirty or
     /// held at the last one, not at every insertion).
     cache_next: std::sync::atomic::AtomicUsize,
+    /// Bumped whenever a buffer leaves the cache (a sweep, `forget`): a
+    /// device read that started before cannot be inserted, the block may
+    /// have been changed, written home and dropped meanwhile ([`Self::bread`]
+    /// runs without the file system's lock).
+    evictions: AtomicU64,
     /// The on-disk JBD2 log; `None` = write-home mode (no journal on the image).
     log: Option<Mutex<log::LogState>>,
     /// `LogState::checkpoint_list`: asked by [`Core::forget`] without the log lock.
@@ -685,6 +690,7 @@ impl Core {
             aborted: AtomicBool::new(false),
             cache_limit: std::sync::atomic::AtomicUsize::new(1 << 18),
             cache_next: std::sync::atomic::AtomicUsize::new(0),
+            evictions: AtomicU64::new(0),
             log: None,
             logged: None,
             fc_capacity: 0,
@@ -842,50 +848,75 @@ impl Core {
         self.read_only
     }
 
-    /// Read a metadata block through the cache.
+    /// The cached buffer of `blocknr`, without reading the device (`None`: not
+    /// cached). Marks it used, as [`Self::bread`] does.
+    pub fn bread_cached(&self, blocknr: u64) -> Option<Arc<Buffer>> {
+        let b = self.cache.lock().get(&blocknr).cloned()?;
+        if !b.used.load(Ordering::Relaxed) {
+            b.used.store(true, Ordering::Relaxed);
+        }
+        Some(b)
+    }
+
+    /// Read a metadata block through the cache. Callers need not hold any
+    /// lock: a read that raced with an eviction (or `forget`) of the block is
+    /// not inserted but made again, since the evicted copy may have been newer
+    /// than what the device returned to this read.
     pub fn bread(&self, blocknr: u64) -> Result<Arc<Buffer>> {
-        if let Some(b) = self.cache.lock().get(&blocknr) {
-            if !b.used.load(Ordering::Relaxed) {
-                b.used.store(true, Ordering::Relaxed);
+        loop {
+            if let Some(b) = self.bread_cached(blocknr) {
+                return Ok(b);
             }
-            return Ok(b.clone());
-        }
-        if blocknr >= self.blocks {
-            return Err(JournalError::OutOfRange(blocknr));
-        }
-        let mut data = vec![0u8; self.block_size].into_boxed_slice();
-        self.dev.read_at(
-            blocknr * self.block_size as u64,
-            &mut data,
-            IoCategory::Metadata,
-        )?;
-        let mut cache = self.cache.lock();
-        let lim = self.cache_limit.load(Ordering::Relaxed);
-        if cache.len() >= lim.max(self.cache_next.load(Ordering::Relaxed)) {
-            // Drop clean buffers nobody holds and nobody used since the last
-            // sweep (second chance); if that is not enough, every clean
-            // unheld one. Dirty ones stay until written home.
-            cache.retain(|_, b| {
-                b.is_dirty() || Arc::strong_count(b) > 1 || b.used.swap(false, Ordering::Relaxed)
-            });
-            let mut excess = cache.len().saturating_sub(lim);
-            if excess > 0 {
+            if blocknr >= self.blocks {
+                return Err(JournalError::OutOfRange(blocknr));
+            }
+            let epoch = self.evictions.load(Ordering::Acquire);
+            let mut data = vec![0u8; self.block_size].into_boxed_slice();
+            self.dev.read_at(
+                blocknr * self.block_size as u64,
+                &mut data,
+                IoCategory::Metadata,
+            )?;
+            let mut cache = self.cache.lock();
+            if let Some(b) = cache.get(&blocknr) {
+                return Ok(b.clone());
+            }
+            if self.evictions.load(Ordering::Acquire) != epoch {
+                continue;
+            }
+            let lim = self.cache_limit.load(Ordering::Relaxed);
+            if cache.len() >= lim.max(self.cache_next.load(Ordering::Relaxed)) {
+                let before = cache.len();
+                // Drop clean buffers nobody holds and nobody used since the last
+                // sweep (second chance); if that is not enough, every clean
+                // unheld one. Dirty ones stay until written home.
                 cache.retain(|_, b| {
-                    if excess == 0 || b.is_dirty() || Arc::strong_count(b) > 1 {
-                        return true;
-                    }
-                    excess -= 1;
-                    false
+                    b.is_dirty()
+                        || Arc::strong_count(b) > 1
+                        || b.used.swap(false, Ordering::Relaxed)
                 });
+                let mut excess = cache.len().saturating_sub(lim);
+                if excess > 0 {
+                    cache.retain(|_, b| {
+                        if excess == 0 || b.is_dirty() || Arc::strong_count(b) > 1 {
+                            return true;
+                        }
+                        excess -= 1;
+                        false
+                    });
+                }
+                if cache.len() != before {
+                    self.evictions.fetch_add(1, Ordering::AcqRel);
+                }
+                self.cache_next
+                    .store(cache.len() + lim / 8, Ordering::Relaxed);
             }
-            self.cache_next
-                .store(cache.len() + lim / 8, Ordering::Relaxed);
+            let b = cache
+                .entry(blocknr)
+                .or_insert_with(|| Arc::new(Buffer::new(blocknr, data)))
+                .clone();
+            return Ok(b);
         }
-        let b = cache
-            .entry(blocknr)
-            .or_insert_with(|| Arc::new(Buffer::new(blocknr, data)))
-            .clone();
-        Ok(b)
     }
 
     /// Whether recovery after a crash now would rewrite block `blocknr` from the log:
@@ -1075,6 +1106,9 @@ impl Core {
     pub fn forget(&self, _h: &Handle, blocknr: u64) {
         self.txq.lock().running.buffers.remove(&blocknr);
         let cached = self.cache.lock().remove(&blocknr);
+        if cached.is_some() {
+            self.evictions.fetch_add(1, Ordering::AcqRel);
+        }
         // A copy in the log (committing or committed, not checkpointed) must
         // never be replayed over the block's next use: revoke it.
         let mut logged = false;
