@@ -102,24 +102,38 @@ fn committing_transactions_overlap() {
     for (fast_commit, fc_data_csum) in [(false, false), (true, false), (true, true)] {
         let min = MIN_INFLIGHT;
         for (i, w) in CONC_WORKLOADS.iter().enumerate() {
-            let cfg = ConcConfig {
-                workload: w.name.into(),
-                seed: 760 + i as u64,
-                fast_commit,
-                fc_data_csum,
-                ..ConcConfig::default()
-            };
-            let rec = record_for(&cfg).unwrap_or_else(|e| panic!("{}: {e}", w.name));
-            let line = format!(
-                "{} fast_commit={fast_commit} fc_data_csum={fc_data_csum}: {} fsyncs, {} flushes, {}",
-                w.name,
-                rec.fsyncs(),
-                rec.flushes,
-                rec.inflight.describe()
-            );
-            println!("{line}");
-            if rec.inflight.max() < min {
-                short.push(line);
+            // Whether commits overlap at some crash point depends on thread
+            // timing (a fast commit chains only when an fsync with new
+            // changes arrives in its window; 16-thread single-flush
+            // recordings show 0-7 such points): up to three recordings, one
+            // must show it.
+            let mut last = String::new();
+            let mut ok = false;
+            for attempt in 0..3u64 {
+                let cfg = ConcConfig {
+                    workload: w.name.into(),
+                    seed: 760 + i as u64 + 1000 * attempt,
+                    fast_commit,
+                    fc_data_csum,
+                    ..ConcConfig::default()
+                };
+                let rec = record_for(&cfg).unwrap_or_else(|e| panic!("{}: {e}", w.name));
+                last = format!(
+                    "{} fast_commit={fast_commit} fc_data_csum={fc_data_csum} seed={}: {} fsyncs, {} flushes, {}",
+                    w.name,
+                    cfg.seed,
+                    rec.fsyncs(),
+                    rec.flushes,
+                    rec.inflight.describe()
+                );
+                println!("{last}");
+                if rec.inflight.max() >= min {
+                    ok = true;
+                    break;
+                }
+            }
+            if !ok {
+                short.push(last);
             }
         }
     }
