@@ -138,12 +138,15 @@ const SUPPORTED_RO_COMPAT: u32 = sbf::RO_COMPAT_SPARSE_SUPER
     | sbf::RO_COMPAT_METADATA_CSUM
     | sbf::RO_COMPAT_ORPHAN_PRESENT;
 
+/// Missing blocks one deferred pass reports at most ([`Inner::warm_all`]).
+pub(crate) const WARM_BATCH: usize = 256;
+
 pub(crate) struct Inner {
     pub dev: DeviceRef,
     /// Set while an operation that may be run again (one without side
     /// effects so far, `Fs::read_locked`) holds the lock: a metadata miss
     /// returns [`FsError::MetadataMiss`] instead of reading the device.
-    pub defer_misses: std::sync::atomic::AtomicBool,
+    pub defer_misses: Arc<std::sync::atomic::AtomicBool>,
     /// Shared so that a commit (device writes and flush) can run outside the
     /// `Inner` lock: a slow fsync must not block unrelated requests.
     pub journal: Arc<Journal>,
@@ -599,16 +602,20 @@ impl Inner {
         }
     }
 
-    /// While misses are deferred, every block of `blks` that is not cached,
+    /// While misses are deferred, the blocks of `blks` that are not cached (at
+    /// most [`WARM_BATCH`]),
     /// as one [`FsError::MetadataMiss`] (a pass over many blocks, a whole
     /// directory, then runs again once instead of once per block).
     pub fn warm_all(&self, blks: impl IntoIterator<Item = u64>) -> Result<()> {
         if !self.defer_misses.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(());
         }
+        // At most WARM_BATCH per pass: what is read is pinned until the
+        // pass runs again, so a huge directory pins a bounded amount.
         let missing: Vec<u64> = blks
             .into_iter()
             .filter(|&b| b < self.sb.blocks_count() && self.journal.bread_cached(b).is_none())
+            .take(WARM_BATCH)
             .collect();
         if missing.is_empty() {
             Ok(())

@@ -89,6 +89,10 @@ pub const READDIRPLUS_BATCH: usize = 512;
 /// progress).
 const READ_RETRIES: usize = 64;
 
+/// Metadata blocks one `lock_warm` keeps pinned at most (16 MiB of 4 KiB
+/// blocks): a bigger cold read (a huge directory) goes on under the lock.
+const PIN_BUDGET: usize = 4096;
+
 /// Entries a plain readdir's warm pass reads ahead (the FUSE kernel asks for
 /// a page of entries at a time, fewer than this).
 const READDIR_WARM: usize = 1024;
@@ -549,15 +553,28 @@ impl Fs {
         &self,
         mut warm: impl FnMut(&mut Inner) -> Result<R>,
     ) -> Result<(parking_lot::MutexGuard<'_, Inner>, R)> {
-        use std::sync::atomic::Ordering::Relaxed;
+        use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+        /// Clears the deferral when the pass ends, by return or by panic.
+        struct Deferred(Arc<AtomicBool>);
+        impl Drop for Deferred {
+            fn drop(&mut self) {
+                self.0.store(false, Relaxed);
+            }
+        }
         // What was read outside the lock stays pinned (a cache sweep keeps
-        // held buffers) until the pass that needs it has run.
+        // held buffers) until the pass that needs it has run; past
+        // PIN_BUDGET blocks the pass reads under the lock instead.
         let mut pins = Vec::new();
         for _ in 0..READ_RETRIES {
+            if pins.len() >= PIN_BUDGET {
+                break;
+            }
             let mut g = self.lock()?;
-            g.defer_misses.store(true, Relaxed);
-            let r = warm(&mut g);
-            g.defer_misses.store(false, Relaxed);
+            let r = {
+                let d = Deferred(g.defer_misses.clone());
+                d.0.store(true, Relaxed);
+                warm(&mut g)
+            };
             match r {
                 Err(FsError::MetadataMiss(blks)) => {
                     drop(g);
@@ -595,8 +612,9 @@ impl Fs {
                 Err(e) => {
                     if let commitfs_journal::JournalError::Device(d) = &e {
                         let cause = format!("metadata read failed: {d}");
+                        // Not under `Inner`: the record is written at once.
                         self.errors
-                            .handle(&self.journal, "read_meta", 0, blk, &cause, true);
+                            .handle(&self.journal, "read_meta", 0, blk, &cause, false);
                     }
                     return Err(e.into());
                 }

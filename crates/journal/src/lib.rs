@@ -46,6 +46,9 @@ pub use fc_scan::{
 };
 pub use log::{FcFlush, JournalMap, LogOptions};
 
+/// Buckets of [`Core`]'s eviction counters (`Journal::bread`).
+const EVICTION_BUCKETS: u64 = 64;
+
 /// What [`Journal::fast_commit_chained`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FcWritten {
@@ -509,11 +512,14 @@ pub struct Core {
     /// Size at which the next drop is tried (when most buffers were dirty or
     /// held at the last one, not at every insertion).
     cache_next: std::sync::atomic::AtomicUsize,
-    /// Bumped whenever a buffer leaves the cache (a sweep, `forget`): a
-    /// device read that started before cannot be inserted, the block may
-    /// have been changed, written home and dropped meanwhile ([`Self::bread`]
-    /// runs without the file system's lock).
-    evictions: AtomicU64,
+    /// Per bucket of block numbers (`blocknr % EVICTION_BUCKETS`), bumped
+    /// under the cache lock whenever a buffer of the bucket leaves the cache
+    /// (a sweep, `forget`): a device read of a block of the bucket that
+    /// started before cannot be inserted, the block may have been changed,
+    /// written home and dropped meanwhile ([`Self::bread`] runs without the
+    /// file system's lock). Per bucket, so evictions elsewhere do not make
+    /// a read start again.
+    evictions: Box<[AtomicU64]>,
     /// The on-disk JBD2 log; `None` = write-home mode (no journal on the image).
     log: Option<Mutex<log::LogState>>,
     /// `LogState::checkpoint_list`: asked by [`Core::forget`] without the log lock.
@@ -690,7 +696,7 @@ impl Core {
             aborted: AtomicBool::new(false),
             cache_limit: std::sync::atomic::AtomicUsize::new(1 << 18),
             cache_next: std::sync::atomic::AtomicUsize::new(0),
-            evictions: AtomicU64::new(0),
+            evictions: (0..EVICTION_BUCKETS).map(|_| AtomicU64::new(0)).collect(),
             log: None,
             logged: None,
             fc_capacity: 0,
@@ -870,7 +876,8 @@ impl Core {
             if blocknr >= self.blocks {
                 return Err(JournalError::OutOfRange(blocknr));
             }
-            let epoch = self.evictions.load(Ordering::Acquire);
+            let bucket = &self.evictions[(blocknr % EVICTION_BUCKETS) as usize];
+            let epoch = bucket.load(Ordering::Acquire);
             let mut data = vec![0u8; self.block_size].into_boxed_slice();
             self.dev.read_at(
                 blocknr * self.block_size as u64,
@@ -881,19 +888,26 @@ impl Core {
             if let Some(b) = cache.get(&blocknr) {
                 return Ok(b.clone());
             }
-            if self.evictions.load(Ordering::Acquire) != epoch {
+            if bucket.load(Ordering::Acquire) != epoch {
                 continue;
             }
             let lim = self.cache_limit.load(Ordering::Relaxed);
             if cache.len() >= lim.max(self.cache_next.load(Ordering::Relaxed)) {
-                let before = cache.len();
+                let evicted = |b: &Buffer| {
+                    self.evictions[(b.blocknr % EVICTION_BUCKETS) as usize]
+                        .fetch_add(1, Ordering::AcqRel);
+                };
                 // Drop clean buffers nobody holds and nobody used since the last
                 // sweep (second chance); if that is not enough, every clean
                 // unheld one. Dirty ones stay until written home.
                 cache.retain(|_, b| {
-                    b.is_dirty()
+                    let keep = b.is_dirty()
                         || Arc::strong_count(b) > 1
-                        || b.used.swap(false, Ordering::Relaxed)
+                        || b.used.swap(false, Ordering::Relaxed);
+                    if !keep {
+                        evicted(b);
+                    }
+                    keep
                 });
                 let mut excess = cache.len().saturating_sub(lim);
                 if excess > 0 {
@@ -902,11 +916,9 @@ impl Core {
                             return true;
                         }
                         excess -= 1;
+                        evicted(b);
                         false
                     });
-                }
-                if cache.len() != before {
-                    self.evictions.fetch_add(1, Ordering::AcqRel);
                 }
                 self.cache_next
                     .store(cache.len() + lim / 8, Ordering::Relaxed);
@@ -1105,10 +1117,13 @@ impl Core {
     /// and a later reuse as a data block must not see a stale cached copy.
     pub fn forget(&self, _h: &Handle, blocknr: u64) {
         self.txq.lock().running.buffers.remove(&blocknr);
-        let cached = self.cache.lock().remove(&blocknr);
-        if cached.is_some() {
-            self.evictions.fetch_add(1, Ordering::AcqRel);
-        }
+        let cached = {
+            let mut cache = self.cache.lock();
+            // Under the cache lock, cached or not: a read of the block in
+            // progress must not insert its pre-free content.
+            self.evictions[(blocknr % EVICTION_BUCKETS) as usize].fetch_add(1, Ordering::AcqRel);
+            cache.remove(&blocknr)
+        };
         // A copy in the log (committing or committed, not checkpointed) must
         // never be replayed over the block's next use: revoke it.
         let mut logged = false;
