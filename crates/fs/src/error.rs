@@ -81,6 +81,16 @@ pub enum FsError {
     Journal(#[from] JournalError),
 }
 
+/// A warm pass's view of an outcome (`Fs::lock_warm`): a deferred miss ends
+/// the pass (`Err`); anything else, error or not, is handed back for the
+/// operation itself to act on or report.
+pub(crate) fn unless_miss<T>(r: Result<T>) -> Result<Result<T>> {
+    match r {
+        Err(FsError::MetadataMiss(b)) => Err(FsError::MetadataMiss(b)),
+        r => Ok(r),
+    }
+}
+
 impl FsError {
     /// Corruption found outside a parser (e.g. an inconsistent pointer).
     pub fn corrupt(msg: impl Into<String>) -> Self {

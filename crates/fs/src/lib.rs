@@ -1331,11 +1331,9 @@ impl Fs {
                 .collect();
             g.warm_all(itable_blocks)?;
             for e in &entries {
-                match g.getattr(e.ino) {
-                    Ok(_) => {}
-                    Err(FsError::MetadataMiss(b)) => return Err(FsError::MetadataMiss(b)),
-                    // Reported by the pass below, as before.
-                    Err(_) => break,
+                // Other errors are reported by the pass below, as before.
+                if error::unless_miss(g.getattr(e.ino))?.is_err() {
+                    break;
                 }
             }
             Ok(entries)
@@ -1542,10 +1540,7 @@ impl Fs {
         self.retry_nospace_warm(
             |g| {
                 g.warm_lookup(new_parent, new_name)?;
-                match g.live_inode(ino) {
-                    Err(FsError::MetadataMiss(b)) => Err(FsError::MetadataMiss(b)),
-                    _ => Ok(()),
-                }
+                error::unless_miss(g.live_inode(ino)).map(drop)
             },
             |g| g.link(ino, new_parent, new_name),
         )
@@ -1645,14 +1640,8 @@ impl Fs {
             return Ok(());
         };
         let (src, replaces) = self.read_locked(|g| {
-            let src = match g.lookup_ino(parent, name) {
-                Err(FsError::MetadataMiss(b)) => return Err(FsError::MetadataMiss(b)),
-                r => r.ok(),
-            };
-            let replaces = match g.lookup_ino(new_parent, new_name) {
-                Err(FsError::MetadataMiss(b)) => return Err(FsError::MetadataMiss(b)),
-                r => r.is_ok(),
-            };
+            let src = error::unless_miss(g.lookup_ino(parent, name))?.ok();
+            let replaces = error::unless_miss(g.lookup_ino(new_parent, new_name))?.is_ok();
             Ok((src, replaces))
         })?;
         match src {

@@ -103,10 +103,7 @@ impl Inner {
     /// directory blocks. Changes nothing; errors other than a deferred miss
     /// are the operation's own to report.
     pub fn warm_lookup(&mut self, parent: u32, name: &[u8]) -> Result<()> {
-        match self.lookup_ino(parent, name) {
-            Err(FsError::MetadataMiss(b)) => Err(FsError::MetadataMiss(b)),
-            _ => Ok(()),
-        }
+        crate::error::unless_miss(self.lookup_ino(parent, name)).map(drop)
     }
 
     /// The warm pass of an operation on `name` in `parent` (`Fs::lock_warm`):
@@ -114,26 +111,24 @@ impl Inner {
     /// inode the name holds. Changes nothing; errors other than a deferred
     /// miss are the operation's own to report.
     pub fn warm_name(&mut self, parent: u32, name: &[u8]) -> Result<()> {
-        let r = self
-            .lookup_ino(parent, name)
-            .and_then(|ino| self.live_inode(ino).map(|_| ()));
-        match r {
-            Err(FsError::MetadataMiss(b)) => Err(FsError::MetadataMiss(b)),
-            _ => Ok(()),
-        }
+        self.warm_named(parent, name, false)
     }
 
     /// [`Self::warm_name`] for a directory about to be removed: also its
     /// own blocks (the emptiness check reads them).
     pub fn warm_dir_name(&mut self, parent: u32, name: &[u8]) -> Result<()> {
-        self.warm_name(parent, name)?;
-        let r = self
-            .lookup_ino(parent, name)
-            .and_then(|ino| self.dir_is_empty(ino).map(|_| ()));
-        match r {
-            Err(FsError::MetadataMiss(b)) => Err(FsError::MetadataMiss(b)),
-            _ => Ok(()),
-        }
+        self.warm_named(parent, name, true)
+    }
+
+    fn warm_named(&mut self, parent: u32, name: &[u8], dir: bool) -> Result<()> {
+        let r = self.lookup_ino(parent, name).and_then(|ino| {
+            self.live_inode(ino)?;
+            if dir {
+                self.dir_is_empty(ino)?;
+            }
+            Ok(())
+        });
+        crate::error::unless_miss(r).map(drop)
     }
 
     pub fn lookup_ino(&mut self, parent: u32, name: &[u8]) -> Result<u32> {

@@ -205,3 +205,152 @@ pub fn read_all(fs: &crate::Fs, ino: crate::Ino) -> Vec<u8> {
     }
     buf
 }
+
+// ---- a device that holds one request ------------------------------------------
+
+use commitfs_device::{BlockDevice, DeviceRef, IoCategory, IoStats, Result as DevResult};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long [`Hold::wait_holding`] and [`Hold::while_held`] wait.
+pub const HOLD_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Which request a [`Hold`] device holds.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum HoldOn {
+    MetadataRead,
+    DataRead,
+    Flush,
+    /// A write to the fast-commit area.
+    FastCommitWrite,
+}
+
+/// A device that, once armed, holds the next request of one kind until
+/// released (or 2 × HOLD_TIMEOUT pass).
+pub struct Hold {
+    inner: DeviceRef,
+    on: HoldOn,
+    /// (armed, holding, released)
+    st: Mutex<(bool, bool, bool)>,
+    cv: Condvar,
+}
+
+impl Hold {
+    pub fn new(inner: DeviceRef, on: HoldOn) -> Hold {
+        Hold {
+            inner,
+            on,
+            st: Mutex::new((false, false, false)),
+            cv: Condvar::new(),
+        }
+    }
+    /// Hold the next request of the kind.
+    pub fn arm(&self) {
+        // Not released: a Hold can be armed again after a release.
+        *self.st.lock().unwrap() = (true, false, false);
+    }
+    /// Whether a request is held now.
+    pub fn holding(&self) -> bool {
+        self.st.lock().unwrap().1
+    }
+    /// Wait (at most [`HOLD_TIMEOUT`]) until a request is held.
+    pub fn wait_holding(&self) -> bool {
+        let deadline = Instant::now() + HOLD_TIMEOUT;
+        let mut st = self.st.lock().unwrap();
+        while !st.1 {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            st = self.cv.wait_timeout(st, deadline - now).unwrap().0;
+        }
+        true
+    }
+    /// Let the held request (and any later one) through.
+    pub fn release(&self) {
+        self.st.lock().unwrap().2 = true;
+        self.cv.notify_all();
+    }
+    /// Run `holder` on a thread until its next request of kind `on` is held,
+    /// then `op` on another: `holder`'s result, and what `op` returned within
+    /// [`HOLD_TIMEOUT`] (`None`: it did not return while the request was
+    /// held). Checks that the request came, and was still held when `op`
+    /// ended.
+    pub fn while_held<H: Send, T: Send>(
+        &self,
+        holder: impl FnOnce() -> H + Send,
+        op: impl FnOnce() -> T + Send,
+    ) -> (H, Option<T>) {
+        self.arm();
+        std::thread::scope(|s| {
+            let a = s.spawn(holder);
+            let held = self.wait_holding();
+            let (tx, rx) = std::sync::mpsc::channel();
+            s.spawn(move || {
+                let _ = tx.send(op());
+            });
+            let got = rx.recv_timeout(HOLD_TIMEOUT).ok();
+            let still_held = self.holding();
+            self.release();
+            assert!(held, "the held request never came");
+            if got.is_some() {
+                assert!(still_held, "the request was released early");
+            }
+            (a.join().unwrap(), got)
+        })
+    }
+    /// Called before a request of kind `on`: holds it when armed.
+    fn maybe_hold(&self, on: HoldOn) {
+        if on != self.on {
+            return;
+        }
+        let mut st = self.st.lock().unwrap();
+        if st.0 {
+            st.0 = false;
+            st.1 = true;
+            self.cv.notify_all();
+            let deadline = Instant::now() + 2 * HOLD_TIMEOUT;
+            while !st.2 && Instant::now() < deadline {
+                st = self
+                    .cv
+                    .wait_timeout(st, Duration::from_millis(50))
+                    .unwrap()
+                    .0;
+            }
+            st.1 = false;
+        }
+    }
+}
+
+impl BlockDevice for Hold {
+    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> DevResult<()> {
+        match cat {
+            IoCategory::Metadata => self.maybe_hold(HoldOn::MetadataRead),
+            IoCategory::Data => self.maybe_hold(HoldOn::DataRead),
+            _ => {}
+        }
+        self.inner.read_at(offset, buf, cat)
+    }
+    fn write_at(&self, offset: u64, buf: &[u8], cat: IoCategory, fua: bool) -> DevResult<()> {
+        if cat == IoCategory::FastCommit {
+            self.maybe_hold(HoldOn::FastCommitWrite);
+        }
+        self.inner.write_at(offset, buf, cat, fua)
+    }
+    fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> DevResult<()> {
+        self.inner.write_sectors(offset, buf, cat)
+    }
+    fn flush(&self) -> DevResult<()> {
+        self.maybe_hold(HoldOn::Flush);
+        self.inner.flush()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn is_read_only(&self) -> bool {
+        self.inner.is_read_only()
+    }
+    fn stats(&self) -> &IoStats {
+        self.inner.stats()
+    }
+}

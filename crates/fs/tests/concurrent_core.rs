@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use commitfs_device::{
     BlockDevice, DeviceRef, FileDevice, IoCategory, IoStats, Result as DevResult,
 };
-use commitfs_fs::testutil::{fsck, mkfs, problem_lines, TempImage};
+use commitfs_fs::testutil::{fsck, mkfs, problem_lines, Hold, HoldOn, TempImage};
 use commitfs_fs::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -354,137 +354,6 @@ fn data_reads_run_in_parallel() {
         "at most {max} data reads were in the device at once (want {GATE_THREADS})"
     );
     fs.unmount().unwrap();
-}
-
-/// Which request a [`Hold`] device holds.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum HoldOn {
-    MetadataRead,
-    DataRead,
-    Flush,
-}
-
-/// A device that, once armed, holds the next request of one kind until
-/// released (or 2 × GATE_TIMEOUT pass).
-struct Hold {
-    inner: DeviceRef,
-    on: HoldOn,
-    /// (armed, holding, released)
-    st: Mutex<(bool, bool, bool)>,
-    cv: Condvar,
-}
-
-impl Hold {
-    fn new(inner: DeviceRef, on: HoldOn) -> Hold {
-        Hold {
-            inner,
-            on,
-            st: Mutex::new((false, false, false)),
-            cv: Condvar::new(),
-        }
-    }
-    fn arm(&self) {
-        // Not released: a Hold can be armed again after a release.
-        *self.st.lock().unwrap() = (true, false, false);
-    }
-    fn holding(&self) -> bool {
-        self.st.lock().unwrap().1
-    }
-    fn wait_holding(&self) -> bool {
-        let deadline = Instant::now() + GATE_TIMEOUT;
-        let mut st = self.st.lock().unwrap();
-        while !st.1 {
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
-            st = self.cv.wait_timeout(st, deadline - now).unwrap().0;
-        }
-        true
-    }
-    fn release(&self) {
-        self.st.lock().unwrap().2 = true;
-        self.cv.notify_all();
-    }
-    /// Run `holder` on a thread until its next request of kind `on` is held,
-    /// then `op` on another: `holder`'s result, and what `op` returned within
-    /// [`GATE_TIMEOUT`] (`None`: it did not return while the request was
-    /// held). Checks that the request came, and was still held when `op`
-    /// ended.
-    fn while_held<H: Send, T: Send>(
-        &self,
-        holder: impl FnOnce() -> H + Send,
-        op: impl FnOnce() -> T + Send,
-    ) -> (H, Option<T>) {
-        self.arm();
-        std::thread::scope(|s| {
-            let a = s.spawn(holder);
-            let held = self.wait_holding();
-            let (tx, rx) = std::sync::mpsc::channel();
-            s.spawn(move || {
-                let _ = tx.send(op());
-            });
-            let got = rx.recv_timeout(GATE_TIMEOUT).ok();
-            let still_held = self.holding();
-            self.release();
-            assert!(held, "the held request never came");
-            if got.is_some() {
-                assert!(still_held, "the request was released early");
-            }
-            (a.join().unwrap(), got)
-        })
-    }
-    /// Called before a request of kind `on`: holds it when armed.
-    fn maybe_hold(&self, on: HoldOn) {
-        if on != self.on {
-            return;
-        }
-        let mut st = self.st.lock().unwrap();
-        if st.0 {
-            st.0 = false;
-            st.1 = true;
-            self.cv.notify_all();
-            let deadline = Instant::now() + 2 * GATE_TIMEOUT;
-            while !st.2 && Instant::now() < deadline {
-                st = self
-                    .cv
-                    .wait_timeout(st, Duration::from_millis(50))
-                    .unwrap()
-                    .0;
-            }
-            st.1 = false;
-        }
-    }
-}
-
-impl BlockDevice for Hold {
-    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> DevResult<()> {
-        match cat {
-            IoCategory::Metadata => self.maybe_hold(HoldOn::MetadataRead),
-            IoCategory::Data => self.maybe_hold(HoldOn::DataRead),
-            _ => {}
-        }
-        self.inner.read_at(offset, buf, cat)
-    }
-    fn write_at(&self, offset: u64, buf: &[u8], cat: IoCategory, fua: bool) -> DevResult<()> {
-        self.inner.write_at(offset, buf, cat, fua)
-    }
-    fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> DevResult<()> {
-        self.inner.write_sectors(offset, buf, cat)
-    }
-    fn flush(&self) -> DevResult<()> {
-        self.maybe_hold(HoldOn::Flush);
-        self.inner.flush()
-    }
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-    fn is_read_only(&self) -> bool {
-        self.inner.is_read_only()
-    }
-    fn stats(&self) -> &IoStats {
-        self.inner.stats()
-    }
 }
 
 /// An image with `/d/x` and a file `/f` holding `data`, mounted again over a

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use commitfs_device::{BlockDevice, DeviceRef, IoCategory, MemDevice};
 use commitfs_format::superblock::{self as sbf, Superblock};
-use commitfs_fs::testutil::{assert_fsck_clean, fsck, mkfs};
+use commitfs_fs::testutil::{assert_fsck_clean, fsck, mkfs, Hold, HoldOn};
 use commitfs_fs::{Fs, MountOptions, ROOT_INO};
 
 const BS: usize = 4096;
@@ -766,57 +766,6 @@ fn concurrent_overwrites_fsyncs_and_full_commits() {
     assert_fsck_clean(&t.path);
 }
 
-/// A device that, once armed, holds the next fast-commit write until released.
-struct HoldFc {
-    inner: Arc<commitfs_device::recording::RecordingDevice>,
-    /// (armed, holding, released)
-    st: std::sync::Mutex<(bool, bool, bool)>,
-    cv: std::sync::Condvar,
-}
-
-impl HoldFc {
-    fn wait(&self, what: impl Fn(&(bool, bool, bool)) -> bool) {
-        let st = self.st.lock().unwrap();
-        let (st, t) = self
-            .cv
-            .wait_timeout_while(st, std::time::Duration::from_secs(10), |s| !what(s))
-            .unwrap();
-        assert!(!t.timed_out() || what(&st), "HoldFc: timed out");
-    }
-}
-
-impl BlockDevice for HoldFc {
-    fn read_at(&self, o: u64, b: &mut [u8], c: IoCategory) -> commitfs_device::Result<()> {
-        self.inner.read_at(o, b, c)
-    }
-    fn write_at(&self, o: u64, b: &[u8], c: IoCategory, fua: bool) -> commitfs_device::Result<()> {
-        if c == IoCategory::FastCommit {
-            let mut st = self.st.lock().unwrap();
-            if st.0 {
-                st.0 = false;
-                st.1 = true;
-                self.cv.notify_all();
-                while !st.2 {
-                    st = self.cv.wait(st).unwrap();
-                }
-            }
-        }
-        self.inner.write_at(o, b, c, fua)
-    }
-    fn flush(&self) -> commitfs_device::Result<()> {
-        self.inner.flush()
-    }
-    fn size(&self) -> u64 {
-        self.inner.size()
-    }
-    fn is_read_only(&self) -> bool {
-        false
-    }
-    fn stats(&self) -> &commitfs_device::IoStats {
-        self.inner.stats()
-    }
-}
-
 /// Chained fast commits (docs/ARCHITECTURE.md "Chained fast commits",
 /// docs/FORMAT.md DATA_CHAIN): an fsync that arrives while a fast commit is
 /// being written makes that commit leave its flush to the next one, which
@@ -849,11 +798,7 @@ fn chained_round() -> bool {
     let rec = Arc::new(
         RecordingDevice::new(img0.clone()).with_flush_latency(std::time::Duration::from_millis(3)),
     );
-    let hold = Arc::new(HoldFc {
-        inner: rec.clone(),
-        st: Default::default(),
-        cv: Default::default(),
-    });
+    let hold = Arc::new(Hold::new(rec.clone(), HoldOn::FastCommitWrite));
     let dev: DeviceRef = hold.clone();
     let fs = Fs::open(dev, csum_opts()).unwrap();
     prime(&fs);
@@ -863,12 +808,12 @@ fn chained_round() -> bool {
     fs.write(b, 0, &pattern(2, BS)).unwrap();
     let m = rec.op_count();
     let s0 = fs.stats();
-    hold.st.lock().unwrap().0 = true;
+    hold.arm();
     std::thread::scope(|sc| {
         // a's fsync leads the first fast commit (a and b as they are now) and
         // is held at its first log write.
         let t1 = sc.spawn(|| fs.fsync(a, false));
-        hold.wait(|s| s.1);
+        assert!(hold.wait_holding(), "the first fast commit never wrote");
         // b grows after that plan; its fsync must wait for a second commit.
         fs.write(b, BS as u64, &pattern(3, BS)).unwrap();
         let t2 = sc.spawn(|| fs.fsync(b, false));
@@ -878,8 +823,7 @@ fn chained_round() -> bool {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
-        hold.st.lock().unwrap().2 = true;
-        hold.cv.notify_all();
+        hold.release();
         t1.join().unwrap().unwrap();
         t2.join().unwrap().unwrap();
     });

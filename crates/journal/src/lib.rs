@@ -1775,10 +1775,7 @@ impl Core {
         if !self.claim_fc(tid)? {
             return Ok(FcWritten::NotWritten);
         }
-        let chained_before = {
-            let q = self.txq.lock();
-            q.fc_pending != 0 && !self.flushed_since(q.fc_pending)
-        };
+        let chained_before = self.fc_chain_pending();
         let mode = match mode {
             FcFlush::Ordered { flush_first } => FcFlush::Ordered {
                 // A chained predecessor's TAIL must be durable before this one's.
