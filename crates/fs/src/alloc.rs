@@ -291,7 +291,7 @@ impl Inner {
     }
 
     /// Free inodes of group `g` that may be allocated now (not pending).
-    fn usable_inodes(&self, g: u32) -> u32 {
+    pub(crate) fn usable_inodes(&self, g: u32) -> u32 {
         let pending = self
             .pending_free_inodes_in_group
             .get(g as usize)
@@ -385,7 +385,7 @@ impl Inner {
 
     /// Pick a group for a new inode: directories are spread over groups with
     /// above-average free space (a light Orlov), files stay near their parent.
-    fn pick_inode_group(&self, parent: u32, is_dir: bool) -> Option<u32> {
+    pub(crate) fn pick_inode_group(&self, parent: u32, is_dir: bool) -> Option<u32> {
         let pg = self.inode_group(parent);
         let ok = |g: u32| self.usable_inodes(g) > 0;
         if is_dir && parent == crate::types::ROOT_INO && self.groups > 1 {
@@ -419,6 +419,26 @@ impl Inner {
             .find(|&g| ok(g))
     }
 
+    /// The bit of group `g`'s inode bitmap `d` that [`Self::alloc_inode`]
+    /// takes: the first free one from the group's hint on (then from its
+    /// start) whose inode is not freed by an uncommitted transaction.
+    pub(crate) fn usable_inode_bit(&self, g: u32, d: &[u8]) -> Option<usize> {
+        let ipg = self.ipg as usize;
+        let hint = self.inode_hint[g as usize] as usize;
+        let base = g * self.ipg + 1;
+        let usable = |from: usize, to: usize| {
+            let mut b = from;
+            while let Some(z) = bitmap::find_zero(d, b, to) {
+                if !self.pending_free_inodes.contains_key(&(base + z as u32)) {
+                    return Some(z);
+                }
+                b = z + 1;
+            }
+            None
+        };
+        usable(hint.min(ipg), ipg).or_else(|| usable(0, hint.min(ipg)))
+    }
+
     /// Allocate an inode number for a new inode of `parent` (§4.10 step 1).
     pub fn alloc_inode(&mut self, h: &Handle, parent: u32, is_dir: bool) -> Result<u32> {
         self.prune_pending_free_inodes();
@@ -432,24 +452,11 @@ impl Inner {
             }
             self.init_inode_bitmap(h, g)?;
             let gd = self.gds[g as usize];
-            let ipg = self.ipg as usize;
             let buf = self.read_meta(gd.inode_bitmap)?;
-            let hint = self.inode_hint[g as usize] as usize;
             let bit = {
                 let d = buf.data();
                 self.check_bitmap_csum(&d, gd.inode_bitmap_csum, self.ipg, gd.inode_bitmap)?;
-                let base = g * self.ipg + 1;
-                let usable = |from: usize, to: usize| {
-                    let mut b = from;
-                    while let Some(z) = bitmap::find_zero(&d, b, to) {
-                        if !self.pending_free_inodes.contains_key(&(base + z as u32)) {
-                            return Some(z);
-                        }
-                        b = z + 1;
-                    }
-                    None
-                };
-                usable(hint.min(ipg), ipg).or_else(|| usable(0, hint.min(ipg)))
+                self.usable_inode_bit(g, &d)
             };
             let Some(bit) = bit else {
                 continue;

@@ -61,14 +61,6 @@ impl Inner {
         Ok(segs)
     }
 
-    /// Read `buf.len()` bytes at `off` of the inode's data (holes and unwritten
-    /// extents read as zeros); caller has clamped to the file size. Under `Inner`:
-    /// for symlink bodies and the like; file reads go through [`Self::read_plan`].
-    pub fn read_inode_data(&mut self, ino: u32, i: &Inode, off: u64, buf: &mut [u8]) -> Result<()> {
-        let segs = self.read_plan(ino, i, off, buf.len())?;
-        self.data_io().read_segs(&segs, buf)
-    }
-
     /// The metadata step of a read of up to `len` bytes at `off`: the bytes
     /// there are (0 at or past the end) and where they are. The device read
     /// happens outside `Inner`, under the inode's lock (shared).
@@ -376,7 +368,7 @@ impl Inner {
 
     /// Goal for allocating logical block `lblk`: right after the physical block of
     /// `lblk - 1` when mapped (keeps files contiguous), else the inode's group.
-    fn data_goal(&mut self, ino: u32, i: &Inode, lblk: u32) -> Result<u64> {
+    pub(crate) fn data_goal(&mut self, ino: u32, i: &Inode, lblk: u32) -> Result<u64> {
         if lblk > 0 {
             if let Some(m) = self.ext_map(ino, i, lblk - 1)? {
                 return Ok(m.pblk + 1);

@@ -738,12 +738,18 @@ impl Inner {
     pub fn write_gd(&mut self, h: &Handle, g: u32) -> Result<()> {
         let ds = self.sb.desc_size();
         let off = g as usize * ds;
-        let blk = self.sb.first_data_block() as u64 + 1 + (off / self.bs) as u64;
+        let blk = self.gd_block(g);
         let o = off % self.bs;
         let gd = self.gds[g as usize];
         let csum = self.csum;
         self.free.set(g, gd.free_blocks_count, gd.free_inodes_count);
         self.modify_meta(h, blk, |d| gd.serialize(&mut d[o..o + ds], g, &csum))
+    }
+
+    /// The block of the descriptor table holding group `g`'s descriptor.
+    pub fn gd_block(&self, g: u32) -> u64 {
+        let off = g as usize * self.sb.desc_size();
+        self.sb.first_data_block() as u64 + 1 + (off / self.bs) as u64
     }
 
     /// Recompute superblock totals from the descriptors (§3.5) and stamp wtime.

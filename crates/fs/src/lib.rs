@@ -24,6 +24,7 @@ mod pagecache;
 mod pending;
 pub mod probe;
 mod types;
+mod warm;
 mod writeback;
 mod xattr;
 
@@ -52,6 +53,10 @@ use inner::Inner;
 /// An operation that may overwrite data of an inode in place, and the file-block
 /// span `[lo, hi)` it may touch, computed under the lock (`fc_data_csum`).
 type OverwriteGuard<'a> = (Ino, &'a dyn Fn(&mut Inner) -> Result<(u64, u64)>);
+
+/// A warm pass ([`Fs::lock_warm`], warm.rs) run before an operation takes
+/// the lock for good.
+type WarmPass<'a> = &'a dyn Fn(&mut Inner) -> Result<()>;
 
 /// The file-system lock for an operation checked by [`Fs::lock_guarded`], with the
 /// journal handle that pins the transaction it was checked against.
@@ -528,6 +533,15 @@ impl Fs {
         Ok(f())
     }
 
+    /// Test seam: whether the file-system lock is held now, by anyone
+    /// (`testutil::LockProbe` asks it at each metadata read).
+    #[doc(hidden)]
+    pub fn fs_lock_probe(&self) -> impl Fn() -> bool + Send + Sync + 'static {
+        // Weak: the device that asks must not keep the file system alive.
+        let inner = Arc::downgrade(&self.inner);
+        move || inner.upgrade().is_some_and(|i| i.is_locked())
+    }
+
     /// The file-system lock; `Err(Shutdown)` once errors=panic fired.
     fn lock(&self) -> Result<parking_lot::MutexGuard<'_, Inner>> {
         self.live()?;
@@ -676,7 +690,7 @@ impl Fs {
     /// Run `f`; on ENOSPC while blocks freed by uncommitted transactions exist,
     /// commit (making them reusable) and retry once, like ext4's retry-alloc.
     fn retry_nospace<T>(&self, f: impl FnMut(&mut Inner) -> Result<T>) -> Result<T> {
-        self.retry_nospace_guarded(None, f)
+        self.retry_nospace_guarded(None, None, f)
     }
 
     /// [`Self::retry_nospace`] after the warm pass `warm` ([`Self::lock_warm`],
@@ -699,13 +713,14 @@ impl Fs {
 
     /// [`Self::retry_nospace`] for an operation that may overwrite data of
     /// `guard.0` in place at file blocks `guard.1(inner)` (`fc_data_csum`: see
-    /// [`Self::lock_guarded`]).
+    /// [`Self::lock_guarded`]), after the warm pass `warm`.
     fn retry_nospace_guarded<T>(
         &self,
         guard: Option<OverwriteGuard<'_>>,
+        warm: Option<WarmPass<'_>>,
         mut f: impl FnMut(&mut Inner) -> Result<T>,
     ) -> Result<T> {
-        let first = f(&mut *self.lock_guarded(guard)?);
+        let first = f(&mut *self.lock_guarded(guard, warm)?);
         if !matches!(first, Err(FsError::NoSpace)) {
             return first;
         }
@@ -718,7 +733,7 @@ impl Fs {
         };
         let r = j.commit().map_err(FsError::from);
         self.check(&j, "commit", r)?;
-        f(&mut *self.lock_guarded(guard)?)
+        f(&mut *self.lock_guarded(guard, warm)?)
     }
 
     /// Lock the file system for an operation that may overwrite blocks of `ino`
@@ -734,9 +749,16 @@ impl Fs {
     /// from the check through the operation, so the transaction the operation
     /// joins is the one checked against, and a conflict first waits for that
     /// commit and confirms it ([`Self::data_confirm`]).
-    fn lock_guarded(&self, guard: Option<OverwriteGuard<'_>>) -> Result<Guarded<'_>> {
+    fn lock_guarded(
+        &self,
+        guard: Option<OverwriteGuard<'_>>,
+        warm: Option<WarmPass<'_>>,
+    ) -> Result<Guarded<'_>> {
         loop {
-            let mut g = self.lock()?;
+            let mut g = match warm {
+                Some(w) => self.lock_warm(|g| w(g))?.0,
+                None => self.lock()?,
+            };
             let Some((ino, span)) = guard else {
                 return Ok(Guarded { h: None, g });
             };
@@ -1224,8 +1246,12 @@ impl Fs {
                     let size = g.read_inode(ino)?.size;
                     Ok((new.min(size) / g.bs64(), u64::MAX))
                 };
+                // What a shrink frees, read before the lock is kept.
+                let warm = move |g: &mut Inner| -> Result<()> {
+                    error::unless_miss(g.warm_free(ino, new.div_ceil(g.bs64()), false)).map(drop)
+                };
                 let r = self
-                    .lock_guarded(Some((ino, &span)))?
+                    .lock_guarded(Some((ino, &span)), Some(&warm))?
                     .setattr(ino, set, caller);
                 // A truncate zeroes the tail of the last block in place.
                 self.note_data(ino);
@@ -1236,7 +1262,10 @@ impl Fs {
                 }
                 r?
             }
-            None => self.lock()?.setattr(ino, set, caller)?,
+            None => self
+                .lock_warm(|g| error::unless_miss(g.read_inode(ino)).map(drop))?
+                .0
+                .setattr(ino, set, caller)?,
         };
         drop(il);
         self.maybe_commit()?;
@@ -1450,7 +1479,7 @@ impl Fs {
     ) -> Result<Attr> {
         let mode = FileType::Regular.mode_bits() | (perm & 0o7777);
         let a = self.retry_nospace_warm(
-            |g| g.warm_lookup(parent, name),
+            |g| g.warm_create(parent, name, false, false),
             |g| g.create_node_umask(parent, name, mode, umask, 0, uid, gid, None),
         )?;
         self.maybe_commit()?;
@@ -1487,7 +1516,7 @@ impl Fs {
                 Err(FsError::Invalid("mknod: bad file type"))
             }
             _ => self.retry_nospace_warm(
-                |g| g.warm_lookup(parent, name),
+                |g| g.warm_create(parent, name, false, false),
                 |g| g.create_node_umask(parent, name, mode, umask, rdev, uid, gid, None),
             ),
         }
@@ -1511,7 +1540,7 @@ impl Fs {
     ) -> Result<Attr> {
         let mode = FileType::Directory.mode_bits() | (perm & 0o7777);
         // Through `lock` like every other change: errors=panic refuses it.
-        self.lock_warm(|g| g.warm_lookup(parent, name))?
+        self.lock_warm(|g| g.warm_create(parent, name, true, true))?
             .0
             .create_node_umask(parent, name, mode, umask, 0, uid, gid, None)
     }
@@ -1525,22 +1554,33 @@ impl Fs {
         gid: u32,
     ) -> Result<Attr> {
         let mode = FileType::Symlink.mode_bits() | 0o777;
+        // A target of 60 bytes or more needs a block (a slow symlink).
         self.retry_nospace_warm(
-            |g| g.warm_lookup(parent, name),
+            |g| g.warm_create(parent, name, false, target.len() >= 60),
             |g| g.create_node(parent, name, mode, 0, uid, gid, Some(target)),
         )
     }
 
     pub fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {
-        // The inode (and a slow symlink's mapping) read outside the lock.
-        self.read_locked(|g| g.readlink(ino))
+        // The inode and a slow symlink's mapping read outside the lock, its
+        // block after it, under the inode's lock (nothing frees it meanwhile).
+        let _il = self.ilocks.read(ino);
+        match self.read_locked(|g| g.readlink_begin(ino))? {
+            ops::LinkTarget::Inline(target) => Ok(target),
+            ops::LinkTarget::Block(n, segs) => {
+                let mut buf = vec![0u8; n];
+                self.dio.read_segs(&segs, &mut buf)?;
+                Ok(buf)
+            }
+        }
     }
 
     pub fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8]) -> Result<Attr> {
         self.retry_nospace_warm(
             |g| {
                 g.warm_lookup(new_parent, new_name)?;
-                error::unless_miss(g.live_inode(ino)).map(drop)
+                let _ = error::unless_miss(g.live_inode(ino))?;
+                error::unless_miss(g.warm_dir_growth(new_parent)).map(drop)
             },
             |g| g.link(ino, new_parent, new_name),
         )
@@ -1552,7 +1592,7 @@ impl Fs {
         loop {
             let victim = self.victim_hint(parent, name)?;
             let _il = self.ilocks.write(victim);
-            let (mut g, ()) = self.lock_warm(|g| g.warm_name(parent, name))?;
+            let (mut g, ()) = self.lock_warm(|g| g.warm_remove(parent, name))?;
             if g.lookup_ino(parent, name)? != victim {
                 continue;
             }
@@ -1576,7 +1616,7 @@ impl Fs {
     }
 
     pub fn rmdir(&self, parent: Ino, name: &[u8]) -> Result<()> {
-        self.lock_warm(|g| g.warm_dir_name(parent, name))?
+        self.lock_warm(|g| g.warm_remove(parent, name))?
             .0
             .rmdir(parent, name)
     }
@@ -1608,7 +1648,8 @@ impl Fs {
             let mut moved = false;
             let warm = |g: &mut Inner| {
                 g.warm_name(parent, name)?;
-                g.warm_name(new_parent, new_name)
+                g.warm_remove(new_parent, new_name)?;
+                error::unless_miss(g.warm_dir_growth(new_parent)).map(drop)
             };
             let r = self.retry_nospace_warm(warm, |g| {
                 if !flags.exchange && g.lookup_ino(new_parent, new_name).ok() != victim {
@@ -1682,7 +1723,9 @@ impl Fs {
         if self.itable.release_unless_last_unlinked(ino) {
             return Ok(());
         }
-        self.lock()?.release(ino)
+        self.lock_warm(|g| error::unless_miss(g.warm_free(ino, 0, true)).map(drop))?
+            .0
+            .release(ino)
     }
 
     /// Read file data; updates atime under the mount's atime policy.
@@ -1866,8 +1909,12 @@ impl Fs {
             let size = g.read_inode(ino)?.size;
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
+        let warm = move |g: &mut Inner| -> Result<()> {
+            let (lo, hi) = (offset / g.bs64(), end.div_ceil(g.bs64()));
+            error::unless_miss(g.warm_map(ino, lo, hi)).map(drop)
+        };
         let il = self.ilocks.write(ino);
-        let Some(b) = self.retry_nospace_guarded(Some((ino, &span)), |g| {
+        let Some(b) = self.retry_nospace_guarded(Some((ino, &span)), Some(&warm), |g| {
             g.write_begin(ino, offset, data.len(), caller)
         })?
         else {
@@ -1938,9 +1985,15 @@ impl Fs {
             let size = g.read_inode(ino)?.size;
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
+        // Allocating and punching both walk the range's tree; a punch's
+        // frees may read other bitmaps under the lock.
+        let warm = move |g: &mut Inner| -> Result<()> {
+            let (lo, hi) = (offset / g.bs64(), end.div_ceil(g.bs64()));
+            error::unless_miss(g.warm_map(ino, lo, hi)).map(drop)
+        };
         let il = self.ilocks.write(ino);
         self.cache_settle(ino)?;
-        let r = self.retry_nospace_guarded(Some((ino, &span)), |g| {
+        let r = self.retry_nospace_guarded(Some((ino, &span)), Some(&warm), |g| {
             g.fallocate(ino, offset, len, flags, caller)
         });
         self.note_data(ino);
@@ -2017,20 +2070,23 @@ impl Fs {
         flags: XattrFlags,
         acl_kill_sgid: bool,
     ) -> Result<()> {
-        self.retry_nospace(|g| {
-            if name.starts_with(b"user.") && !g.user_xattr_allowed(ino)? {
-                return Err(FsError::Permission("user xattrs on a special file"));
-            }
-            let h = g.start(8)?;
-            g.fc_ineligible(fc::FcReason::Xattr, h.tid());
-            let r = g.xattr_set_ext(&h, ino, name, value, flags, acl_kill_sgid);
-            g.stop(h)?;
-            r
-        })
+        self.retry_nospace_warm(
+            |g| error::unless_miss(g.warm_xattr(ino)).map(drop),
+            |g| {
+                if name.starts_with(b"user.") && !g.user_xattr_allowed(ino)? {
+                    return Err(FsError::Permission("user xattrs on a special file"));
+                }
+                let h = g.start(8)?;
+                g.fc_ineligible(fc::FcReason::Xattr, h.tid());
+                let r = g.xattr_set_ext(&h, ino, name, value, flags, acl_kill_sgid);
+                g.stop(h)?;
+                r
+            },
+        )
     }
 
     pub fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()> {
-        let mut g = self.lock()?;
+        let (mut g, ()) = self.lock_warm(|g| error::unless_miss(g.warm_xattr(ino)).map(drop))?;
         if name.starts_with(b"user.") && !g.user_xattr_allowed(ino)? {
             return Err(FsError::Permission("user xattrs on a special file"));
         }
@@ -2287,7 +2343,9 @@ impl Fs {
             let (bw, cut, mut g) = match &self.pc {
                 Some(pc) if !pc.per_file() => {
                     let b = pc.barrier.write();
-                    let mut g = self.lock()?;
+                    // What mapping the dirty pages reads, read first without
+                    // `Inner` (warm.rs); the barrier keeps the dirty set still.
+                    let (mut g, ()) = self.lock_warm(|g| g.warm_cut(&pc.dirty_inos()))?;
                     match self.fc_cut(pc, &mut g) {
                         Ok(c) => (Some(b), Some(c), g),
                         Err(e) => {

@@ -37,6 +37,14 @@ pub(crate) fn empty_extent_root() -> [u8; 60] {
     b
 }
 
+/// A symlink's target as `Inner::readlink_begin` finds it.
+pub(crate) enum LinkTarget {
+    /// A fast symlink's, in the inode.
+    Inline(Vec<u8>),
+    /// A slow one's length and block, to read outside `Inner`.
+    Block(usize, Vec<crate::dataio::Seg>),
+}
+
 impl Inner {
     pub fn attr_of(&self, ino: u32, i: &Inode) -> Result<Attr> {
         let mut a = attr_from(ino, i, self.bs)?;
@@ -111,23 +119,9 @@ impl Inner {
     /// inode the name holds. Changes nothing; errors other than a deferred
     /// miss are the operation's own to report.
     pub fn warm_name(&mut self, parent: u32, name: &[u8]) -> Result<()> {
-        self.warm_named(parent, name, false)
-    }
-
-    /// [`Self::warm_name`] for a directory about to be removed: also its
-    /// own blocks (the emptiness check reads them).
-    pub fn warm_dir_name(&mut self, parent: u32, name: &[u8]) -> Result<()> {
-        self.warm_named(parent, name, true)
-    }
-
-    fn warm_named(&mut self, parent: u32, name: &[u8], dir: bool) -> Result<()> {
-        let r = self.lookup_ino(parent, name).and_then(|ino| {
-            self.live_inode(ino)?;
-            if dir {
-                self.dir_is_empty(ino)?;
-            }
-            Ok(())
-        });
+        let r = self
+            .lookup_ino(parent, name)
+            .and_then(|ino| self.live_inode(ino));
         crate::error::unless_miss(r).map(drop)
     }
 
@@ -338,13 +332,16 @@ impl Inner {
         self.attr_of(ino, &inode)
     }
 
-    pub fn readlink(&mut self, ino: u32) -> Result<Vec<u8>> {
+    /// The metadata step of `readlink`: a fast symlink's target, or a slow
+    /// one's length and where its block is (read by the caller outside
+    /// `Inner`, under the inode's lock).
+    pub fn readlink_begin(&mut self, ino: u32) -> Result<LinkTarget> {
         let i = self.live_inode(ino)?;
         if !i.is_symlink() {
             return Err(FsError::Invalid("not a symlink"));
         }
         if i.is_fast_symlink() {
-            return Ok(i.block[..i.size as usize].to_vec());
+            return Ok(LinkTarget::Inline(i.block[..i.size as usize].to_vec()));
         }
         if i.size as usize >= self.bs || i.size == 0 {
             return Err(FsError::corrupt(format!(
@@ -352,9 +349,8 @@ impl Inner {
                 i.size
             )));
         }
-        let mut buf = vec![0u8; i.size as usize];
-        self.read_inode_data(ino, &i, 0, &mut buf)?;
-        Ok(buf)
+        let n = i.size as usize;
+        Ok(LinkTarget::Block(n, self.read_plan(ino, &i, 0, n)?))
     }
 
     pub fn link(&mut self, ino: u32, new_parent: u32, new_name: &[u8]) -> Result<Attr> {

@@ -481,6 +481,17 @@ impl PageCache {
             .collect()
     }
 
+    /// The file blocks `[first, last + 1)` of `ino`'s dirty pages (`None`:
+    /// none): what a write-back's warm pass walks (warm.rs).
+    pub fn dirty_span(&self, ino: u32) -> Option<(u64, u64)> {
+        let files = self.files.lock();
+        let f = files.get(&ino).filter(|f| f.dirty > 0)?;
+        let mut dirty = f.pages.iter().filter(|(_, p)| p.dirty).map(|(&l, _)| l);
+        let first = dirty.next()?;
+        let last = dirty.next_back().unwrap_or(first);
+        Some((first as u64, last as u64 + 1))
+    }
+
     /// Whether `ino` has dirty pages or pending times.
     pub fn is_dirty(&self, ino: u32) -> bool {
         self.files

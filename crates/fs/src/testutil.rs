@@ -354,3 +354,76 @@ impl BlockDevice for Hold {
         self.inner.stats()
     }
 }
+
+/// A device that notes every metadata or data read made while `probe()`
+/// says the file-system lock is held ([`crate::Fs::fs_lock_probe`]): tests that an
+/// operation reads no metadata under it (ARCHITECTURE.md C.2). Only
+/// meaningful while nothing else runs: the lock held by another thread
+/// counts too. With `PROBE_BT` set in the environment, each such read
+/// prints its backtrace (to find the caller).
+pub struct LockProbe {
+    inner: DeviceRef,
+    probe: std::sync::OnceLock<Box<dyn Fn() -> bool + Send + Sync>>,
+    /// Reads under the lock, in order: category and 4 KiB block.
+    under: Mutex<Vec<(IoCategory, u64)>>,
+    /// Metadata reads in all.
+    reads: std::sync::atomic::AtomicU64,
+}
+
+impl LockProbe {
+    pub fn new(inner: DeviceRef) -> LockProbe {
+        LockProbe {
+            inner,
+            probe: Default::default(),
+            under: Default::default(),
+            reads: Default::default(),
+        }
+    }
+    /// Start noting reads under the lock `probe` reports.
+    pub fn watch(&self, probe: impl Fn() -> bool + Send + Sync + 'static) {
+        let _ = self.probe.set(Box::new(probe));
+    }
+    /// The reads under the lock so far, and how many metadata reads there
+    /// were in all; both counts start again.
+    pub fn take(&self) -> (Vec<(IoCategory, u64)>, u64) {
+        let under = std::mem::take(&mut *self.under.lock().unwrap());
+        let n = self.reads.swap(0, std::sync::atomic::Ordering::Relaxed);
+        (under, n)
+    }
+}
+
+impl BlockDevice for LockProbe {
+    fn read_at(&self, offset: u64, buf: &mut [u8], cat: IoCategory) -> DevResult<()> {
+        if cat == IoCategory::Metadata {
+            self.reads
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        if matches!(cat, IoCategory::Metadata | IoCategory::Data)
+            && self.probe.get().is_some_and(|p| p())
+        {
+            self.under.lock().unwrap().push((cat, offset / 4096));
+            if std::env::var_os("PROBE_BT").is_some() {
+                eprintln!("{}", std::backtrace::Backtrace::force_capture());
+            }
+        }
+        self.inner.read_at(offset, buf, cat)
+    }
+    fn write_at(&self, offset: u64, buf: &[u8], cat: IoCategory, fua: bool) -> DevResult<()> {
+        self.inner.write_at(offset, buf, cat, fua)
+    }
+    fn write_sectors(&self, offset: u64, buf: &[u8], cat: IoCategory) -> DevResult<()> {
+        self.inner.write_sectors(offset, buf, cat)
+    }
+    fn flush(&self) -> DevResult<()> {
+        self.inner.flush()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn is_read_only(&self) -> bool {
+        self.inner.is_read_only()
+    }
+    fn stats(&self) -> &IoStats {
+        self.inner.stats()
+    }
+}

@@ -444,7 +444,16 @@ impl CommitHooks for CacheHooks {
         // Nothing that holds `Inner` waits for a commit while pages are dirty
         // (unmount writes them first); the bound only guards against a
         // library user writing during unmount.
-        let Some(mut g) = inner.try_lock_for(Duration::from_secs(2)) else {
+        // The tree blocks and bitmaps the mapping reads, read first without
+        // `Inner` (warm.rs); the barrier keeps the dirty set still.
+        let inos = match what {
+            CutWhat::Nothing => marked.clone(),
+            _ => self.pc.dirty_inos_before(before),
+        };
+        let Some(mut g) = crate::warm::lock_warm_with(
+            || inner.try_lock_for(Duration::from_secs(2)),
+            |g| g.warm_cut(&inos),
+        ) else {
             tracing::warn!("commit cut: file-system lock busy, cached data joins the next commit");
             self.pc.ask_again(what);
             lock();
@@ -1004,7 +1013,9 @@ impl Fs {
     /// [`Self::writeback_file`] with the inode's lock held by the caller.
     pub(crate) fn writeback_locked(&self, pc: &Arc<PageCache>, ino: u32) -> Result<()> {
         let (runs, unmapped, guard, h) = {
-            let mut g = self.lock()?;
+            // The inode lock keeps the dirty pages from changing under the
+            // warm pass (writers take it too).
+            let (mut g, ()) = self.lock_warm(|g| g.warm_cut(&[ino]))?;
             // The handle before the pages: a cut that finds them gone knows
             // they are mapped in its transaction or an earlier one.
             let h = g.start(64)?;

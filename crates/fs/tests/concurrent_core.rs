@@ -1495,3 +1495,130 @@ fn covered_fsync_needs_no_fs_lock() {
     assert_eq!(buf, pattern(7, 3000));
     fs.unmount().unwrap();
 }
+
+/// Changing operations read no metadata (and no data) under the
+/// file-system lock either (ARCHITECTURE.md C.2, warm.rs): on a freshly
+/// mounted image, a create and a mkdir (inode bitmap, the new inode's
+/// inode-table block, the block bitmap of a directory's first block), the
+/// write-back of writes into the holes of a file whose extent tree has
+/// leaves (tree blocks, block bitmap), a truncate and an unlink of such
+/// files (tree blocks, the bitmaps of what they free), xattr changes (the
+/// xattr block) and the readlink of a slow symlink find what they read
+/// already read without the lock. A device notes every read made while the
+/// lock is held; nothing else runs meanwhile. With the warm passes removed
+/// each of these reads under the lock.
+#[test]
+fn changing_operations_read_nothing_under_the_fs_lock() {
+    use commitfs_fs::testutil::LockProbe;
+    let img = mkfs("cc-warm", 512, &["-b", "4096"]);
+    let bs = 4096u64;
+    let (nfrag, target) = (700u64, vec![b'a'; 200]);
+    {
+        let fs = Fs::open_path(&img.path, nocache_opts()).unwrap();
+        let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
+        // Every other block: one extent each, past the inode's four, so
+        // the trees have leaf blocks.
+        for name in [&b"frag"[..], b"big", b"gone"] {
+            let f = fs.create(d, name, 0o644, 0, 0).unwrap().ino;
+            for k in 0..nfrag {
+                fs.write(f, 2 * k * bs, &[k as u8 + 1; 4096]).unwrap();
+            }
+        }
+        fs.symlink(d, b"slow", &target, 0, 0).unwrap();
+        let x = fs.create(d, b"x", 0o644, 0, 0).unwrap().ino;
+        fs.setxattr(x, b"user.big", &[7u8; 1500], XattrFlags::default())
+            .unwrap();
+        fs.unmount().unwrap();
+    }
+    for cached in [true, false] {
+        let dev = Arc::new(LockProbe::new(Arc::new(
+            FileDevice::open(&img.path, false).unwrap(),
+        )));
+        let o = if cached { opts() } else { nocache_opts() };
+        let fs = Fs::open(dev.clone(), o).unwrap();
+        dev.watch(fs.fs_lock_probe());
+        let d = fs.resolve("/d").unwrap();
+        let ino = |n: &str| fs.lookup(d, n.as_bytes()).unwrap().ino;
+        dev.take();
+        // Each step: no read under the lock, and some read at all (the
+        // step did meet cold blocks).
+        let step = |what: &str, f: &dyn Fn()| {
+            let before = fs.stats().metadata_reads_unlocked;
+            f();
+            let (under, _) = dev.take();
+            assert!(
+                under.is_empty(),
+                "{what} (cache {cached}) read under the fs lock: {under:?}"
+            );
+            assert!(
+                fs.stats().metadata_reads_unlocked > before,
+                "{what} (cache {cached}) read no cold metadata"
+            );
+        };
+        let tag = if cached { "c" } else { "n" };
+        step("create", &|| {
+            fs.create(d, format!("new-{tag}").as_bytes(), 0o644, 0, 0)
+                .unwrap();
+        });
+        // In the root: spread to another group (Orlov), cold there.
+        step("mkdir", &|| {
+            fs.mkdir(ROOT_INO, format!("sub-{tag}").as_bytes(), 0o755, 0, 0)
+                .unwrap();
+        });
+        let frag = ino("frag");
+        step("write into holes, fsync", &|| {
+            for k in (0..nfrag).step_by(50) {
+                fs.write(frag, (2 * k + 1) * bs, &[0xEE; 4096]).unwrap();
+            }
+            fs.fsync(frag, false).unwrap();
+        });
+        if cached {
+            let big = ino("big");
+            step("truncate", &|| {
+                fs.setattr(
+                    big,
+                    &SetAttr {
+                        size: Some(bs),
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
+            });
+            let gone = ino("gone");
+            step("unlink", &|| fs.unlink(d, b"gone").unwrap());
+            assert!(fs.getattr(gone).is_err());
+            let x = ino("x");
+            step("setxattr", &|| {
+                fs.setxattr(x, b"user.big", &[8u8; 1400], XattrFlags::default())
+                    .unwrap()
+            });
+        }
+        let slow = ino("slow");
+        let (_, _) = dev.take();
+        assert_eq!(fs.readlink(slow).unwrap(), target);
+        let (under, _) = dev.take();
+        assert!(
+            under.is_empty(),
+            "readlink read under the fs lock: {under:?}"
+        );
+        fs.unmount().unwrap();
+    }
+    let r = fsck(&img.path);
+    assert!(r.is_clean(), "{}", problem_lines(&r.output).join("\n"));
+    // What the steps changed is there after a remount.
+    let fs = Fs::open_path(&img.path, opts()).unwrap();
+    let frag = fs.resolve("/d/frag").unwrap();
+    let mut b = vec![0u8; 4096];
+    fs.read(frag, bs, &mut b).unwrap();
+    assert_eq!(b, vec![0xEE; 4096]);
+    fs.read(frag, 2 * bs, &mut b).unwrap();
+    assert_eq!(b, vec![2; 4096]);
+    assert_eq!(fs.getattr(fs.resolve("/d/big").unwrap()).unwrap().size, bs);
+    assert!(fs.resolve("/d/gone").is_err());
+    assert_eq!(
+        fs.getxattr(fs.resolve("/d/x").unwrap(), b"user.big")
+            .unwrap(),
+        vec![8u8; 1400]
+    );
+    fs.unmount().unwrap();
+}

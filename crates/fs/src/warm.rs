@@ -1,0 +1,377 @@
+//! Warm passes of changing operations (ARCHITECTURE.md C.2, "no device I/O
+//! under `Inner`"): before an operation that allocates, maps or frees
+//! changes anything, `Fs::lock_warm` runs one of these with misses deferred.
+//! Each walks, without changing anything, to the metadata blocks the
+//! operation will read — the allocator's bitmap and the new inode's
+//! inode-table block, the extent-tree blocks of a mapped or freed range, the
+//! bitmaps of the blocks it frees, an xattr block — and ends with
+//! [`FsError::MetadataMiss`] naming the ones not cached, which the caller
+//! reads without the lock before running the pass again. The lock is held
+//! from the last pass through the operation, so what the pass found cached
+//! is what the operation reads.
+//!
+//! A pass predicts; it does not bind. Where the operation reads something
+//! the pass did not foresee (a group found full after all, an extent split's
+//! new tree block), it reads it under the lock as before: slower, never
+//! wrong. Errors other than a deferred miss are the operation's to report.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering::Relaxed;
+
+use commitfs_format::extent::NodeRef;
+use commitfs_format::group_desc::{BG_BLOCK_UNINIT, BG_INODE_UNINIT};
+use commitfs_format::inode::Inode;
+
+use crate::error::{unless_miss, FsError, Result};
+use crate::inner::{Inner, WARM_BATCH};
+
+/// Past this many extents a freeing pass stops collecting bitmaps (a file
+/// of millions of fragments frees them under the lock, in its own time).
+const FREE_SCAN: usize = 4096;
+
+impl Inner {
+    fn deferring(&self) -> bool {
+        self.defer_misses.load(Relaxed)
+    }
+
+    /// The block bitmap `alloc_blocks(goal, _)` reads first: of the goal's
+    /// group, or of the next group with free blocks (none for a group whose
+    /// bitmap is still uninitialised: that one is made, not read).
+    pub(crate) fn warm_block_alloc(&mut self, goal: u64) -> Result<()> {
+        if !self.deferring() {
+            return Ok(());
+        }
+        let goal = goal.clamp(
+            self.sb.first_data_block() as u64,
+            self.sb.blocks_count() - 1,
+        );
+        let g0 = self.block_group(goal);
+        for k in 0..self.groups {
+            let g = (g0 + k) % self.groups;
+            let gd = self.gds[g as usize];
+            if gd.free_blocks_count == 0 {
+                continue;
+            }
+            // The descriptor changes too.
+            let desc = self.gd_block(g);
+            if gd.has_flag(BG_BLOCK_UNINIT) {
+                return self.warm_all([desc]);
+            }
+            return self.warm_all([gd.block_bitmap, desc]);
+        }
+        Ok(())
+    }
+
+    /// What `alloc_inode(parent, is_dir)` reads: the inode bitmap of the
+    /// group it picks, and the inode-table block of the inode it will take
+    /// (which `write_inode` of the new inode reads); with `block` (a
+    /// directory, a slow symlink), the block bitmap its first block comes
+    /// from.
+    pub(crate) fn warm_inode_alloc(
+        &mut self,
+        parent: u32,
+        is_dir: bool,
+        block: bool,
+    ) -> Result<()> {
+        if !self.deferring() {
+            return Ok(());
+        }
+        let Some(g0) = self.pick_inode_group(parent, is_dir) else {
+            return Ok(());
+        };
+        let Some(g) = (0..self.groups)
+            .map(|k| (g0 + k) % self.groups)
+            .find(|&g| self.usable_inodes(g) > 0)
+        else {
+            return Ok(());
+        };
+        let gd = self.gds[g as usize];
+        let bit = if gd.has_flag(BG_INODE_UNINIT) {
+            self.warm_all([self.gd_block(g)])?;
+            Some(0)
+        } else {
+            self.warm_all([gd.inode_bitmap, self.gd_block(g)])?;
+            let buf = self.read_meta(gd.inode_bitmap)?;
+            let d = buf.data();
+            self.usable_inode_bit(g, &d)
+        };
+        let Some(bit) = bit else {
+            return Ok(());
+        };
+        let ino = g * self.ipg + bit as u32 + 1;
+        if let Ok((blk, _)) = self.inode_location(ino) {
+            self.warm_all([blk])?;
+        }
+        if block {
+            self.warm_block_alloc(self.inode_goal(ino))?;
+        }
+        Ok(())
+    }
+
+    /// The pass before creating `name` in `parent`: the lookup that checks
+    /// it is free, the parent's xattr block (default ACLs are inherited),
+    /// the new inode ([`Self::warm_inode_alloc`]) and the block the
+    /// directory would grow by if the entry does not fit.
+    pub(crate) fn warm_create(
+        &mut self,
+        parent: u32,
+        name: &[u8],
+        is_dir: bool,
+        block: bool,
+    ) -> Result<()> {
+        self.warm_lookup(parent, name)?;
+        if !self.deferring() {
+            return Ok(());
+        }
+        if let Ok(p) = self.read_inode(parent) {
+            if p.file_acl != 0 {
+                self.warm_all([p.file_acl])?;
+            }
+        }
+        let _ = unless_miss(self.warm_inode_alloc(parent, is_dir, block))?;
+        let _ = unless_miss(self.warm_dir_growth(parent))?;
+        Ok(())
+    }
+
+    /// The pass before removing `name` from `parent` (unlink, rmdir, a
+    /// rename's replaced target): the lookup, the named inode, a directory's
+    /// own blocks (the emptiness check) and, when this is the inode's last
+    /// link and nothing holds it open, what freeing it reads.
+    pub(crate) fn warm_remove(&mut self, parent: u32, name: &[u8]) -> Result<()> {
+        self.warm_name(parent, name)?;
+        if !self.deferring() {
+            return Ok(());
+        }
+        let Ok(ino) = unless_miss(self.lookup_ino(parent, name))? else {
+            return Ok(());
+        };
+        let Ok(i) = unless_miss(self.read_inode(ino))? else {
+            return Ok(());
+        };
+        let last = if i.is_dir() {
+            let _ = unless_miss(self.dir_is_empty(ino))?;
+            true
+        } else {
+            i.links_count <= 1
+        };
+        if last && !self.itable.is_open(ino) {
+            let _ = unless_miss(self.warm_free(ino, 0, true))?;
+        }
+        Ok(())
+    }
+
+    /// The block bitmap a directory's next block would come from.
+    pub(crate) fn warm_dir_growth(&mut self, dir: u32) -> Result<()> {
+        if !self.deferring() {
+            return Ok(());
+        }
+        let d = self.read_inode(dir)?;
+        let next = d.size.div_ceil(self.bs as u64).min(u32::MAX as u64) as u32;
+        let goal = self.data_goal(dir, &d, next)?;
+        self.warm_block_alloc(goal)
+    }
+
+    /// Every extent-tree block of `i` (inode `ino`) whose key range meets
+    /// file blocks `[lo, hi)`, a level at a time (so a cold tree costs one
+    /// pass per level, not one per block).
+    pub(crate) fn warm_tree(&mut self, ino: u32, i: &Inode, lo: u64, hi: u64) -> Result<()> {
+        if !self.deferring() {
+            return Ok(());
+        }
+        let Ok(root) = NodeRef::parse_root(&i.block, ino) else {
+            // Not an extent-mapped inode, or a bad root: the operation's own
+            // parse reports it.
+            return Ok(());
+        };
+        let mut level = children_in(&root, lo, hi);
+        let mut depth = root.depth();
+        while depth > 0 && !level.is_empty() {
+            self.warm_all(level.iter().copied())?;
+            depth -= 1;
+            if depth == 0 {
+                break;
+            }
+            let mut next = Vec::new();
+            for blk in level {
+                let buf = self.read_meta(blk)?;
+                let data = buf.data();
+                let Ok(node) =
+                    NodeRef::parse_block(&data, blk, Some(depth), &self.csum, ino, i.generation)
+                else {
+                    return Ok(());
+                };
+                next.extend(children_in(&node, lo, hi));
+            }
+            level = next;
+        }
+        Ok(())
+    }
+
+    /// The pass before mapping file blocks `[lo, hi)` of `ino` (write-back
+    /// of its dirty pages): the inode, the tree blocks of the range (of the
+    /// whole tree if the range has holes or unwritten extents), and the block
+    /// bitmap the first hole's blocks would come from.
+    pub(crate) fn warm_map(&mut self, ino: u32, lo: u64, hi: u64) -> Result<()> {
+        if !self.deferring() {
+            return Ok(());
+        }
+        let i = self.read_inode(ino)?;
+        self.warm_tree(ino, &i, lo, hi)?;
+        let segs = self.ext_segments(ino, &i, lo, hi)?;
+        if segs.iter().any(|s| s.2.is_none_or(|m| m.unwritten)) {
+            // The tree changes: a change that does not fit its leaf rebuilds
+            // it from all of its blocks (`ext_slow_op`).
+            self.warm_tree(ino, &i, 0, 1 << 32)?;
+        }
+        if let Some(&(l, _, None)) = segs.iter().find(|s| s.2.is_none()) {
+            let goal = self.data_goal(ino, &i, l as u32)?;
+            self.warm_block_alloc(goal)?;
+        }
+        Ok(())
+    }
+
+    /// The pass before freeing `ino`'s blocks from file block `from` on
+    /// (truncate, the last unlink or close): the inode, the tree blocks of
+    /// that range and the bitmaps of the groups its blocks are in; with
+    /// `evict`, also the inode bitmap of the inode's group.
+    pub(crate) fn warm_free(&mut self, ino: u32, from: u64, evict: bool) -> Result<()> {
+        if !self.deferring() {
+            return Ok(());
+        }
+        let i = self.read_inode(ino)?;
+        let mut bitmaps = BTreeSet::new();
+        if evict {
+            let g = self.inode_group(ino);
+            if let Some(gd) = self.gds.get(g as usize) {
+                bitmaps.insert(gd.inode_bitmap);
+                bitmaps.insert(self.gd_block(g));
+            }
+            if i.file_acl != 0 {
+                bitmaps.insert(i.file_acl);
+            }
+        }
+        let tree = NodeRef::parse_root(&i.block, ino).is_ok();
+        if tree && (i.size > 0 || i.blocks_512(self.bs) > 0) {
+            // Removing extents rebuilds the tree from all its blocks
+            // (`ext_slow_op`) when a leaf is cut short or emptied.
+            self.warm_tree(ino, &i, 0, 1 << 32)?;
+            let segs = self.ext_segments(ino, &i, from, 1 << 32)?;
+            for (_, _, m) in segs.into_iter().take(FREE_SCAN) {
+                let Some(m) = m else { continue };
+                let (first, last) = (m.pblk, m.pblk + m.len.max(1) as u64 - 1);
+                for g in self.block_group(first)..=self.block_group(last) {
+                    if let Some(gd) = self.gds.get(g as usize) {
+                        if !gd.has_flag(BG_BLOCK_UNINIT) {
+                            bitmaps.insert(gd.block_bitmap);
+                        }
+                        bitmaps.insert(self.gd_block(g));
+                    }
+                }
+            }
+        }
+        self.warm_all(bitmaps)
+    }
+
+    /// The pass before mapping the dirty pages of `inos` (a commit's or a
+    /// fast commit's cut, a file's write-back): [`Self::warm_map`] of each
+    /// file's dirty span, the misses of all of them reported together.
+    pub(crate) fn warm_cut(&mut self, inos: &[u32]) -> Result<()> {
+        let Some(pc) = self.pc.clone() else {
+            return Ok(());
+        };
+        if !self.deferring() {
+            return Ok(());
+        }
+        let mut missing = Vec::new();
+        for &ino in inos {
+            let Some((lo, hi)) = pc.dirty_span(ino) else {
+                continue;
+            };
+            if let Err(FsError::MetadataMiss(b)) = self.warm_map(ino, lo, hi) {
+                missing.extend(b);
+                if missing.len() >= WARM_BATCH {
+                    break;
+                }
+            }
+        }
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            missing.sort_unstable();
+            missing.dedup();
+            Err(FsError::MetadataMiss(missing))
+        }
+    }
+
+    /// The pass before changing `ino`'s xattrs: the inode and its xattr
+    /// block, or the bitmap a new xattr block would come from.
+    pub(crate) fn warm_xattr(&mut self, ino: u32) -> Result<()> {
+        if !self.deferring() {
+            return Ok(());
+        }
+        let i = self.read_inode(ino)?;
+        if i.file_acl != 0 {
+            self.warm_all([i.file_acl])
+        } else {
+            self.warm_block_alloc(self.inode_goal(ino))
+        }
+    }
+}
+
+/// Child blocks of index node `node` whose key range meets `[lo, hi)` (none
+/// for a leaf).
+fn children_in(node: &NodeRef<'_>, lo: u64, hi: u64) -> Vec<u64> {
+    if node.is_leaf() {
+        return Vec::new();
+    }
+    let n = node.len();
+    (0..n)
+        .filter_map(|k| {
+            let x = node.index(k)?;
+            let start = if k == 0 { 0 } else { x.lblk as u64 };
+            let end = node.entry_lblk(k + 1).map_or(1 << 32, |e| e as u64);
+            (start < hi && end > lo).then_some(x.child)
+        })
+        .collect()
+}
+
+/// [`Inner`]'s lock taken by `lock` (`None`: give up) for an operation whose
+/// warm pass `warm` runs first with misses deferred, reading what it misses
+/// without the lock, as `Fs::lock_warm` does, for the commit thread's cut
+/// (which holds no `Fs`). A read error ends the warming: the operation then
+/// reads under the lock and reports it there.
+pub(crate) fn lock_warm_with<'a>(
+    mut lock: impl FnMut() -> Option<parking_lot::MutexGuard<'a, Inner>>,
+    mut warm: impl FnMut(&mut Inner) -> Result<()>,
+) -> Option<parking_lot::MutexGuard<'a, Inner>> {
+    struct Deferred(std::sync::Arc<std::sync::atomic::AtomicBool>);
+    impl Drop for Deferred {
+        fn drop(&mut self) {
+            self.0.store(false, Relaxed);
+        }
+    }
+    let mut pins = Vec::new();
+    for _ in 0..crate::READ_RETRIES {
+        let mut g = lock()?;
+        let r = {
+            let d = Deferred(g.defer_misses.clone());
+            d.0.store(true, Relaxed);
+            warm(&mut g)
+        };
+        let Err(FsError::MetadataMiss(blks)) = r else {
+            return Some(g);
+        };
+        if pins.len() + blks.len() > crate::PIN_BUDGET {
+            return Some(g);
+        }
+        let j = g.journal.clone();
+        drop(g);
+        for b in blks {
+            match j.bread(b) {
+                Ok(buf) => pins.push(buf),
+                Err(_) => return lock(),
+            }
+        }
+    }
+    lock()
+}
