@@ -107,7 +107,7 @@ impl Inner {
 
     /// Index entry to follow for `lblk`: the last one starting at or before it (or
     /// the first). Records the following key as the start of the next subtree.
-    fn pick_child(node: &NodeRef<'_>, lblk: u32, next_key: &mut Option<u32>) -> u64 {
+    pub(crate) fn pick_child(node: &NodeRef<'_>, lblk: u32, next_key: &mut Option<u32>) -> u64 {
         let i = node.search(lblk).unwrap_or(0);
         if let Some(k) = node.entry_lblk(i + 1) {
             *next_key = Some(next_key.map_or(k, |n| n.min(k)));

@@ -567,6 +567,35 @@ impl Fs {
         &self,
         mut warm: impl FnMut(&mut Inner) -> Result<R>,
     ) -> Result<(parking_lot::MutexGuard<'_, Inner>, R)> {
+        let (mut g, v) = self.warm_loop(false, &mut warm)?;
+        let v = match v {
+            Some(v) => v,
+            None => warm(&mut g)?,
+        };
+        Ok((g, v))
+    }
+
+    /// The file-system lock for a changing operation after its warm pass
+    /// (warm.rs): as [`Self::lock_warm`], but what the pass reads is a
+    /// prediction, which the operation may never need. So a failed read
+    /// outside the lock only ends the warming (the operation then reads
+    /// under the lock, and records and reports an error it meets there), and
+    /// past the retry or pin budget the pass is not run again under the lock.
+    fn lock_change(
+        &self,
+        mut warm: impl FnMut(&mut Inner) -> Result<()>,
+    ) -> Result<parking_lot::MutexGuard<'_, Inner>> {
+        self.warm_loop(true, &mut warm).map(|(g, _)| g)
+    }
+
+    /// The loop of [`Self::lock_warm`] and [`Self::lock_change`]: the lock
+    /// and `warm`'s result, `None` when it gave up warming (the budgets, or
+    /// a failed read of a predicted block).
+    fn warm_loop<R>(
+        &self,
+        predicted: bool,
+        warm: &mut impl FnMut(&mut Inner) -> Result<R>,
+    ) -> Result<(parking_lot::MutexGuard<'_, Inner>, Option<R>)> {
         use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
         /// Clears the deferral when the pass ends, by return or by panic.
         struct Deferred(Arc<AtomicBool>);
@@ -592,15 +621,18 @@ impl Fs {
             match r {
                 Err(FsError::MetadataMiss(blks)) => {
                     drop(g);
-                    self.read_meta_unlocked(&blks, &mut pins)?;
+                    if let Err(e) = self.read_meta_unlocked(&blks, &mut pins, !predicted) {
+                        if !predicted {
+                            return Err(e);
+                        }
+                        break;
+                    }
                 }
                 Err(e) => return Err(e),
-                Ok(v) => return Ok((g, v)),
+                Ok(v) => return Ok((g, Some(v))),
             }
         }
-        let mut g = self.lock()?;
-        let v = warm(&mut g)?;
-        Ok((g, v))
+        Ok((self.lock()?, None))
     }
 
     /// [`Self::lock_warm`] for an operation that is all reads: its result.
@@ -610,13 +642,15 @@ impl Fs {
 
     /// Read metadata blocks `blks` into the journal's cache without `Inner`,
     /// keeping them in `pins`, with `Inner::read_meta`'s error handling: a
-    /// device error is an ext4_error (`errors=` decides) and the operation's
-    /// error. (Read again under the lock, a transient error could pass
-    /// unrecorded.)
+    /// device error is an ext4_error (`errors=` decides, with `record`) and the
+    /// operation's error. (Read again under the lock, a transient error could
+    /// pass unrecorded.) Without `record` (a changing operation's predicted
+    /// blocks) the error is only returned.
     fn read_meta_unlocked(
         &self,
         blks: &[u64],
         pins: &mut Vec<Arc<commitfs_journal::Buffer>>,
+        record: bool,
     ) -> Result<()> {
         for &blk in blks {
             self.reads_outside
@@ -624,7 +658,7 @@ impl Fs {
             match self.journal.bread(blk) {
                 Ok(b) => pins.push(b),
                 Err(e) => {
-                    if let commitfs_journal::JournalError::Device(d) = &e {
+                    if let (true, commitfs_journal::JournalError::Device(d)) = (record, &e) {
                         let cause = format!("metadata read failed: {d}");
                         // Not under `Inner`: the record is written at once.
                         self.errors
@@ -702,7 +736,7 @@ impl Fs {
         mut f: impl FnMut(&mut Inner) -> Result<T>,
     ) -> Result<T> {
         let first = {
-            let (mut g, ()) = self.lock_warm(warm)?;
+            let mut g = self.lock_change(warm)?;
             f(&mut g)
         };
         if !matches!(first, Err(FsError::NoSpace)) {
@@ -756,7 +790,7 @@ impl Fs {
     ) -> Result<Guarded<'_>> {
         loop {
             let mut g = match warm {
-                Some(w) => self.lock_warm(|g| w(g))?.0,
+                Some(w) => self.lock_change(w)?,
                 None => self.lock()?,
             };
             let Some((ino, span)) = guard else {
@@ -1248,7 +1282,11 @@ impl Fs {
                 };
                 // What a shrink frees, read before the lock is kept.
                 let warm = move |g: &mut Inner| -> Result<()> {
-                    error::unless_miss(g.warm_free(ino, new.div_ceil(g.bs64()), false)).map(drop)
+                    let r = match g.read_inode(ino) {
+                        Ok(i) if new < i.size => g.warm_free(ino, new.div_ceil(g.bs64()), false),
+                        _ => g.warm_inode(ino),
+                    };
+                    error::unless_miss(r).map(drop)
                 };
                 let r = self
                     .lock_guarded(Some((ino, &span)), Some(&warm))?
@@ -1262,10 +1300,18 @@ impl Fs {
                 }
                 r?
             }
-            None => self
-                .lock_warm(|g| error::unless_miss(g.read_inode(ino)).map(drop))?
-                .0
-                .setattr(ino, set, caller)?,
+            None => {
+                // chmod rewrites an access ACL (`acl_chmod`): the xattr block.
+                let chmod = set.mode.is_some();
+                self.lock_change(|g| {
+                    let r = match chmod {
+                        true => g.warm_xattr(ino),
+                        false => g.warm_inode(ino),
+                    };
+                    error::unless_miss(r).map(drop)
+                })?
+                .setattr(ino, set, caller)?
+            }
         };
         drop(il);
         self.maybe_commit()?;
@@ -1540,8 +1586,7 @@ impl Fs {
     ) -> Result<Attr> {
         let mode = FileType::Directory.mode_bits() | (perm & 0o7777);
         // Through `lock` like every other change: errors=panic refuses it.
-        self.lock_warm(|g| g.warm_create(parent, name, true, true))?
-            .0
+        self.lock_change(|g| g.warm_create(parent, name, true, true))?
             .create_node_umask(parent, name, mode, umask, 0, uid, gid, None)
     }
 
@@ -1579,7 +1624,7 @@ impl Fs {
         self.retry_nospace_warm(
             |g| {
                 g.warm_lookup(new_parent, new_name)?;
-                let _ = error::unless_miss(g.live_inode(ino))?;
+                let _ = error::unless_miss(g.warm_inode(ino))?;
                 error::unless_miss(g.warm_dir_growth(new_parent)).map(drop)
             },
             |g| g.link(ino, new_parent, new_name),
@@ -1592,7 +1637,7 @@ impl Fs {
         loop {
             let victim = self.victim_hint(parent, name)?;
             let _il = self.ilocks.write(victim);
-            let (mut g, ()) = self.lock_warm(|g| g.warm_remove(parent, name))?;
+            let mut g = self.lock_change(|g| g.warm_remove(parent, name))?;
             if g.lookup_ino(parent, name)? != victim {
                 continue;
             }
@@ -1616,8 +1661,7 @@ impl Fs {
     }
 
     pub fn rmdir(&self, parent: Ino, name: &[u8]) -> Result<()> {
-        self.lock_warm(|g| g.warm_remove(parent, name))?
-            .0
+        self.lock_change(|g| g.warm_remove(parent, name))?
             .rmdir(parent, name)
     }
 
@@ -1646,11 +1690,7 @@ impl Fs {
             };
             let _il = victim.map(|v| self.ilocks.write(v));
             let mut moved = false;
-            let warm = |g: &mut Inner| {
-                g.warm_name(parent, name)?;
-                g.warm_remove(new_parent, new_name)?;
-                error::unless_miss(g.warm_dir_growth(new_parent)).map(drop)
-            };
+            let warm = |g: &mut Inner| g.warm_rename((parent, name), (new_parent, new_name));
             let r = self.retry_nospace_warm(warm, |g| {
                 if !flags.exchange && g.lookup_ino(new_parent, new_name).ok() != victim {
                     moved = true;
@@ -1698,8 +1738,7 @@ impl Fs {
         if self.itable.open_if_live(ino).is_some() {
             return Ok(());
         }
-        let mut g = self.lock()?;
-        g.read_inode(ino)?;
+        let (g, ()) = self.lock_warm(|g| g.read_inode(ino).map(drop))?;
         g.itable.open(ino);
         Ok(())
     }
@@ -1723,8 +1762,7 @@ impl Fs {
         if self.itable.release_unless_last_unlinked(ino) {
             return Ok(());
         }
-        self.lock_warm(|g| error::unless_miss(g.warm_free(ino, 0, true)).map(drop))?
-            .0
+        self.lock_change(|g| error::unless_miss(g.warm_free(ino, 0, true)).map(drop))?
             .release(ino)
     }
 
@@ -2086,7 +2124,7 @@ impl Fs {
     }
 
     pub fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()> {
-        let (mut g, ()) = self.lock_warm(|g| error::unless_miss(g.warm_xattr(ino)).map(drop))?;
+        let mut g = self.lock_change(|g| error::unless_miss(g.warm_xattr(ino)).map(drop))?;
         if name.starts_with(b"user.") && !g.user_xattr_allowed(ino)? {
             return Err(FsError::Permission("user xattrs on a special file"));
         }
@@ -2345,7 +2383,7 @@ impl Fs {
                     let b = pc.barrier.write();
                     // What mapping the dirty pages reads, read first without
                     // `Inner` (warm.rs); the barrier keeps the dirty set still.
-                    let (mut g, ()) = self.lock_warm(|g| g.warm_cut(&pc.dirty_inos()))?;
+                    let mut g = self.lock_change(|g| g.warm_cut(&pc.dirty_inos()))?;
                     match self.fc_cut(pc, &mut g) {
                         Ok(c) => (Some(b), Some(c), g),
                         Err(e) => {

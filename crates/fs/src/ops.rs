@@ -111,7 +111,9 @@ impl Inner {
     /// directory blocks. Changes nothing; errors other than a deferred miss
     /// are the operation's own to report.
     pub fn warm_lookup(&mut self, parent: u32, name: &[u8]) -> Result<()> {
-        crate::error::unless_miss(self.lookup_ino(parent, name)).map(drop)
+        let _ = crate::error::unless_miss(self.lookup_ino(parent, name))?;
+        // The parent's times change: its inode-table block.
+        crate::error::unless_miss(self.warm_inode(parent)).map(drop)
     }
 
     /// The warm pass of an operation on `name` in `parent` (`Fs::lock_warm`):
@@ -121,8 +123,9 @@ impl Inner {
     pub fn warm_name(&mut self, parent: u32, name: &[u8]) -> Result<()> {
         let r = self
             .lookup_ino(parent, name)
-            .and_then(|ino| self.live_inode(ino));
-        crate::error::unless_miss(r).map(drop)
+            .and_then(|ino| self.warm_inode(ino));
+        let _ = crate::error::unless_miss(r)?;
+        crate::error::unless_miss(self.warm_inode(parent)).map(drop)
     }
 
     pub fn lookup_ino(&mut self, parent: u32, name: &[u8]) -> Result<u32> {

@@ -481,15 +481,26 @@ impl PageCache {
             .collect()
     }
 
-    /// The file blocks `[first, last + 1)` of `ino`'s dirty pages (`None`:
-    /// none): what a write-back's warm pass walks (warm.rs).
-    pub fn dirty_span(&self, ino: u32) -> Option<(u64, u64)> {
+    /// The first `max` runs `[lo, hi)` of consecutive dirty pages of `ino`:
+    /// what a write-back's warm pass walks (warm.rs).
+    pub fn dirty_runs(&self, ino: u32, max: usize) -> Vec<(u64, u64)> {
         let files = self.files.lock();
-        let f = files.get(&ino).filter(|f| f.dirty > 0)?;
-        let mut dirty = f.pages.iter().filter(|(_, p)| p.dirty).map(|(&l, _)| l);
-        let first = dirty.next()?;
-        let last = dirty.next_back().unwrap_or(first);
-        Some((first as u64, last as u64 + 1))
+        let Some(f) = files.get(&ino).filter(|f| f.dirty > 0) else {
+            return Vec::new();
+        };
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for (&l, p) in &f.pages {
+            if !p.dirty {
+                continue;
+            }
+            let n = runs.len();
+            match runs.last_mut() {
+                Some(r) if r.1 == l as u64 => r.1 += 1,
+                _ if n == max => break,
+                _ => runs.push((l as u64, l as u64 + 1)),
+            }
+        }
+        runs
     }
 
     /// Whether `ino` has dirty pages or pending times.

@@ -29,9 +29,27 @@ use crate::inner::{Inner, WARM_BATCH};
 /// of millions of fragments frees them under the lock, in its own time).
 const FREE_SCAN: usize = 4096;
 
+/// Runs of consecutive dirty pages per file a cut's pass warms (a file
+/// dirtied in many scattered pages maps the rest under the lock).
+const CUT_RUNS: usize = 16;
+
 impl Inner {
     fn deferring(&self) -> bool {
         self.defer_misses.load(Relaxed)
+    }
+
+    /// Inode `ino` and its inode-table block, which `write_inode` changes:
+    /// the inode table may keep an inode whose block the buffer cache has
+    /// let go.
+    pub(crate) fn warm_inode(&mut self, ino: u32) -> Result<()> {
+        self.read_inode(ino)?;
+        if !self.deferring() {
+            return Ok(());
+        }
+        match self.inode_location(ino) {
+            Ok((blk, _)) => self.warm_all([blk]),
+            Err(_) => Ok(()),
+        }
     }
 
     /// The block bitmap `alloc_blocks(goal, _)` reads first: of the goal's
@@ -160,6 +178,28 @@ impl Inner {
         Ok(())
     }
 
+    /// The pass before a rename: both names ([`Self::warm_remove`] for a
+    /// replaced target), a moved directory's `..` entry, and the block the
+    /// new parent would grow by.
+    pub(crate) fn warm_rename(
+        &mut self,
+        (parent, name): (u32, &[u8]),
+        (new_parent, new_name): (u32, &[u8]),
+    ) -> Result<()> {
+        self.warm_name(parent, name)?;
+        self.warm_remove(new_parent, new_name)?;
+        if !self.deferring() {
+            return Ok(());
+        }
+        if let Ok(src) = unless_miss(self.lookup_ino(parent, name))? {
+            if matches!(unless_miss(self.read_inode(src))?, Ok(i) if i.is_dir()) {
+                let _ = unless_miss(self.lookup_ino(src, b".."))?;
+            }
+        }
+        let _ = unless_miss(self.warm_dir_growth(new_parent))?;
+        Ok(())
+    }
+
     /// The block bitmap a directory's next block would come from.
     pub(crate) fn warm_dir_growth(&mut self, dir: u32) -> Result<()> {
         if !self.deferring() {
@@ -207,20 +247,60 @@ impl Inner {
         Ok(())
     }
 
+    /// Whether changing file blocks `[lo, hi)` of a tree with index levels
+    /// may take `ext_slow_op`, which reads every tree block: the range
+    /// crosses into the next leaf, or the leaf at `lo` has no room for two
+    /// more extents (an unwritten extent converted in its middle splits in
+    /// three). Reads only the path to that leaf (warmed by the caller).
+    fn tree_may_rebuild(&mut self, ino: u32, i: &Inode, lo: u64, hi: u64) -> Result<bool> {
+        let Ok(root) = NodeRef::parse_root(&i.block, ino) else {
+            return Ok(false);
+        };
+        if root.is_leaf() {
+            // The root alone: a rebuild reads no block.
+            return Ok(false);
+        }
+        let cap = commitfs_format::extent::block_capacity(self.bs) as usize;
+        let lblk = lo.min(u32::MAX as u64) as u32;
+        let mut next_key = None;
+        let mut depth = root.depth();
+        let mut child = Inner::pick_child(&root, lblk, &mut next_key);
+        while depth > 0 {
+            depth -= 1;
+            let buf = self.read_meta(child)?;
+            let data = buf.data();
+            let Ok(node) =
+                NodeRef::parse_block(&data, child, Some(depth), &self.csum, ino, i.generation)
+            else {
+                return Ok(false);
+            };
+            if node.is_leaf() {
+                let crosses = next_key.is_some_and(|k: u32| (k as u64) < hi);
+                return Ok(crosses || node.len() + 2 > cap);
+            }
+            child = Inner::pick_child(&node, lblk, &mut next_key);
+        }
+        Ok(false)
+    }
+
     /// The pass before mapping file blocks `[lo, hi)` of `ino` (write-back
     /// of its dirty pages): the inode, the tree blocks of the range (of the
-    /// whole tree if the range has holes or unwritten extents), and the block
-    /// bitmap the first hole's blocks would come from.
+    /// whole tree if a hole or unwritten extent there is to be mapped and the
+    /// change may not fit its leaf), and the block bitmap the first hole's
+    /// blocks would come from.
     pub(crate) fn warm_map(&mut self, ino: u32, lo: u64, hi: u64) -> Result<()> {
         if !self.deferring() {
             return Ok(());
         }
+        self.warm_inode(ino)?;
         let i = self.read_inode(ino)?;
         self.warm_tree(ino, &i, lo, hi)?;
         let segs = self.ext_segments(ino, &i, lo, hi)?;
-        if segs.iter().any(|s| s.2.is_none_or(|m| m.unwritten)) {
-            // The tree changes: a change that does not fit its leaf rebuilds
-            // it from all of its blocks (`ext_slow_op`).
+        if segs.iter().any(|s| s.2.is_none_or(|m| m.unwritten))
+            && self.tree_may_rebuild(ino, &i, lo, hi)?
+        {
+            // A change that does not fit its leaf rebuilds the tree from all
+            // of its blocks (`ext_slow_op`).
             self.warm_tree(ino, &i, 0, 1 << 32)?;
         }
         if let Some(&(l, _, None)) = segs.iter().find(|s| s.2.is_none()) {
@@ -238,6 +318,7 @@ impl Inner {
         if !self.deferring() {
             return Ok(());
         }
+        self.warm_inode(ino)?;
         let i = self.read_inode(ino)?;
         let mut bitmaps = BTreeSet::new();
         if evict {
@@ -255,9 +336,19 @@ impl Inner {
             // Removing extents rebuilds the tree from all its blocks
             // (`ext_slow_op`) when a leaf is cut short or emptied.
             self.warm_tree(ino, &i, 0, 1 << 32)?;
-            let segs = self.ext_segments(ino, &i, from, 1 << 32)?;
-            for (_, _, m) in segs.into_iter().take(FREE_SCAN) {
-                let Some(m) = m else { continue };
+            // The bitmaps of the first FREE_SCAN extents freed.
+            let mut l = from.min(u32::MAX as u64) as u32;
+            for _ in 0..FREE_SCAN {
+                let m = match self.ext_map(ino, &i, l)? {
+                    Some(m) => m,
+                    None => match self.ext_next_mapped(ino, &i, l)? {
+                        Some(n) if n > l => {
+                            l = n;
+                            continue;
+                        }
+                        _ => break,
+                    },
+                };
                 let (first, last) = (m.pblk, m.pblk + m.len.max(1) as u64 - 1);
                 for g in self.block_group(first)..=self.block_group(last) {
                     if let Some(gd) = self.gds.get(g as usize) {
@@ -267,6 +358,10 @@ impl Inner {
                         bitmaps.insert(self.gd_block(g));
                     }
                 }
+                match l.checked_add(m.len.max(1)) {
+                    Some(n) => l = n,
+                    None => break,
+                }
             }
         }
         self.warm_all(bitmaps)
@@ -274,7 +369,8 @@ impl Inner {
 
     /// The pass before mapping the dirty pages of `inos` (a commit's or a
     /// fast commit's cut, a file's write-back): [`Self::warm_map`] of each
-    /// file's dirty span, the misses of all of them reported together.
+    /// run of a file's consecutive dirty pages (its first [`CUT_RUNS`]), the
+    /// misses of all of them reported together.
     pub(crate) fn warm_cut(&mut self, inos: &[u32]) -> Result<()> {
         let Some(pc) = self.pc.clone() else {
             return Ok(());
@@ -283,14 +379,13 @@ impl Inner {
             return Ok(());
         }
         let mut missing = Vec::new();
-        for &ino in inos {
-            let Some((lo, hi)) = pc.dirty_span(ino) else {
-                continue;
-            };
-            if let Err(FsError::MetadataMiss(b)) = self.warm_map(ino, lo, hi) {
-                missing.extend(b);
-                if missing.len() >= WARM_BATCH {
-                    break;
+        'files: for &ino in inos {
+            for (lo, hi) in pc.dirty_runs(ino, CUT_RUNS) {
+                if let Err(FsError::MetadataMiss(b)) = self.warm_map(ino, lo, hi) {
+                    missing.extend(b);
+                    if missing.len() >= WARM_BATCH {
+                        break 'files;
+                    }
                 }
             }
         }
@@ -309,6 +404,7 @@ impl Inner {
         if !self.deferring() {
             return Ok(());
         }
+        self.warm_inode(ino)?;
         let i = self.read_inode(ino)?;
         if i.file_acl != 0 {
             self.warm_all([i.file_acl])

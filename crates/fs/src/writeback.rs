@@ -618,7 +618,7 @@ impl Fs {
                 return Err(FsError::IsDir);
             }
         }
-        let mut g = self.lock()?;
+        let mut g = self.lock_change(|g| crate::error::unless_miss(g.warm_inode(ino)).map(drop))?;
         let mut i = g.live_inode(ino)?;
         if i.is_dir() {
             return Err(FsError::IsDir);
@@ -1015,7 +1015,7 @@ impl Fs {
         let (runs, unmapped, guard, h) = {
             // The inode lock keeps the dirty pages from changing under the
             // warm pass (writers take it too).
-            let (mut g, ()) = self.lock_warm(|g| g.warm_cut(&[ino]))?;
+            let mut g = self.lock_change(|g| g.warm_cut(&[ino]))?;
             // The handle before the pages: a cut that finds them gone knows
             // they are mapped in its transaction or an earlier one.
             let h = g.start(64)?;

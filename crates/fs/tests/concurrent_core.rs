@@ -1498,39 +1498,62 @@ fn covered_fsync_needs_no_fs_lock() {
 
 /// Changing operations read no metadata (and no data) under the
 /// file-system lock either (ARCHITECTURE.md C.2, warm.rs): on a freshly
-/// mounted image, a create and a mkdir (inode bitmap, the new inode's
-/// inode-table block, the block bitmap of a directory's first block), the
-/// write-back of writes into the holes of a file whose extent tree has
-/// leaves (tree blocks, block bitmap), a truncate and an unlink of such
-/// files (tree blocks, the bitmaps of what they free), xattr changes (the
-/// xattr block) and the readlink of a slow symlink find what they read
-/// already read without the lock. A device notes every read made while the
-/// lock is held; nothing else runs meanwhile. With the warm passes removed
-/// each of these reads under the lock.
+/// mounted image, with and without the page cache, a create and a mkdir
+/// (inode bitmap, the new inode's inode-table block, the block bitmap of a
+/// directory's first block), the write-back of writes into the holes of a
+/// file whose extent tree has leaves (tree blocks, block bitmap), a
+/// truncate and an unlink of such files (tree blocks, the bitmaps of what
+/// they free), xattr changes and a chmod (the xattr block), a link, a
+/// rename of a directory (its `..`), an rmdir, the last close of an
+/// unlinked file, an fallocate and the readlink of a slow symlink find what
+/// they read already read without the lock. A device notes every read made
+/// while the lock is held; nothing else runs meanwhile. With the warm
+/// passes removed, these read under the lock.
 #[test]
 fn changing_operations_read_nothing_under_the_fs_lock() {
     use commitfs_fs::testutil::LockProbe;
     let img = mkfs("cc-warm", 512, &["-b", "4096"]);
     let bs = 4096u64;
     let (nfrag, target) = (700u64, vec![b'a'; 200]);
+    let tags = ["c", "n"];
     {
         let fs = Fs::open_path(&img.path, nocache_opts()).unwrap();
         let d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
-        // Every other block: one extent each, past the inode's four, so
-        // the trees have leaf blocks.
-        for name in [&b"frag"[..], b"big", b"gone"] {
-            let f = fs.create(d, name, 0o644, 0, 0).unwrap().ino;
-            for k in 0..nfrag {
-                fs.write(f, 2 * k * bs, &[k as u8 + 1; 4096]).unwrap();
+        for t in tags {
+            // Every other block: one extent each, past the inode's four, so
+            // the trees have leaf blocks.
+            for name in ["frag", "big", "gone", "open"] {
+                let f = fs
+                    .create(d, format!("{name}-{t}").as_bytes(), 0o644, 0, 0)
+                    .unwrap()
+                    .ino;
+                for k in 0..nfrag {
+                    fs.write(f, 2 * k * bs, &[k as u8 + 1; 4096]).unwrap();
+                }
             }
+            fs.symlink(d, format!("slow-{t}").as_bytes(), &target, 0, 0)
+                .unwrap();
+            for name in ["x", "y"] {
+                let x = fs
+                    .create(d, format!("{name}-{t}").as_bytes(), 0o644, 0, 0)
+                    .unwrap()
+                    .ino;
+                fs.setxattr(x, b"user.big", &[7u8; 1500], XattrFlags::default())
+                    .unwrap();
+            }
+            let mv = fs
+                .mkdir(d, format!("mv-{t}").as_bytes(), 0o755, 0, 0)
+                .unwrap()
+                .ino;
+            fs.create(mv, b"inside", 0o644, 0, 0).unwrap();
+            fs.mkdir(d, format!("rmd-{t}").as_bytes(), 0o755, 0, 0)
+                .unwrap();
+            fs.create(d, format!("lk-{t}").as_bytes(), 0o644, 0, 0)
+                .unwrap();
         }
-        fs.symlink(d, b"slow", &target, 0, 0).unwrap();
-        let x = fs.create(d, b"x", 0o644, 0, 0).unwrap().ino;
-        fs.setxattr(x, b"user.big", &[7u8; 1500], XattrFlags::default())
-            .unwrap();
         fs.unmount().unwrap();
     }
-    for cached in [true, false] {
+    for (cached, t) in [(true, "c"), (false, "n")] {
         let dev = Arc::new(LockProbe::new(Arc::new(
             FileDevice::open(&img.path, false).unwrap(),
         )));
@@ -1538,11 +1561,22 @@ fn changing_operations_read_nothing_under_the_fs_lock() {
         let fs = Fs::open(dev.clone(), o).unwrap();
         dev.watch(fs.fs_lock_probe());
         let d = fs.resolve("/d").unwrap();
-        let ino = |n: &str| fs.lookup(d, n.as_bytes()).unwrap().ino;
+        let name = |n: &str| format!("{n}-{t}").into_bytes();
+        let ino = |n: &str| fs.lookup(d, &name(n)).unwrap().ino;
+        let (frag, big, open, x, y, slow, lk) = (
+            ino("frag"),
+            ino("big"),
+            ino("open"),
+            ino("x"),
+            ino("y"),
+            ino("slow"),
+            ino("lk"),
+        );
+        fs.open_inode(open).unwrap();
         dev.take();
-        // Each step: no read under the lock, and some read at all (the
-        // step did meet cold blocks).
-        let step = |what: &str, f: &dyn Fn()| {
+        // Each step: no read under the lock; with `cold`, some read at all
+        // (the step did meet cold blocks).
+        let step = |what: &str, cold: bool, f: &dyn Fn()| {
             let before = fs.stats().metadata_reads_unlocked;
             f();
             let (under, _) = dev.take();
@@ -1551,74 +1585,94 @@ fn changing_operations_read_nothing_under_the_fs_lock() {
                 "{what} (cache {cached}) read under the fs lock: {under:?}"
             );
             assert!(
-                fs.stats().metadata_reads_unlocked > before,
+                !cold || fs.stats().metadata_reads_unlocked > before,
                 "{what} (cache {cached}) read no cold metadata"
             );
         };
-        let tag = if cached { "c" } else { "n" };
-        step("create", &|| {
-            fs.create(d, format!("new-{tag}").as_bytes(), 0o644, 0, 0)
-                .unwrap();
+        step("create", true, &|| {
+            fs.create(d, &name("new"), 0o644, 0, 0).unwrap();
         });
         // In the root: spread to another group (Orlov), cold there.
-        step("mkdir", &|| {
-            fs.mkdir(ROOT_INO, format!("sub-{tag}").as_bytes(), 0o755, 0, 0)
-                .unwrap();
+        step("mkdir", true, &|| {
+            fs.mkdir(ROOT_INO, &name("sub"), 0o755, 0, 0).unwrap();
         });
-        let frag = ino("frag");
-        step("write into holes, fsync", &|| {
+        step("write into holes, fsync", true, &|| {
             for k in (0..nfrag).step_by(50) {
                 fs.write(frag, (2 * k + 1) * bs, &[0xEE; 4096]).unwrap();
             }
             fs.fsync(frag, false).unwrap();
         });
-        if cached {
-            let big = ino("big");
-            step("truncate", &|| {
-                fs.setattr(
-                    big,
-                    &SetAttr {
-                        size: Some(bs),
-                        ..Default::default()
-                    },
-                )
-                .unwrap();
-            });
-            let gone = ino("gone");
-            step("unlink", &|| fs.unlink(d, b"gone").unwrap());
-            assert!(fs.getattr(gone).is_err());
-            let x = ino("x");
-            step("setxattr", &|| {
-                fs.setxattr(x, b"user.big", &[8u8; 1400], XattrFlags::default())
-                    .unwrap()
-            });
-        }
-        let slow = ino("slow");
-        let (_, _) = dev.take();
-        assert_eq!(fs.readlink(slow).unwrap(), target);
-        let (under, _) = dev.take();
-        assert!(
-            under.is_empty(),
-            "readlink read under the fs lock: {under:?}"
-        );
+        step("truncate", true, &|| {
+            let s = SetAttr {
+                size: Some(bs),
+                ..Default::default()
+            };
+            fs.setattr(big, &s).unwrap();
+        });
+        step("unlink", true, &|| fs.unlink(d, &name("gone")).unwrap());
+        step("setxattr", true, &|| {
+            fs.setxattr(x, b"user.big", &[8u8; 1400], XattrFlags::default())
+                .unwrap()
+        });
+        step("chmod", true, &|| {
+            let s = SetAttr {
+                mode: Some(0o600),
+                ..Default::default()
+            };
+            fs.setattr(y, &s).unwrap();
+        });
+        step("link", false, &|| {
+            fs.link(lk, ROOT_INO, &name("lk2")).unwrap();
+        });
+        step("rename a directory", true, &|| {
+            let f = RenameFlags::default();
+            fs.rename(d, &name("mv"), ROOT_INO, &name("mv"), f).unwrap()
+        });
+        step("rmdir", true, &|| fs.rmdir(d, &name("rmd")).unwrap());
+        step("last close of an unlinked file", false, &|| {
+            fs.unlink(d, &name("open")).unwrap();
+            fs.release(open).unwrap();
+        });
+        step("fallocate", false, &|| {
+            fs.fallocate(big, 8 * bs, 4 * bs, FallocFlags::default())
+                .unwrap()
+        });
+        step("fsync", false, &|| fs.fsync(big, false).unwrap());
+        step("readlink", false, &|| {
+            assert_eq!(fs.readlink(slow).unwrap(), target);
+        });
         fs.unmount().unwrap();
     }
     let r = fsck(&img.path);
     assert!(r.is_clean(), "{}", problem_lines(&r.output).join("\n"));
     // What the steps changed is there after a remount.
     let fs = Fs::open_path(&img.path, opts()).unwrap();
-    let frag = fs.resolve("/d/frag").unwrap();
-    let mut b = vec![0u8; 4096];
-    fs.read(frag, bs, &mut b).unwrap();
-    assert_eq!(b, vec![0xEE; 4096]);
-    fs.read(frag, 2 * bs, &mut b).unwrap();
-    assert_eq!(b, vec![2; 4096]);
-    assert_eq!(fs.getattr(fs.resolve("/d/big").unwrap()).unwrap().size, bs);
-    assert!(fs.resolve("/d/gone").is_err());
-    assert_eq!(
-        fs.getxattr(fs.resolve("/d/x").unwrap(), b"user.big")
-            .unwrap(),
-        vec![8u8; 1400]
-    );
+    for t in tags {
+        let p = |n: &str| format!("/d/{n}-{t}");
+        let frag = fs.resolve(&p("frag")).unwrap();
+        let mut b = vec![0u8; 4096];
+        fs.read(frag, bs, &mut b).unwrap();
+        assert_eq!(b, vec![0xEE; 4096]);
+        fs.read(frag, 2 * bs, &mut b).unwrap();
+        assert_eq!(b, vec![2; 4096]);
+        let big = fs.getattr(fs.resolve(&p("big")).unwrap()).unwrap();
+        assert_eq!(
+            big.size,
+            12 * bs,
+            "truncated to one block, then fallocated to 12"
+        );
+        assert!(fs.resolve(&p("gone")).is_err());
+        assert!(fs.resolve(&p("open")).is_err());
+        assert!(fs.resolve(&p("rmd")).is_err());
+        let x = fs.resolve(&p("x")).unwrap();
+        assert_eq!(fs.getxattr(x, b"user.big").unwrap(), vec![8u8; 1400]);
+        let y = fs.getattr(fs.resolve(&p("y")).unwrap()).unwrap();
+        assert_eq!(y.perm & 0o7777, 0o600);
+        let mv = fs.resolve(&format!("/mv-{t}")).unwrap();
+        assert_eq!(fs.lookup(mv, b"..").unwrap().ino, ROOT_INO);
+        assert!(fs.resolve(&format!("/mv-{t}/inside")).is_ok());
+        let lk = fs.resolve(&p("lk")).unwrap();
+        assert_eq!(fs.resolve(&format!("/lk2-{t}")).unwrap(), lk);
+    }
     fs.unmount().unwrap();
 }

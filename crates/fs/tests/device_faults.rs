@@ -553,3 +553,55 @@ fn cached_write_back_failure_is_reported_by_every_later_fsync() {
         check_image(fs2, &img, "after a failed write-back");
     }
 }
+
+/// A read error while warming what a changing operation will read (warm.rs:
+/// blocks read outside the file-system lock, predicted) is not that
+/// operation's error: a last close whose first predicted extent-tree block
+/// fails to read still frees the file (the read is made again under the
+/// lock, and succeeds), records no error and leaves the file system
+/// writable. Failing the close instead left the file's blocks allocated,
+/// its open count held, until unmount.
+#[test]
+fn failed_predicted_read_does_not_fail_a_last_close() {
+    let img = mkfs("warm-fault", 64, &["-b", "4096"]);
+    let bs = 4096u64;
+    let nfrag = 700u64;
+    {
+        let fs = Fs::open_path(&img.path, opts(None)).unwrap();
+        let f = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap().ino;
+        // Every other block: one extent each, so the tree has leaf blocks.
+        for k in 0..nfrag {
+            fs.write(f, 2 * k * bs, &[1; 4096]).unwrap();
+        }
+        fs.unmount().unwrap();
+    }
+    let mem = Arc::new(MemDevice::from_file(&img.path).unwrap());
+    let dev = Arc::new(FaultyDevice::new(mem.clone()));
+    let fs = Fs::open(
+        dev.clone() as DeviceRef,
+        opts(Some(ErrorsBehavior::RemountRo)),
+    )
+    .unwrap();
+    let free0 = fs.statfs().unwrap().blocks_free;
+    let f = fs.lookup(ROOT_INO, b"f").unwrap().ino;
+    fs.open_inode(f).unwrap();
+    fs.unlink(ROOT_INO, b"f").unwrap();
+    dev.inject(Fault::reads().category(IoCategory::Metadata).once());
+    fs.release(f).unwrap();
+    assert_eq!(dev.injected(), 1, "the predicted read did not fail");
+    assert!(!fs.is_read_only(), "a predicted read's error was recorded");
+    fs.create(ROOT_INO, b"after", 0o644, 0, 0).unwrap();
+    fs.unmount().unwrap();
+    drop(fs);
+    drop(dev);
+    std::fs::write(&img.path, mem.contents()).unwrap();
+    let fs = Fs::open_path(&img.path, opts(None)).unwrap();
+    let free1 = fs.statfs().unwrap().blocks_free;
+    assert!(
+        free1 >= free0 + nfrag,
+        "the file's blocks were not freed: {free0} -> {free1}"
+    );
+    fs.unmount().unwrap();
+    let r = commitfs_fs::testutil::fsck(&img.path);
+    assert!(r.is_clean(), "{}", r.output);
+}
