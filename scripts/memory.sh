@@ -3,13 +3,19 @@
 # "Memory"): a sequential write of WRITE_GIB GiB, then the creation of FILES empty
 # files in directories of 1,000, each on a fresh image mounted with
 # `-o cache_size=CACHE_MB`. Prints the daemon's VmHWM for each against the cap.
+# Then times LOOKUPS stats of random files of those directories, most of whose
+# indexes the cap has evicted (the kernel's dentries dropped first, so each is a
+# LOOKUP the daemon answers), again with them cached, and the same stats on the
+# kernel's ext4 (the image on a loop device, caches dropped).
 # Needs root, FUSE and mkfs.ext4 (scripts/deps.sh); takes a few minutes.
 #
-#   scripts/memory.sh [CACHE_MB] [WRITE_GIB] [FILES]    (defaults: 256 10 1000000)
+#   scripts/memory.sh [CACHE_MB] [WRITE_GIB] [FILES] [LOOKUPS]
+#   (defaults: 256 10 1000000 20000)
 set -euo pipefail
 CACHE_MB=${1:-256}
 WRITE_GIB=${2:-10}
 FILES=${3:-1000000}
+LOOKUPS=${4:-20000}
 here=$(cd "$(dirname "$0")/.." && pwd)
 bin=${COMMITFS_BIN:-$here/target/release/commitfs}
 [ -x "$bin" ] || (cd "$here" && cargo build --release -q)
@@ -18,6 +24,7 @@ mnt=$work/mnt
 mkdir -p "$mnt"
 cleanup() {
     "$bin" umount "$mnt" >/dev/null 2>&1 || true
+    umount "$mnt" >/dev/null 2>&1 || true
     rm -rf "$work"
 }
 trap cleanup EXIT
@@ -56,5 +63,32 @@ EOF
 t1=$(date +%s.%N)
 c=$(hwm)
 "$bin" stats "$mnt" 2>/dev/null | grep '^metadata caches' || true
-"$bin" umount "$mnt"
 echo "creation of $FILES files: peak RSS $c MiB (cap $CACHE_MB MiB), $(awk -v n="$FILES" -v a="$t0" -v b="$t1" 'BEGIN {printf "%.0f", n / (b - a)}') files/s"
+
+# Lookups: us per stat of a random file, its directory's index most likely
+# evicted (the first pass), then cached (the second).
+lookups() { # label
+    sync
+    echo 2 > /proc/sys/vm/drop_caches
+    python3 - "$mnt" "$FILES" "$LOOKUPS" "$1" <<'EOF'
+import os, random, sys, time
+root, n, k, label = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+rng = random.Random(1)
+picks = [rng.randrange(n) for _ in range(k)]
+for rnd in ("first", "again"):
+    t = time.perf_counter()
+    for i in picks:
+        os.stat(f"{root}/d{i // 1000}/f{i}")
+    us = (time.perf_counter() - t) * 1e6 / k
+    print(f"{label}: {k} lookups of random files, {rnd}: {us:.1f} us each")
+EOF
+}
+lookups "commitfs"
+"$bin" stats "$mnt" 2>/dev/null | grep '^metadata caches' || true
+c=$(hwm)
+echo "after the lookups: peak RSS $c MiB (cap $CACHE_MB MiB)"
+"$bin" umount "$mnt"
+mount -o loop,ro "$work/img" "$mnt"
+echo 3 > /proc/sys/vm/drop_caches
+lookups "kernel ext4"
+umount "$mnt"

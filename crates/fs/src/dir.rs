@@ -86,6 +86,15 @@ const NAME_OVERHEAD: usize = 128;
 /// A directory at least this many blocks long is not loaded for a lookup when
 /// its state is not cached: the htree is probed instead ([`Inner::dx_lookup`]).
 const PROBE_MIN_BLOCKS: usize = 16;
+/// A linear directory at most this many blocks long is scanned for a lookup
+/// instead of loaded whole when its state is not cached and loading it would
+/// push others out of the cache (ext4's own linear lookup; an indexed one is
+/// probed then, whatever its size).
+const SCAN_MAX_BLOCKS: u64 = 64;
+/// What a loaded state costs per directory block, at most, in block sizes
+/// (short names: some 250 records of 16 bytes a 4 KiB block, each some 136
+/// bytes in the state), to tell whether loading one would evict others.
+const STATE_PER_BLOCK: usize = 8;
 /// `file_type` of '.' and '..'.
 const FT_DIR: u8 = dirent::FT_DIR;
 
@@ -191,6 +200,9 @@ pub struct DirCacheStats {
     pub evicted: u64,
     /// Lookups answered by probing the on-disk htree of an uncached directory.
     pub probes: u64,
+    /// Lookups answered by scanning the blocks of an uncached linear
+    /// directory (its state would not have fit without evicting others).
+    pub scans: u64,
 }
 
 impl DirCache {
@@ -205,6 +217,11 @@ impl DirCache {
             budget: self.budget,
             ..self.stats
         }
+    }
+
+    /// Whether caching a state of about `bytes` would evict others.
+    fn would_evict(&self, bytes: usize) -> bool {
+        self.bytes + bytes > self.budget
     }
 
     fn take(&mut self, dir: u32) -> Option<DirState> {
@@ -670,20 +687,33 @@ impl Inner {
 
     /// Look `name` up in `dir`. A large indexed directory whose state is not
     /// cached is probed on disk instead of loaded whole (so a lookup stays a
-    /// few block reads after the state was evicted).
+    /// few block reads after the state was evicted); so is any other whose
+    /// state would only fit by evicting others (an indexed one probed, a
+    /// linear one of at most [`SCAN_MAX_BLOCKS`] scanned): lookups spread
+    /// over more directories than the cache holds would otherwise load a
+    /// whole directory each, evicting the one the next lookup needs.
     pub fn dir_lookup(&mut self, dir: u32, name: &[u8]) -> Result<Option<(u32, u8)>> {
         if name != b"." && name != b".." && !self.dirs.lock().map.contains_key(&dir) {
             let inode = self.read_inode(dir)?;
             let blocks = inode.size / self.bs64();
-            if inode.is_dir()
-                && inode.has_flag(FL_INDEX)
+            let plain = inode.is_dir()
                 && !inode.has_flag(FL_INLINE_DATA)
                 && inode.size % self.bs64() == 0
-                && blocks >= PROBE_MIN_BLOCKS as u64
-                && blocks <= u32::MAX as u64 / 2
-            {
+                && blocks > 0
+                && blocks <= u32::MAX as u64 / 2;
+            let indexed = plain && inode.has_flag(FL_INDEX);
+            let full = plain && {
+                let est = (blocks as usize).saturating_mul(self.bs * STATE_PER_BLOCK);
+                self.dirs.lock().would_evict(est)
+            };
+            if indexed && (full || blocks >= PROBE_MIN_BLOCKS as u64) {
                 if let Some(found) = self.dx_lookup(dir, &inode, name)? {
                     self.dirs.lock().stats.probes += 1;
+                    return Ok(found);
+                }
+            } else if full && !indexed && blocks <= SCAN_MAX_BLOCKS {
+                if let Some(found) = self.dir_scan(dir, &inode, name)? {
+                    self.dirs.lock().stats.scans += 1;
                     return Ok(found);
                 }
             }
@@ -901,6 +931,47 @@ impl Inner {
         } else {
             dirhash::DX_HASH_HALF_MD4
         }
+    }
+
+    /// Look `name` up in a linear directory without its state, as the
+    /// kernel's `ext4_find_entry` does: each block read (misses deferred
+    /// together), checksum-verified and searched. `None` when the scan cannot
+    /// tell (a hole or unwritten extent: loading reports the corruption).
+    fn dir_scan(
+        &mut self,
+        dir: u32,
+        inode: &Inode,
+        name: &[u8],
+    ) -> Result<Option<Option<(u32, u8)>>> {
+        let nblocks = (inode.size / self.bs64()) as u32;
+        let mut pblocks = Vec::with_capacity(nblocks as usize);
+        for m in self.ext_list(dir, inode)? {
+            if m.unwritten || m.lblk != pblocks.len() as u32 {
+                return Ok(None);
+            }
+            let n = m.len.min(nblocks - m.lblk.min(nblocks));
+            pblocks.extend((0..n as u64).map(|i| m.pblk + i));
+        }
+        if pblocks.len() != nblocks as usize {
+            return Ok(None);
+        }
+        self.warm_all(pblocks.iter().copied())?;
+        let seed = self.csum.inode_seed(dir, inode.generation);
+        let geo = self.leaf_geo();
+        for &p in &pblocks {
+            let buf = self.read_meta(p)?;
+            let d = buf.data();
+            if self.csum.enabled {
+                dirent::verify_leaf_csum(&d, seed, p)?;
+            }
+            for e in dirent::iter(&d, geo, p) {
+                let e = e?;
+                if e.inode != 0 && e.name == name {
+                    return Ok(Some(Some((e.inode, e.file_type))));
+                }
+            }
+        }
+        Ok(Some(None))
     }
 
     /// Look `name` up in an indexed directory without its state, as the

@@ -271,3 +271,77 @@ fn the_running_transaction_is_committed_at_its_bound_by_any_operation() {
     fs.unmount().unwrap();
     assert_fsck_clean(&img.path);
 }
+
+/// Lookups spread over more small directories than the directory cache
+/// holds scan each one's blocks (ext4's linear lookup) instead of loading
+/// it whole: loading would evict the directory the next lookup needs, and
+/// every lookup would read and index a whole directory. Present, absent and
+/// removed names are answered right, and the loads stay at what fits.
+#[test]
+#[allow(clippy::needless_range_loop)] // (directory, file) pairs index a table
+fn lookups_over_more_directories_than_fit_scan_instead_of_loading() {
+    let img = mkfs("mem-scan", 64, &["-b", "4096", "-N", "8192"]);
+    let fs = small(&img);
+    const D: usize = 40;
+    const N: usize = 60;
+    let mut dirs = Vec::new();
+    let mut inos = vec![vec![0; N]; D];
+    for d in 0..D {
+        let dir = fs
+            .mkdir(ROOT_INO, format!("d{d}").as_bytes(), 0o755, 0, 0)
+            .unwrap()
+            .ino;
+        for (f, slot) in inos[d].iter_mut().enumerate() {
+            let a = fs
+                .create(
+                    dir,
+                    format!("a-longer-file-name-{f:04}").as_bytes(),
+                    0o644,
+                    0,
+                    0,
+                )
+                .unwrap();
+            fs.release(a.ino).unwrap();
+            *slot = a.ino;
+        }
+        dirs.push(dir);
+    }
+    fs.unlink(dirs[5], b"a-longer-file-name-0007").unwrap();
+    let before = fs.meta_cache_stats().dirs;
+    assert!(before.evicted > 0, "every directory fits: {before:?}");
+    for f in 0..N {
+        for d in 0..D {
+            let name = format!("a-longer-file-name-{f:04}");
+            match fs.lookup(dirs[d], name.as_bytes()) {
+                Ok(a) => {
+                    assert!((d, f) != (5, 7), "a removed name was found");
+                    assert_eq!(a.ino, inos[d][f], "d{d}/{name}");
+                }
+                Err(FsError::NotFound) => assert_eq!((d, f), (5, 7), "d{d}/{name} not found"),
+                Err(e) => panic!("d{d}/{name}: {e}"),
+            }
+        }
+        let d = f % D;
+        assert!(matches!(
+            fs.lookup(dirs[d], format!("missing-{f}").as_bytes()),
+            Err(FsError::NotFound)
+        ));
+    }
+    let after = fs.meta_cache_stats().dirs;
+    assert!(
+        after.loads - before.loads <= D as u64,
+        "lookups loaded directories over and over: {before:?} -> {after:?}"
+    );
+    assert!(after.scans >= (N * D / 2) as u64, "{after:?}");
+    // A change loads the directory again, and it stays right.
+    let a = fs.create(dirs[9], b"late", 0o644, 0, 0).unwrap();
+    fs.release(a.ino).unwrap();
+    assert_eq!(fs.lookup(dirs[9], b"late").unwrap().ino, a.ino);
+    assert_eq!(
+        fs.lookup(dirs[9], b"a-longer-file-name-0003").unwrap().ino,
+        inos[9][3]
+    );
+    fs.unmount().unwrap();
+    let r = commitfs_fs::testutil::fsck(&img.path);
+    assert!(r.is_clean(), "{}", r.output);
+}

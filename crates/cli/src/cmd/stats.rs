@@ -171,6 +171,7 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
                 "dir_loads": m.dirs.loads,
                 "dirs_evicted": m.dirs.evicted,
                 "dir_probes": m.dirs.probes,
+                "dir_scans": m.dirs.scans,
             }),
     })
 }
@@ -437,7 +438,7 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
         println!(
             "metadata caches: {} buffers ({} in the running transaction, committed at {}); \
              {} inodes (cap {}, {} evicted); {} directories, {} B \
-             (budget {} B; {} loaded, {} evicted, {} lookups by htree probe)",
+             (budget {} B; {} loaded, {} evicted, {} lookups by htree probe, {} by scan)",
             m["buffers"],
             m["running_buffers"],
             m["running_cap"],
@@ -449,7 +450,8 @@ pub fn run(dir: &Path, as_json: bool) -> Result<()> {
             m["dir_budget"],
             m["dir_loads"],
             m["dirs_evicted"],
-            m["dir_probes"]
+            m["dir_probes"],
+            m["dir_scans"]
         );
     }
     if let Some(m) = v["fuse_requests"].as_object().filter(|m| !m.is_empty()) {
