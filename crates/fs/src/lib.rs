@@ -575,6 +575,24 @@ impl Fs {
         Ok((g, v))
     }
 
+    /// [`Self::lock_warm`] for a pass that reads ahead of what it must
+    /// (`readdir_plus`'s batch of inodes, of which the caller may take only
+    /// the first): a failed read outside the lock ends the warming, and the
+    /// pass runs under the lock, where the read is made again and an error
+    /// recorded and met where the pass needs the block (so the entries before
+    /// an unreadable inode still go out).
+    fn lock_warm_lenient<R>(
+        &self,
+        mut warm: impl FnMut(&mut Inner) -> Result<R>,
+    ) -> Result<(parking_lot::MutexGuard<'_, Inner>, R)> {
+        let (mut g, v) = self.warm_loop(true, &mut warm)?;
+        let v = match v {
+            Some(v) => v,
+            None => warm(&mut g)?,
+        };
+        Ok((g, v))
+    }
+
     /// The file-system lock for a changing operation after its warm pass
     /// (warm.rs): as [`Self::lock_warm`], but what the pass reads is a
     /// prediction, which the operation may never need. So a failed read
@@ -1388,7 +1406,7 @@ impl Fs {
         }
         // The batch and its inodes are read outside the lock (the warm pass
         // changes nothing), then handed out under it.
-        let (mut g, entries) = self.lock_warm(|g| {
+        let (mut g, entries) = self.lock_warm_lenient(|g| {
             let d = g.read_inode(ino)?;
             if !d.is_dir() {
                 return Err(FsError::NotDir);

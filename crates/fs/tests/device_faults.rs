@@ -605,3 +605,72 @@ fn failed_predicted_read_does_not_fail_a_last_close() {
     let r = commitfs_fs::testutil::fsck(&img.path);
     assert!(r.is_clean(), "{}", r.output);
 }
+
+/// A readdirplus batch whose later entry's inode cannot be read hands out
+/// the entries before it (the next call meets the error), as it did when
+/// the batch's inodes were read under the file-system lock; reading them
+/// outside it first must not fail the whole batch.
+#[test]
+fn readdir_plus_hands_out_the_entries_before_an_unreadable_inode() {
+    let img = mkfs("rdp-fault", 32, &["-b", "4096"]);
+    let d;
+    let order: Vec<(Vec<u8>, u32)>;
+    {
+        let fs = Fs::open_path(&img.path, opts(None)).unwrap();
+        d = fs.mkdir(ROOT_INO, b"d", 0o755, 0, 0).unwrap().ino;
+        for i in 0..60 {
+            let a = fs
+                .create(d, format!("file-{i}").as_bytes(), 0o644, 0, 0)
+                .unwrap();
+            fs.release(a.ino).unwrap();
+        }
+        order = fs
+            .readdir_all(d)
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.name, e.ino))
+            .collect();
+        fs.unmount().unwrap();
+    }
+    let bytes = std::fs::read(&img.path).unwrap();
+    let g = geometry(&bytes);
+    let block = |ino: u32| (inode_offset(&g, ino) / g.bs) as u64;
+    // The first entry (past the third) whose inode-table block none before
+    // it shares: failing that block leaves the ones before readable.
+    let k = (3..order.len())
+        .find(|&k| order[..k].iter().all(|e| block(e.1) != block(order[k].1)))
+        .expect("every entry shares an inode-table block with an earlier one");
+    let bad = block(order[k].1) * g.bs as u64;
+    let mem = Arc::new(MemDevice::from_file(&img.path).unwrap());
+    let dev = Arc::new(FaultyDevice::new(mem.clone()));
+    let fs = Fs::open(
+        dev.clone() as DeviceRef,
+        opts(Some(ErrorsBehavior::Continue)),
+    )
+    .unwrap();
+    dev.inject(
+        Fault::reads()
+            .category(IoCategory::Metadata)
+            .bytes(bad..bad + g.bs as u64),
+    );
+    let mut got = Vec::new();
+    fs.readdir_plus(d, 0, |e, a| {
+        assert_eq!(e.ino, a.ino);
+        got.push((e.name.clone(), e.ino));
+        true
+    })
+    .expect("the entries before the unreadable inode");
+    assert!(dev.injected() > 0, "the inode-table block was never read");
+    assert_eq!(got, order[..k].to_vec(), "entries handed out");
+    // Continuing at the unreadable one reports the error.
+    let next = fs.readdir_plus(d, order_offset(&fs, d, k), |_, _| true);
+    assert!(next.is_err(), "{next:?}");
+    dev.heal();
+    drop(fs);
+}
+
+/// The readdir offset of entry `k` of `dir` (its predecessor's `next`).
+fn order_offset(fs: &Fs, dir: Ino, k: usize) -> u64 {
+    let all = fs.readdir_all(dir).unwrap();
+    all[k - 1].next_offset
+}
