@@ -313,7 +313,8 @@ impl Inner {
     /// The pass before freeing `ino`'s blocks from file block `from` on
     /// (truncate, the last unlink or close): the inode, the tree blocks of
     /// that range and the bitmaps of the groups its blocks are in; with
-    /// `evict`, also the inode bitmap of the inode's group.
+    /// `evict`, also the inode bitmap of the inode's group and the orphan
+    /// list up to the member that links to it.
     pub(crate) fn warm_free(&mut self, ino: u32, from: u64, evict: bool) -> Result<()> {
         if !self.deferring() {
             return Ok(());
@@ -322,6 +323,12 @@ impl Inner {
         let i = self.read_inode(ino)?;
         let mut bitmaps = BTreeSet::new();
         if evict {
+            // Off the orphan list: the member linking to it changes.
+            if let Ok(Some(p)) = unless_miss(self.orphan_pred(ino))? {
+                if p != 0 {
+                    let _ = unless_miss(self.warm_inode(p))?;
+                }
+            }
             let g = self.inode_group(ino);
             if let Some(gd) = self.gds.get(g as usize) {
                 bitmaps.insert(gd.inode_bitmap);

@@ -1550,6 +1550,11 @@ fn changing_operations_read_nothing_under_the_fs_lock() {
                 .unwrap();
             fs.create(d, format!("lk-{t}").as_bytes(), 0o644, 0, 0)
                 .unwrap();
+            let o2 = fs
+                .create(d, format!("open2-{t}").as_bytes(), 0o644, 0, 0)
+                .unwrap()
+                .ino;
+            fs.release(o2).unwrap();
         }
         fs.unmount().unwrap();
     }
@@ -1572,7 +1577,9 @@ fn changing_operations_read_nothing_under_the_fs_lock() {
             ino("slow"),
             ino("lk"),
         );
+        let open2 = ino("open2");
         fs.open_inode(open).unwrap();
+        fs.open_inode(open2).unwrap();
         dev.take();
         // Each step: no read under the lock; with `cold`, some read at all
         // (the step did meet cold blocks).
@@ -1629,9 +1636,12 @@ fn changing_operations_read_nothing_under_the_fs_lock() {
             fs.rename(d, &name("mv"), ROOT_INO, &name("mv"), f).unwrap()
         });
         step("rmdir", true, &|| fs.rmdir(d, &name("rmd")).unwrap());
+        // Not the orphan list's head: its predecessor there changes.
         step("last close of an unlinked file", false, &|| {
             fs.unlink(d, &name("open")).unwrap();
+            fs.unlink(d, &name("open2")).unwrap();
             fs.release(open).unwrap();
+            fs.release(open2).unwrap();
         });
         step("fallocate", false, &|| {
             fs.fallocate(big, 8 * bs, 4 * bs, FallocFlags::default())
