@@ -95,6 +95,8 @@ const SCAN_MAX_BLOCKS: u64 = 64;
 /// (short names: some 250 records of 16 bytes a 4 KiB block, each some 136
 /// bytes in the state), to tell whether loading one would evict others.
 const STATE_PER_BLOCK: usize = 8;
+/// Directories [`DirCache::admit`] remembers at most.
+const GHOSTS_MAX: usize = 4096;
 /// `file_type` of '.' and '..'.
 const FT_DIR: u8 = dirent::FT_DIR;
 
@@ -174,6 +176,10 @@ pub struct DirCache {
     stats: DirCacheStats,
     /// Renames in progress ([`Renaming`]).
     renaming: u32,
+    /// Directories scanned or probed because the cache was full, with the
+    /// count of such lookups when they were ([`Self::admit`]).
+    ghosts: HashMap<u32, u64>,
+    ghost_seq: u64,
 }
 
 impl Default for DirCache {
@@ -184,6 +190,8 @@ impl Default for DirCache {
             budget: DEFAULT_BUDGET,
             stats: DirCacheStats::default(),
             renaming: 0,
+            ghosts: HashMap::new(),
+            ghost_seq: 0,
         }
     }
 }
@@ -221,7 +229,29 @@ impl DirCache {
 
     /// Whether caching a state of about `bytes` would evict others.
     fn would_evict(&self, bytes: usize) -> bool {
-        self.bytes + bytes > self.budget
+        self.bytes.saturating_add(bytes) > self.budget
+    }
+
+    /// A lookup in uncached `dir` found the cache full: whether to load it
+    /// all the same. Yes when `dir` was scanned or probed before within the
+    /// last lookups of this kind as many as the cache holds directories (at
+    /// least 16): used more often than a cached one, it is worth its place
+    /// (a ghost list, as 2Q's). Otherwise its use is noted and it is scanned.
+    fn admit(&mut self, dir: u32) -> bool {
+        self.ghost_seq += 1;
+        let (seq, window) = (self.ghost_seq, (self.map.len() as u64).max(16));
+        if self.ghosts.get(&dir).is_some_and(|&s| seq - s <= window) {
+            self.ghosts.remove(&dir);
+            return true;
+        }
+        if self.ghosts.len() >= GHOSTS_MAX {
+            self.ghosts.retain(|_, s| seq - *s <= window);
+            if self.ghosts.len() >= GHOSTS_MAX {
+                self.ghosts.clear();
+            }
+        }
+        self.ghosts.insert(dir, seq);
+        false
     }
 
     fn take(&mut self, dir: u32) -> Option<DirState> {
@@ -421,6 +451,12 @@ impl Inner {
             _ => self.cache_dir(dir, st),
         }
         r
+    }
+
+    /// Load `dir`'s state into the cache if it is not there (a changing
+    /// operation's warm pass, warm.rs).
+    pub(crate) fn with_dir_state(&mut self, dir: u32) -> Result<()> {
+        self.with_dir(dir, |_, _| Ok(()))
     }
 
     fn cache_dir(&mut self, dir: u32, st: DirState) {
@@ -704,7 +740,8 @@ impl Inner {
             let indexed = plain && inode.has_flag(FL_INDEX);
             let full = plain && {
                 let est = (blocks as usize).saturating_mul(self.bs * STATE_PER_BLOCK);
-                self.dirs.lock().would_evict(est)
+                let mut c = self.dirs.lock();
+                c.would_evict(est) && !c.admit(dir)
             };
             if indexed && (full || blocks >= PROBE_MIN_BLOCKS as u64) {
                 if let Some(found) = self.dx_lookup(dir, &inode, name)? {

@@ -1301,7 +1301,9 @@ impl Fs {
                 // What a shrink frees, read before the lock is kept.
                 let warm = move |g: &mut Inner| -> Result<()> {
                     let r = match g.read_inode(ino) {
-                        Ok(i) if new < i.size => g.warm_free(ino, new.div_ceil(g.bs64()), false),
+                        Ok(i) if new < i.size => {
+                            g.warm_free(ino, new.div_ceil(g.bs64()), warm::Evict::No)
+                        }
                         _ => g.warm_inode(ino),
                     };
                     error::unless_miss(r).map(drop)
@@ -1643,7 +1645,8 @@ impl Fs {
             |g| {
                 g.warm_lookup(new_parent, new_name)?;
                 let _ = error::unless_miss(g.warm_inode(ino))?;
-                error::unless_miss(g.warm_dir_growth(new_parent)).map(drop)
+                let _ = error::unless_miss(g.warm_dir_growth(new_parent))?;
+                g.warm_dir_state(new_parent)
             },
             |g| g.link(ino, new_parent, new_name),
         )
@@ -1780,8 +1783,10 @@ impl Fs {
         if self.itable.release_unless_last_unlinked(ino) {
             return Ok(());
         }
-        self.lock_change(|g| error::unless_miss(g.warm_free(ino, 0, true)).map(drop))?
-            .release(ino)
+        self.lock_change(|g| {
+            error::unless_miss(g.warm_free(ino, 0, warm::Evict::Orphan)).map(drop)
+        })?
+        .release(ino)
     }
 
     /// Read file data; updates atime under the mount's atime policy.

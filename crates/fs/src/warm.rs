@@ -29,6 +29,22 @@ use crate::inner::{Inner, WARM_BATCH};
 /// of millions of fragments frees them under the lock, in its own time).
 const FREE_SCAN: usize = 4096;
 
+/// Orphan-list members a last close's pass follows to find the one linking
+/// to the closed inode (the list holds the open unlinked files).
+const ORPHAN_WALK: usize = 64;
+
+/// What a freeing pass ([`Inner::warm_free`]) prepares for besides the
+/// blocks.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Evict {
+    /// A truncate: the inode stays.
+    No,
+    /// The last link of an inode nobody holds open: it goes.
+    Yes,
+    /// An unlinked file's last close: it goes, and off the orphan list.
+    Orphan,
+}
+
 /// Runs of consecutive dirty pages per file a cut's pass warms (a file
 /// dirtied in many scattered pages maps the rest under the lock).
 const CUT_RUNS: usize = 16;
@@ -146,6 +162,7 @@ impl Inner {
                 self.warm_all([p.file_acl])?;
             }
         }
+        self.warm_dir_state(parent)?;
         let _ = unless_miss(self.warm_inode_alloc(parent, is_dir, block))?;
         let _ = unless_miss(self.warm_dir_growth(parent))?;
         Ok(())
@@ -160,6 +177,7 @@ impl Inner {
         if !self.deferring() {
             return Ok(());
         }
+        self.warm_dir_state(parent)?;
         let Ok(ino) = unless_miss(self.lookup_ino(parent, name))? else {
             return Ok(());
         };
@@ -173,7 +191,7 @@ impl Inner {
             i.links_count <= 1
         };
         if last && !self.itable.is_open(ino) {
-            let _ = unless_miss(self.warm_free(ino, 0, true))?;
+            let _ = unless_miss(self.warm_free(ino, 0, Evict::Yes))?;
         }
         Ok(())
     }
@@ -191,12 +209,25 @@ impl Inner {
         if !self.deferring() {
             return Ok(());
         }
+        self.warm_dir_state(parent)?;
         if let Ok(src) = unless_miss(self.lookup_ino(parent, name))? {
             if matches!(unless_miss(self.read_inode(src))?, Ok(i) if i.is_dir()) {
                 let _ = unless_miss(self.lookup_ino(src, b".."))?;
             }
         }
         let _ = unless_miss(self.warm_dir_growth(new_parent))?;
+        Ok(())
+    }
+
+    /// The state of a directory the operation will change (add, remove or
+    /// replace an entry: `with_dir` loads it whole). A lookup may have only
+    /// probed or scanned it (`dir_lookup` under cache pressure), which reads
+    /// a few of its blocks.
+    pub(crate) fn warm_dir_state(&mut self, dir: u32) -> Result<()> {
+        if !self.deferring() {
+            return Ok(());
+        }
+        let _ = unless_miss(self.with_dir_state(dir))?;
         Ok(())
     }
 
@@ -312,23 +343,18 @@ impl Inner {
 
     /// The pass before freeing `ino`'s blocks from file block `from` on
     /// (truncate, the last unlink or close): the inode, the tree blocks of
-    /// that range and the bitmaps of the groups its blocks are in; with
-    /// `evict`, also the inode bitmap of the inode's group and the orphan
-    /// list up to the member that links to it.
-    pub(crate) fn warm_free(&mut self, ino: u32, from: u64, evict: bool) -> Result<()> {
+    /// that range and the bitmaps of the groups its blocks are in. `evict`:
+    /// the inode itself goes too (its group's inode bitmap, its xattr block);
+    /// [`Evict::Orphan`]: it is on the orphan list (an unlinked file's last
+    /// close), whose member linking to it changes.
+    pub(crate) fn warm_free(&mut self, ino: u32, from: u64, evict: Evict) -> Result<()> {
         if !self.deferring() {
             return Ok(());
         }
         self.warm_inode(ino)?;
         let i = self.read_inode(ino)?;
         let mut bitmaps = BTreeSet::new();
-        if evict {
-            // Off the orphan list: the member linking to it changes.
-            if let Ok(Some(p)) = unless_miss(self.orphan_pred(ino))? {
-                if p != 0 {
-                    let _ = unless_miss(self.warm_inode(p))?;
-                }
-            }
+        if evict != Evict::No {
             let g = self.inode_group(ino);
             if let Some(gd) = self.gds.get(g as usize) {
                 bitmaps.insert(gd.inode_bitmap);
@@ -371,7 +397,33 @@ impl Inner {
                 }
             }
         }
-        self.warm_all(bitmaps)
+        self.warm_all(bitmaps)?;
+        if evict == Evict::Orphan {
+            self.warm_orphan_pred(ino)?;
+        }
+        Ok(())
+    }
+
+    /// The member of the orphan list that links to `ino` (`orphan_pred`'s
+    /// walk, at most [`ORPHAN_WALK`] members; a longer list is walked under
+    /// the lock).
+    fn warm_orphan_pred(&mut self, ino: u32) -> Result<()> {
+        let mut cur = self.sb.last_orphan();
+        for _ in 0..ORPHAN_WALK {
+            if cur == 0 || cur == ino {
+                return Ok(());
+            }
+            let Ok(i) = unless_miss(self.read_inode(cur))? else {
+                return Ok(());
+            };
+            if i.dtime == ino {
+                // Its dtime changes.
+                let _ = unless_miss(self.warm_inode(cur))?;
+                return Ok(());
+            }
+            cur = i.dtime;
+        }
+        Ok(())
     }
 
     /// The pass before mapping the dirty pages of `inos` (a commit's or a

@@ -1686,3 +1686,63 @@ fn changing_operations_read_nothing_under_the_fs_lock() {
     }
     fs.unmount().unwrap();
 }
+
+/// A change in a large indexed directory whose state is not cached: a
+/// lookup there only probes the htree (a few blocks), but adding or
+/// removing the entry loads the whole directory; the warm pass loads it
+/// first, so neither a create, an unlink nor a rename into it reads the
+/// directory's other blocks under the file-system lock.
+#[test]
+fn changes_in_an_uncached_large_directory_read_nothing_under_the_fs_lock() {
+    use commitfs_fs::testutil::LockProbe;
+    let img = mkfs("cc-warm-big", 128, &["-b", "4096"]);
+    {
+        let fs = Fs::open_path(&img.path, nocache_opts()).unwrap();
+        let big = fs.mkdir(ROOT_INO, b"big", 0o755, 0, 0).unwrap().ino;
+        for i in 0..3000 {
+            let a = fs
+                .create(
+                    big,
+                    format!("entry-with-a-longer-name-{i}").as_bytes(),
+                    0o644,
+                    0,
+                    0,
+                )
+                .unwrap();
+            fs.release(a.ino).unwrap();
+        }
+        fs.create(ROOT_INO, b"outside", 0o644, 0, 0).unwrap();
+        fs.unmount().unwrap();
+    }
+    for (what, op) in [("create", 0), ("unlink", 1), ("rename into it", 2)] {
+        let dev = Arc::new(LockProbe::new(Arc::new(
+            FileDevice::open(&img.path, false).unwrap(),
+        )));
+        let fs = Fs::open(dev.clone(), opts()).unwrap();
+        dev.watch(fs.fs_lock_probe());
+        let big = fs.lookup(ROOT_INO, b"big").unwrap().ino;
+        // A lookup of an uncached directory of this size probes its htree.
+        fs.lookup(big, b"entry-with-a-longer-name-8").unwrap();
+        assert!(fs.meta_cache_stats().dirs.probes > 0);
+        dev.take();
+        match op {
+            0 => drop(fs.create(big, b"new", 0o644, 0, 0).unwrap()),
+            1 => fs.unlink(big, b"entry-with-a-longer-name-7").unwrap(),
+            _ => fs
+                .rename(ROOT_INO, b"outside", big, b"moved", RenameFlags::default())
+                .unwrap(),
+        }
+        let (under, _) = dev.take();
+        assert!(under.is_empty(), "{what} read under the fs lock: {under:?}");
+        fs.unmount().unwrap();
+    }
+    let fs = Fs::open_path(&img.path, opts()).unwrap();
+    let big = fs.lookup(ROOT_INO, b"big").unwrap().ino;
+    assert!(fs.lookup(big, b"new").is_ok());
+    assert!(fs.lookup(big, b"moved").is_ok());
+    assert!(fs.lookup(big, b"entry-with-a-longer-name-7").is_err());
+    assert_eq!(fs.readdir_all(big).unwrap().len(), 3000 + 2 + 1);
+    fs.unmount().unwrap();
+    let r = fsck(&img.path);
+    assert!(r.is_clean(), "{}", problem_lines(&r.output).join("\n"));
+}
