@@ -178,7 +178,7 @@ pub struct DirCache {
     renaming: u32,
     /// Directories scanned or probed because the cache was full, with the
     /// count of such lookups when they were ([`Self::admit`]).
-    ghosts: HashMap<u32, u64>,
+    ghosts: HashMap<u32, (u64, u64)>,
     ghost_seq: u64,
 }
 
@@ -227,31 +227,43 @@ impl DirCache {
         }
     }
 
-    /// Whether caching a state of about `bytes` would evict others.
+    /// Whether caching a state of about `bytes` would evict others, or
+    /// pass the level an eviction sweeps down to ([`Self::put`]: 3/4 of the
+    /// budget; otherwise each sweep would open room for a burst of loads
+    /// that only fills the cache for the next sweep).
     fn would_evict(&self, bytes: usize) -> bool {
-        self.bytes.saturating_add(bytes) > self.budget
+        self.bytes.saturating_add(bytes) > self.budget / 4 * 3
     }
 
-    /// A lookup in uncached `dir` found the cache full: whether to load it
-    /// all the same. Yes when `dir` was scanned or probed before within the
-    /// last lookups of this kind as many as the cache holds directories (at
-    /// least 16): used more often than a cached one, it is worth its place
-    /// (a ghost list, as 2Q's). Otherwise its use is noted and it is scanned.
-    fn admit(&mut self, dir: u32) -> bool {
+    /// A lookup of `name` in uncached `dir` found the cache full: whether
+    /// to load it all the same. Yes when a lookup of another name in `dir`
+    /// was answered by a scan or probe within the last such lookups a
+    /// quarter as many as the cache holds directories (at least 16): used
+    /// that often, it is worth a place (a ghost list, as 2Q's; lookups
+    /// spread evenly over many more directories than fit seldom recur so
+    /// soon, and go on scanning). Only answered lookups are noted
+    /// ([`Self::note_scanned`]) and only another name counts: a warm pass
+    /// run again after a miss (of this lookup's blocks, or of anything after
+    /// it in the pass) is the same use, not a second one.
+    fn admit(&self, dir: u32, name: &[u8]) -> bool {
+        let window = (self.map.len() as u64 / 4).max(16);
+        self.ghosts
+            .get(&dir)
+            .is_some_and(|&(s, h)| self.ghost_seq - s < window && h != cookie_of(name))
+    }
+
+    /// A lookup of `name` in `dir` was answered by a scan or probe of its
+    /// blocks.
+    fn note_scanned(&mut self, dir: u32, name: &[u8]) {
         self.ghost_seq += 1;
-        let (seq, window) = (self.ghost_seq, (self.map.len() as u64).max(16));
-        if self.ghosts.get(&dir).is_some_and(|&s| seq - s <= window) {
-            self.ghosts.remove(&dir);
-            return true;
-        }
+        let (seq, window) = (self.ghost_seq, (self.map.len() as u64 / 4).max(16));
         if self.ghosts.len() >= GHOSTS_MAX {
-            self.ghosts.retain(|_, s| seq - *s <= window);
+            self.ghosts.retain(|_, (s, _)| seq - *s <= window);
             if self.ghosts.len() >= GHOSTS_MAX {
                 self.ghosts.clear();
             }
         }
-        self.ghosts.insert(dir, seq);
-        false
+        self.ghosts.insert(dir, (seq, cookie_of(name)));
     }
 
     fn take(&mut self, dir: u32) -> Option<DirState> {
@@ -740,17 +752,21 @@ impl Inner {
             let indexed = plain && inode.has_flag(FL_INDEX);
             let full = plain && {
                 let est = (blocks as usize).saturating_mul(self.bs * STATE_PER_BLOCK);
-                let mut c = self.dirs.lock();
-                c.would_evict(est) && !c.admit(dir)
+                let c = self.dirs.lock();
+                c.would_evict(est) && !c.admit(dir, name)
             };
             if indexed && (full || blocks >= PROBE_MIN_BLOCKS as u64) {
                 if let Some(found) = self.dx_lookup(dir, &inode, name)? {
-                    self.dirs.lock().stats.probes += 1;
+                    let mut c = self.dirs.lock();
+                    c.stats.probes += 1;
+                    c.note_scanned(dir, name);
                     return Ok(found);
                 }
             } else if full && !indexed && blocks <= SCAN_MAX_BLOCKS {
                 if let Some(found) = self.dir_scan(dir, &inode, name)? {
-                    self.dirs.lock().stats.scans += 1;
+                    let mut c = self.dirs.lock();
+                    c.stats.scans += 1;
+                    c.note_scanned(dir, name);
                     return Ok(found);
                 }
             }
