@@ -1010,21 +1010,29 @@ impl Inner {
         }
         self.warm_all(pblocks.iter().copied())?;
         let seed = self.csum.inode_seed(dir, inode.generation);
-        let geo = self.leaf_geo();
         for &p in &pblocks {
             let buf = self.read_meta(p)?;
-            let d = buf.data();
-            if self.csum.enabled {
-                dirent::verify_leaf_csum(&d, seed, p)?;
-            }
-            for e in dirent::iter(&d, geo, p) {
-                let e = e?;
-                if e.inode != 0 && e.name == name {
-                    return Ok(Some(Some((e.inode, e.file_type))));
-                }
+            let found = self.leaf_find(&buf.data(), seed, p, name)?;
+            if let Some(found) = found {
+                return Ok(Some(Some(found)));
             }
         }
         Ok(Some(None))
+    }
+
+    /// `name` in leaf block `d` (device block `pblk`) of a directory with
+    /// checksum seed `seed`, after verifying the block's checksum.
+    fn leaf_find(&self, d: &[u8], seed: u32, pblk: u64, name: &[u8]) -> Result<Option<(u32, u8)>> {
+        if self.csum.enabled {
+            dirent::verify_leaf_csum(d, seed, pblk)?;
+        }
+        for e in dirent::iter(d, self.leaf_geo(), pblk) {
+            let e = e?;
+            if e.inode != 0 && e.name == name {
+                return Ok(Some((e.inode, e.file_type)));
+            }
+        }
+        Ok(None)
     }
 
     /// Look `name` up in an indexed directory without its state, as the
@@ -1089,14 +1097,8 @@ impl Inner {
                 continue;
             }
             let (p, d) = block(self, child)?;
-            if csum {
-                dirent::verify_leaf_csum(&d, seed, p)?;
-            }
-            for e in dirent::iter(&d, self.leaf_geo(), p) {
-                let e = e?;
-                if e.inode != 0 && e.name == name {
-                    return Ok(Some(Some((e.inode, e.file_type))));
-                }
+            if let Some(found) = self.leaf_find(&d, seed, p, name)? {
+                return Ok(Some(Some(found)));
             }
             let continues = match entries.get(i + 1) {
                 Some(next) => next.hash & dx::HASH_CONTINUATION != 0 && next.hash & !1 == hash,
