@@ -471,6 +471,50 @@ impl Inner {
         self.with_dir(dir, |_, _| Ok(()))
     }
 
+    /// For a changing operation's warm pass (warm.rs): the blocks of `dir`
+    /// that adding `add`, removing or replacing the entry `remove` and (with
+    /// `dotdot`) pointing `..` elsewhere will modify: the leaf each name is
+    /// in or goes to, an htree leaf's index path when it would split, block
+    /// 0 for `..` or a single full block becoming indexed. The directory's
+    /// state (the index) may be cached while these buffers are not: they
+    /// are read here, outside the lock, instead of by the operation under it.
+    pub(crate) fn warm_dir_change(
+        &mut self,
+        dir: u32,
+        add: Option<&[u8]>,
+        remove: Option<&[u8]>,
+        dotdot: bool,
+    ) -> Result<()> {
+        if !self.defer_misses.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(());
+        }
+        let mut blks = Vec::new();
+        self.with_dir(dir, |me, st| {
+            let pblk = |l: u32| st.pblocks.get(l as usize).copied();
+            if let Some(slot) = remove.and_then(|n| st.names.get(n)) {
+                blks.extend(pblk(slot.lblk));
+            }
+            if dotdot {
+                blks.extend(pblk(0));
+            }
+            if let Some(name) = add {
+                if st.dx.is_some() {
+                    blks.extend(me.dx_add_blocks(st, name));
+                } else {
+                    let need = dirent::min_rec_len(name.len());
+                    match st.free.iter().position(|&f| f as usize >= need) {
+                        Some(l) => blks.extend(pblk(l as u32)),
+                        // Full: one block becomes indexed (reads it), more grow.
+                        None if st.pblocks.len() == 1 => blks.extend(pblk(0)),
+                        None => {}
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        self.warm_all(blks)
+    }
+
     fn cache_dir(&mut self, dir: u32, st: DirState) {
         self.dirs.lock().put(dir, st);
     }
@@ -741,6 +785,13 @@ impl Inner {
     /// over more directories than the cache holds would otherwise load a
     /// whole directory each, evicting the one the next lookup needs.
     pub fn dir_lookup(&mut self, dir: u32, name: &[u8]) -> Result<Option<(u32, u8)>> {
+        if name == b".." && !self.dirs.lock().map.contains_key(&dir) {
+            // Rename's ancestor walk asks this of every directory up to the
+            // root: its first block answers, not the whole directory.
+            if let Some(p) = self.dir_dotdot(dir)? {
+                return Ok(Some((p, FT_DIR)));
+            }
+        }
         if name != b"." && name != b".." && !self.dirs.lock().map.contains_key(&dir) {
             let inode = self.read_inode(dir)?;
             let blocks = inode.size / self.bs64();
@@ -990,6 +1041,46 @@ impl Inner {
     /// kernel's `ext4_find_entry` does: each block read (misses deferred
     /// together), checksum-verified and searched. `None` when the scan cannot
     /// tell (a hole or unwritten extent: loading reports the corruption).
+    /// `..` of an uncached directory from its first block (a leaf, or the
+    /// htree root, whose first records are `.` and `..` as well), checksum
+    /// verified. `None`: not a plain extent-mapped directory (the caller
+    /// loads it and reports what is wrong).
+    fn dir_dotdot(&mut self, dir: u32) -> Result<Option<u32>> {
+        let inode = self.read_inode(dir)?;
+        if !inode.is_dir()
+            || inode.has_flag(FL_INLINE_DATA)
+            || inode.size < self.bs64()
+            || inode.size % self.bs64() != 0
+        {
+            return Ok(None);
+        }
+        let pblk = match self.ext_map(dir, &inode, 0)? {
+            Some(m) if !m.unwritten => m.pblk,
+            _ => return Ok(None),
+        };
+        let buf = self.read_meta(pblk)?;
+        let d = buf.data();
+        let seed = self.csum.inode_seed(dir, inode.generation);
+        let (dot, dotdot) = if inode.has_flag(FL_INDEX) {
+            if self.csum.enabled {
+                dx::verify_csum(&d, dx::ROOT_COUNT_OFFSET, seed, pblk)?;
+            }
+            let r = dx::parse_root(&d, &self.dx_geo(), pblk)?;
+            (r.dot_inode, r.dotdot_inode)
+        } else {
+            if self.csum.enabled {
+                dirent::verify_leaf_csum(&d, seed, pblk)?;
+            }
+            dirent::dot_dotdot(&d, self.leaf_geo(), pblk)?
+        };
+        if dot != dir {
+            return Err(FsError::corrupt(format!(
+                "directory {dir}: '.' names inode {dot}"
+            )));
+        }
+        Ok(Some(dotdot))
+    }
+
     fn dir_scan(
         &mut self,
         dir: u32,

@@ -141,12 +141,32 @@ const SUPPORTED_RO_COMPAT: u32 = sbf::RO_COMPAT_SPARSE_SUPER
 /// Missing blocks one deferred pass reports at most ([`Inner::warm_all`]).
 pub(crate) const WARM_BATCH: usize = 256;
 
+/// Cached blocks one warm pass holds at most for the operation after it
+/// (`Inner::warm_pins`; 4 MiB of 4 KiB blocks).
+const WARM_PINS_MAX: usize = 1024;
+
+/// A warm pass in progress ([`Inner::defer_pass`]): misses are deferred
+/// until it ends, by return or by panic.
+pub(crate) struct DeferPass(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for DeferPass {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 pub(crate) struct Inner {
     pub dev: DeviceRef,
     /// Set while an operation that may be run again (one without side
     /// effects so far, `Fs::read_locked`) holds the lock: a metadata miss
     /// returns [`FsError::MetadataMiss`] instead of reading the device.
     pub defer_misses: Arc<std::sync::atomic::AtomicBool>,
+    /// The cached blocks the last warm pass touched, held (a cache sweep
+    /// keeps held buffers) until the next pass starts: the operation that
+    /// follows the pass under the lock finds them all, even when what it
+    /// inserts itself (a new block, a loaded directory) sweeps a cache at its
+    /// budget ([`Inner::defer_pass`]). At most [`WARM_PINS_MAX`].
+    warm_pins: std::cell::RefCell<Vec<Arc<Buffer>>>,
     /// Shared so that a commit (device writes and flush) can run outside the
     /// `Inner` lock: a slow fsync must not block unrelated requests.
     pub journal: Arc<Journal>,
@@ -320,6 +340,7 @@ impl Inner {
         let mut inner = Inner {
             dev,
             defer_misses: Default::default(),
+            warm_pins: Default::default(),
             journal,
             bs,
             groups,
@@ -583,10 +604,12 @@ impl Inner {
         if self.defer_misses.load(std::sync::atomic::Ordering::Relaxed) {
             // No device read under `Inner` (ARCHITECTURE.md C.2): the caller
             // reads it outside and runs the operation again.
-            return self
+            let b = self
                 .journal
                 .bread_cached(blk)
-                .ok_or_else(|| FsError::MetadataMiss(vec![blk]));
+                .ok_or_else(|| FsError::MetadataMiss(vec![blk]))?;
+            self.warm_pin(&b);
+            return Ok(b);
         }
         match self.journal.bread(blk) {
             Ok(b) => Ok(b),
@@ -602,6 +625,25 @@ impl Inner {
         }
     }
 
+    /// Start a warm pass: metadata misses are deferred (reported as
+    /// [`FsError::MetadataMiss`]) until the returned guard drops, and the
+    /// blocks the previous pass held are let go (what this pass touches is
+    /// held anew).
+    pub(crate) fn defer_pass(&self) -> DeferPass {
+        self.warm_pins.borrow_mut().clear();
+        self.defer_misses
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        DeferPass(self.defer_misses.clone())
+    }
+
+    /// Hold `b`, touched by a warm pass, for the operation after it.
+    fn warm_pin(&self, b: &Arc<Buffer>) {
+        let mut p = self.warm_pins.borrow_mut();
+        if p.len() < WARM_PINS_MAX && !p.last().is_some_and(|l| Arc::ptr_eq(l, b)) {
+            p.push(b.clone());
+        }
+    }
+
     /// While misses are deferred, the blocks of `blks` that are not cached (at
     /// most [`WARM_BATCH`]),
     /// as one [`FsError::MetadataMiss`] (a pass over many blocks, a whole
@@ -614,7 +656,18 @@ impl Inner {
         // pass runs again, so a huge directory pins a bounded amount.
         let missing: Vec<u64> = blks
             .into_iter()
-            .filter(|&b| b < self.sb.blocks_count() && self.journal.bread_cached(b).is_none())
+            .filter(|&b| {
+                if b >= self.sb.blocks_count() {
+                    return false;
+                }
+                match self.journal.bread_cached(b) {
+                    Some(buf) => {
+                        self.warm_pin(&buf);
+                        false
+                    }
+                    None => true,
+                }
+            })
             .take(WARM_BATCH)
             .collect();
         if missing.is_empty() {

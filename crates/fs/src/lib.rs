@@ -614,14 +614,6 @@ impl Fs {
         predicted: bool,
         warm: &mut impl FnMut(&mut Inner) -> Result<R>,
     ) -> Result<(parking_lot::MutexGuard<'_, Inner>, Option<R>)> {
-        use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-        /// Clears the deferral when the pass ends, by return or by panic.
-        struct Deferred(Arc<AtomicBool>);
-        impl Drop for Deferred {
-            fn drop(&mut self) {
-                self.0.store(false, Relaxed);
-            }
-        }
         // What was read outside the lock stays pinned (a cache sweep keeps
         // held buffers) until the pass that needs it has run; past
         // PIN_BUDGET blocks the pass reads under the lock instead.
@@ -632,8 +624,7 @@ impl Fs {
             }
             let mut g = self.lock()?;
             let r = {
-                let d = Deferred(g.defer_misses.clone());
-                d.0.store(true, Relaxed);
+                let _d = g.defer_pass();
                 warm(&mut g)
             };
             match r {
@@ -1646,7 +1637,8 @@ impl Fs {
                 g.warm_lookup(new_parent, new_name)?;
                 let _ = error::unless_miss(g.warm_inode(ino))?;
                 let _ = error::unless_miss(g.warm_dir_growth(new_parent))?;
-                g.warm_dir_state(new_parent)
+                g.warm_dir_state(new_parent)?;
+                g.warm_dir_change(new_parent, Some(new_name), None, false)
             },
             |g| g.link(ino, new_parent, new_name),
         )

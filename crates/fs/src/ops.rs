@@ -486,7 +486,7 @@ impl Inner {
     }
 
     /// Is `dir` equal to or below `ancestor`? (walks "..").
-    fn is_descendant(&mut self, mut dir: u32, ancestor: u32) -> Result<bool> {
+    pub(crate) fn is_descendant(&mut self, mut dir: u32, ancestor: u32) -> Result<bool> {
         for _ in 0..65536 {
             if dir == ancestor {
                 return Ok(true);

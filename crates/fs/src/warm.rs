@@ -163,6 +163,7 @@ impl Inner {
             }
         }
         self.warm_dir_state(parent)?;
+        let _ = unless_miss(self.warm_dir_change(parent, Some(name), None, false))?;
         let _ = unless_miss(self.warm_inode_alloc(parent, is_dir, block))?;
         let _ = unless_miss(self.warm_dir_growth(parent))?;
         Ok(())
@@ -178,6 +179,7 @@ impl Inner {
             return Ok(());
         }
         self.warm_dir_state(parent)?;
+        let _ = unless_miss(self.warm_dir_change(parent, None, Some(name), false))?;
         let Ok(ino) = unless_miss(self.lookup_ino(parent, name))? else {
             return Ok(());
         };
@@ -210,9 +212,26 @@ impl Inner {
             return Ok(());
         }
         self.warm_dir_state(parent)?;
+        let _ = unless_miss(self.warm_dir_change(parent, None, Some(name), false))?;
+        // The new name: a new entry, or (a target exists) one replaced in
+        // place, which `warm_remove` above warmed.
+        let _ = unless_miss(self.warm_dir_change(new_parent, Some(new_name), None, false))?;
         if let Ok(src) = unless_miss(self.lookup_ino(parent, name))? {
             if matches!(unless_miss(self.read_inode(src))?, Ok(i) if i.is_dir()) {
                 let _ = unless_miss(self.lookup_ino(src, b".."))?;
+                if parent != new_parent {
+                    let _ = unless_miss(self.warm_dir_change(src, None, None, true))?;
+                }
+                // The check that the new parent is not below the moved
+                // directory walks `..` up to the root: one first block (and
+                // inode) per level, a pass per level.
+                let _ = unless_miss(self.is_descendant(new_parent, src))?;
+            }
+        }
+        // A directory replaced (or exchanged): the walk from the old parent.
+        if let Ok(dst) = unless_miss(self.lookup_ino(new_parent, new_name))? {
+            if matches!(unless_miss(self.read_inode(dst))?, Ok(i) if i.is_dir()) {
+                let _ = unless_miss(self.is_descendant(parent, dst))?;
             }
         }
         let _ = unless_miss(self.warm_dir_growth(new_parent))?;
@@ -499,18 +518,11 @@ pub(crate) fn lock_warm_with<'a>(
     mut lock: impl FnMut() -> Option<parking_lot::MutexGuard<'a, Inner>>,
     mut warm: impl FnMut(&mut Inner) -> Result<()>,
 ) -> Option<parking_lot::MutexGuard<'a, Inner>> {
-    struct Deferred(std::sync::Arc<std::sync::atomic::AtomicBool>);
-    impl Drop for Deferred {
-        fn drop(&mut self) {
-            self.0.store(false, Relaxed);
-        }
-    }
     let mut pins = Vec::new();
     for _ in 0..crate::READ_RETRIES {
         let mut g = lock()?;
         let r = {
-            let d = Deferred(g.defer_misses.clone());
-            d.0.store(true, Relaxed);
+            let _d = g.defer_pass();
             warm(&mut g)
         };
         let Err(FsError::MetadataMiss(blks)) = r else {

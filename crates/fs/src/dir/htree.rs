@@ -287,6 +287,26 @@ impl Inner {
     }
 
     /// Insert into an indexed directory.
+    /// The blocks [`Self::dx_add_entry`] would change for `name` (a warm
+    /// pass): the leaf its hash selects and, when that leaf lacks the room
+    /// and would split, every index block on the way to it.
+    pub(super) fn dx_add_blocks(&self, st: &DirState, name: &[u8]) -> Vec<u64> {
+        let Some(idx) = st.dx.as_ref() else {
+            return Vec::new();
+        };
+        let (hash, _) = self.name_hash(idx, name);
+        let Ok((path, leaf)) = idx.probe(hash) else {
+            return Vec::new();
+        };
+        let pblk = |l: u32| st.pblocks.get(l as usize).copied();
+        let mut v: Vec<u64> = pblk(leaf).into_iter().collect();
+        let need = dirent::min_rec_len(name.len());
+        if (st.free.get(leaf as usize).copied().unwrap_or(0) as usize) < need {
+            v.extend(path.iter().filter_map(|&(node, _)| pblk(node.unwrap_or(0))));
+        }
+        v
+    }
+
     pub(super) fn dx_add_entry(
         &mut self,
         h: &Handle,
