@@ -304,7 +304,7 @@ impl Inner {
 
     /// Make inode numbers whose freeing transactions are durable reusable, and
     /// move their groups' hints back to them.
-    fn prune_pending_free_inodes(&mut self) {
+    pub(crate) fn prune_pending_free_inodes(&mut self) {
         let j = self.journal.clone();
         let mut freed = Vec::new();
         crate::pending::prune_durable(

@@ -172,6 +172,8 @@ pub(crate) struct Inner {
     pub journal: Arc<Journal>,
     pub sb: Superblock,
     pub sb_dirty: bool,
+    /// The superblock's buffer, held for the mount (read-write mounts).
+    sb_pin: Option<Arc<Buffer>>,
     pub gds: Vec<GroupDesc>,
     /// The descriptors' free counts, for statfs without `Inner` (alloc.rs).
     pub free: Arc<crate::alloc::FreeCounts>,
@@ -350,6 +352,7 @@ impl Inner {
             csum,
             sb,
             sb_dirty: false,
+            sb_pin: None,
             gds: Vec::with_capacity(groups as usize),
             free: Default::default(),
             read_only,
@@ -407,6 +410,10 @@ impl Inner {
             // disk before the first transaction reaches the log, or the kernel would
             // wipe the log instead of replaying it.
             inner.write_super_direct()?;
+            // Every orphan-list change logs the superblock: kept cached, so
+            // no operation reads it under the lock (C.2).
+            let blk = if inner.bs == 1024 { 1 } else { 0 };
+            inner.sb_pin = Some(inner.journal.bread(blk)?);
             if inner.sb.last_orphan() != 0 {
                 inner.process_orphans()?;
             }

@@ -533,6 +533,13 @@ impl Fs {
         Ok(f())
     }
 
+    /// Test seam: at most `buffers` clean metadata buffers stay cached (below
+    /// the floor `cache_size=` keeps), so that a test's blocks come and go.
+    #[doc(hidden)]
+    pub fn limit_buffer_cache(&self, buffers: usize) {
+        self.journal.set_cache_limit_exact(buffers);
+    }
+
     /// Test seam: whether the file-system lock is held now, by anyone
     /// (`testutil::LockProbe` asks it at each metadata read).
     #[doc(hidden)]
@@ -730,31 +737,21 @@ impl Fs {
         self.errors.on_shutdown(Box::new(f));
     }
 
-    /// Run `f`; on ENOSPC while blocks freed by uncommitted transactions exist,
-    /// commit (making them reusable) and retry once, like ext4's retry-alloc.
-    fn retry_nospace<T>(&self, f: impl FnMut(&mut Inner) -> Result<T>) -> Result<T> {
-        self.retry_nospace_guarded(None, None, f)
-    }
-
-    /// [`Self::retry_nospace`] after the warm pass `warm` ([`Self::lock_warm`],
-    /// in the same lock hold): the metadata the operation reads first is read
-    /// outside the lock.
+    /// Run `f` after the warm pass `warm` ([`Self::lock_change`], in the same
+    /// lock hold: the metadata the operation reads is read outside the lock);
+    /// on ENOSPC while blocks freed by uncommitted transactions exist, commit
+    /// (making them reusable) and retry once, like ext4's retry-alloc.
     fn retry_nospace_warm<T>(
         &self,
-        warm: impl FnMut(&mut Inner) -> Result<()>,
-        mut f: impl FnMut(&mut Inner) -> Result<T>,
+        warm: impl Fn(&mut Inner) -> Result<()>,
+        f: impl FnMut(&mut Inner) -> Result<T>,
     ) -> Result<T> {
-        let first = {
-            let mut g = self.lock_change(warm)?;
-            f(&mut g)
-        };
-        if !matches!(first, Err(FsError::NoSpace)) {
-            return first;
-        }
-        self.retry_nospace(f)
+        // The retry after the commit warms again: the commit may have let
+        // the blocks go.
+        self.retry_nospace_guarded(None, Some(&warm), f)
     }
 
-    /// [`Self::retry_nospace`] for an operation that may overwrite data of
+    /// [`Self::retry_nospace_warm`] for an operation that may overwrite data of
     /// `guard.0` in place at file blocks `guard.1(inner)` (`fc_data_csum`: see
     /// [`Self::lock_guarded`]), after the warm pass `warm`.
     fn retry_nospace_guarded<T>(
@@ -1356,7 +1353,8 @@ impl Fs {
             g.dir_readdir(ino, offset, &mut |_, _, _, _| {
                 n += 1;
                 n < READDIR_WARM
-            })
+            })?;
+            g.warm_atime(ino)
         })?;
         g.dir_readdir(ino, offset, &mut entry)?;
         if g.touch_atime(ino) {
@@ -1372,7 +1370,7 @@ impl Fs {
         if !atime::atime_maybe_due(&self.opts, &self.itable, ino) {
             return;
         }
-        let touched = match self.lock() {
+        let touched = match self.lock_change(|g| g.warm_atime(ino)) {
             Ok(mut g) => g.touch_atime(ino),
             Err(_) => false,
         };
@@ -1422,6 +1420,7 @@ impl Fs {
                     break;
                 }
             }
+            let _ = error::unless_miss(g.warm_atime(ino))?;
             Ok(entries)
         })?;
         for (k, e) in entries.iter().enumerate() {
@@ -1637,6 +1636,7 @@ impl Fs {
                 g.warm_lookup(new_parent, new_name)?;
                 let _ = error::unless_miss(g.warm_inode(ino))?;
                 let _ = error::unless_miss(g.warm_dir_growth(new_parent))?;
+                let _ = error::unless_miss(g.warm_inode(new_parent))?;
                 g.warm_dir_state(new_parent)?;
                 g.warm_dir_change(new_parent, Some(new_name), None, false)
             },
@@ -1799,7 +1799,11 @@ impl Fs {
         }
         let (n, segs, atime) = {
             // The inode and extent blocks are read outside the lock.
-            let (mut g, (n, segs)) = self.lock_warm(|g| g.read_begin(ino, offset, buf.len()))?;
+            let (mut g, (n, segs)) = self.lock_warm(|g| {
+                let r = g.read_begin(ino, offset, buf.len())?;
+                g.warm_atime(ino)?;
+                Ok(r)
+            })?;
             (n, segs, !buf.is_empty() && g.touch_atime(ino))
         };
         let r = self.dio.read_segs(&segs, &mut buf[..n]);

@@ -124,6 +124,12 @@ impl PendingBlocks {
         }
     }
 
+    /// How many blocks of group `g` are pending (free in its bitmap, not
+    /// usable yet).
+    pub fn group_pending(&self, g: u32) -> u64 {
+        self.overlay.get(&g).map_or(0, |o| o.set)
+    }
+
     /// The pending bits of group `g`, if it has any.
     pub fn group_overlay(&self, g: u32) -> Option<&[u64]> {
         self.overlay.get(&g).map(|o| o.words.as_slice())

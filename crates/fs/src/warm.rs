@@ -68,10 +68,27 @@ impl Inner {
         }
     }
 
-    /// The block bitmap `alloc_blocks(goal, _)` reads first: of the goal's
-    /// group, or of the next group with free blocks (none for a group whose
-    /// bitmap is still uninitialised: that one is made, not read).
+    /// The inode-table block of `ino` when an access would write its atime
+    /// ([`Inner::touch_atime`] after a read or a listing).
+    pub(crate) fn warm_atime(&mut self, ino: u32) -> Result<()> {
+        if !self.deferring() || !crate::atime::atime_maybe_due(&self.opts, &self.itable, ino) {
+            return Ok(());
+        }
+        self.warm_inode(ino)
+    }
+
+    /// The block bitmaps allocating `want` blocks from `goal` on reads (a
+    /// prediction): of the goal's group, or of the next group with free
+    /// blocks, and of the groups after it until their usable free blocks
+    /// (not freed by a transaction not yet committed) are twice `want`, at
+    /// least two, at most [`ALLOC_GROUPS`]; none for a group whose bitmap is
+    /// still uninitialised: that one is made, not read.
     pub(crate) fn warm_block_alloc(&mut self, goal: u64) -> Result<()> {
+        self.warm_block_alloc_n(goal, 1)
+    }
+
+    /// [`Self::warm_block_alloc`] for `want` blocks.
+    pub(crate) fn warm_block_alloc_n(&mut self, goal: u64, want: u64) -> Result<()> {
         if !self.deferring() {
             return Ok(());
         }
@@ -79,7 +96,11 @@ impl Inner {
             self.sb.first_data_block() as u64,
             self.sb.blocks_count() - 1,
         );
+        // As `alloc_blocks` does first (bookkeeping of durable state only).
+        self.prune_pending_free();
         let g0 = self.block_group(goal);
+        let mut blks = Vec::with_capacity(4);
+        let (mut found, mut free) = (0, 0u64);
         for k in 0..self.groups {
             let g = (g0 + k) % self.groups;
             let gd = self.gds[g as usize];
@@ -87,13 +108,21 @@ impl Inner {
                 continue;
             }
             // The descriptor changes too.
-            let desc = self.gd_block(g);
-            if gd.has_flag(BG_BLOCK_UNINIT) {
-                return self.warm_all([desc]);
+            blks.push(self.gd_block(g));
+            if !gd.has_flag(BG_BLOCK_UNINIT) {
+                blks.push(gd.block_bitmap);
             }
-            return self.warm_all([gd.block_bitmap, desc]);
+            found += 1;
+            // Blocks freed by transactions not yet committed are skipped.
+            free +=
+                (gd.free_blocks_count as u64).saturating_sub(self.pending_free.group_pending(g));
+            // Twice what is wanted: a run ends at the first used block, and
+            // the next one's goal follows it, often into the next group.
+            if found >= ALLOC_GROUPS || (found >= 2 && free > 2 * want) {
+                break;
+            }
         }
-        Ok(())
+        self.warm_all(blks)
     }
 
     /// What `alloc_inode(parent, is_dir)` reads: the inode bitmap of the
@@ -110,6 +139,10 @@ impl Inner {
         if !self.deferring() {
             return Ok(());
         }
+        // As `alloc_inode` does first: numbers whose freeing transaction is
+        // durable are usable again, and the hint moves back to them (only
+        // bookkeeping of durable state, which any later allocation would do).
+        self.prune_pending_free_inodes();
         let Some(g0) = self.pick_inode_group(parent, is_dir) else {
             return Ok(());
         };
@@ -162,6 +195,8 @@ impl Inner {
                 self.warm_all([p.file_acl])?;
             }
         }
+        // The parent's times (and a new directory's link) are written.
+        let _ = unless_miss(self.warm_inode(parent))?;
         self.warm_dir_state(parent)?;
         let _ = unless_miss(self.warm_dir_change(parent, Some(name), None, false))?;
         let _ = unless_miss(self.warm_inode_alloc(parent, is_dir, block))?;
@@ -180,9 +215,11 @@ impl Inner {
         }
         self.warm_dir_state(parent)?;
         let _ = unless_miss(self.warm_dir_change(parent, None, Some(name), false))?;
+        let _ = unless_miss(self.warm_inode(parent))?;
         let Ok(ino) = unless_miss(self.lookup_ino(parent, name))? else {
             return Ok(());
         };
+        let _ = unless_miss(self.warm_inode(ino))?;
         let Ok(i) = unless_miss(self.read_inode(ino))? else {
             return Ok(());
         };
@@ -213,10 +250,14 @@ impl Inner {
         }
         self.warm_dir_state(parent)?;
         let _ = unless_miss(self.warm_dir_change(parent, None, Some(name), false))?;
+        let _ = unless_miss(self.warm_inode(parent))?;
+        let _ = unless_miss(self.warm_inode(new_parent))?;
         // The new name: a new entry, or (a target exists) one replaced in
         // place, which `warm_remove` above warmed.
         let _ = unless_miss(self.warm_dir_change(new_parent, Some(new_name), None, false))?;
         if let Ok(src) = unless_miss(self.lookup_ino(parent, name))? {
+            // Its ctime.
+            let _ = unless_miss(self.warm_inode(src))?;
             if matches!(unless_miss(self.read_inode(src))?, Ok(i) if i.is_dir()) {
                 let _ = unless_miss(self.lookup_ino(src, b".."))?;
                 if parent != new_parent {
@@ -353,9 +394,12 @@ impl Inner {
             // of its blocks (`ext_slow_op`).
             self.warm_tree(ino, &i, 0, 1 << 32)?;
         }
-        if let Some(&(l, _, None)) = segs.iter().find(|s| s.2.is_none()) {
+        // Each hole is allocated from a goal of its own (after the extent
+        // before it): the first ALLOC_GROUPS holes' goals.
+        let holes = segs.iter().filter(|s| s.2.is_none());
+        for &(l, n, _) in holes.take(ALLOC_GROUPS as usize) {
             let goal = self.data_goal(ino, &i, l as u32)?;
-            self.warm_block_alloc(goal)?;
+            self.warm_block_alloc_n(goal, n)?;
         }
         Ok(())
     }
@@ -379,8 +423,16 @@ impl Inner {
                 bitmaps.insert(gd.inode_bitmap);
                 bitmaps.insert(self.gd_block(g));
             }
-            if i.file_acl != 0 {
+            if i.file_acl != 0 && i.file_acl < self.sb.blocks_count() {
+                // The xattr block, and what freeing it (its last user) changes.
                 bitmaps.insert(i.file_acl);
+                let g = self.block_group(i.file_acl);
+                if let Some(gd) = self.gds.get(g as usize) {
+                    if !gd.has_flag(BG_BLOCK_UNINIT) {
+                        bitmaps.insert(gd.block_bitmap);
+                    }
+                    bitmaps.insert(self.gd_block(g));
+                }
             }
         }
         let tree = NodeRef::parse_root(&i.block, ino).is_ok();
@@ -491,6 +543,10 @@ impl Inner {
         }
     }
 }
+
+/// Block groups whose bitmaps one allocation's warm pass reads at most
+/// ([`Inner::warm_block_alloc_n`]).
+const ALLOC_GROUPS: u32 = 16;
 
 /// Child blocks of index node `node` whose key range meets `[lo, hi)` (none
 /// for a leaf).

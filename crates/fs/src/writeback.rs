@@ -731,9 +731,12 @@ impl Fs {
         let mut data = data;
         let holes = match pc.uncached_inside(ino, offset, data.len(), facts.disk_size) {
             Some((lo, hi)) => {
-                let mut g = self.lock()?;
-                let i = g.live_inode(ino)?;
-                let segs = g.ext_segments(ino, &i, lo as u64, hi as u64)?;
+                // A read: the extent-tree blocks it misses are read outside
+                // the lock and the lookup runs again (C.2).
+                let (g, segs) = self.lock_warm(|g| {
+                    let i = g.live_inode(ino)?;
+                    g.ext_segments(ino, &i, lo as u64, hi as u64)
+                })?;
                 drop(g);
                 let holes: Vec<u32> = segs
                     .into_iter()
@@ -806,15 +809,17 @@ impl Fs {
         let plan = pc.plan_write(ino, offset, data.len(), facts.disk_size);
         let mut filled = Vec::with_capacity(plan.fill.len());
         if !plan.fill.is_empty() {
-            let segs = {
-                let mut g = self.lock()?;
+            // A read of the mapping: tree blocks it misses are read outside
+            // the lock and the plan runs again (C.2).
+            let (g, segs) = self.lock_warm(|g| {
                 let i = g.live_inode(ino)?;
                 let mut v = Vec::new();
                 for &l in &plan.fill {
                     v.push((l, g.read_plan(ino, &i, l as u64 * bs, bs as usize)?));
                 }
-                v
-            };
+                Ok(v)
+            })?;
+            drop(g);
             for (l, s) in segs {
                 let mut b = vec![0u8; bs as usize];
                 self.dio.read_segs(&s, &mut b)?;
@@ -878,7 +883,7 @@ impl Fs {
         }
         Ok(
             match crate::atime::touch_atime_deferred(&self.opts, &self.itable, ino) {
-                None => self.lock()?.touch_atime(ino),
+                None => self.lock_change(|g| g.warm_atime(ino))?.touch_atime(ino),
                 Some(true) => self.lock()?.flush_lazy_expired_now(),
                 Some(false) => false,
             },
@@ -914,8 +919,18 @@ impl Fs {
             None => (None, Vec::new()),
         };
         let epoch = pc.discard_epoch();
-        let mut g = self.lock()?;
-        let i = g.live_inode(ino)?;
+        // The inode, the extent-tree blocks over the range and the block of
+        // its atime are read outside the lock (C.2).
+        let (mut g, i) = self.lock_warm(|g| {
+            let i = g.live_inode(ino)?;
+            if i.is_reg() {
+                let bs = g.bs as u64;
+                let end = offset.saturating_add(buf.len() as u64).div_ceil(bs);
+                g.warm_tree(ino, &i, offset / bs, end)?;
+                g.warm_atime(ino)?;
+            }
+            Ok(i)
+        })?;
         if !i.is_reg() {
             return Ok(None);
         }

@@ -731,6 +731,14 @@ impl Core {
             .fetch_min((b / 6).max(256) as u64, Ordering::Relaxed);
     }
 
+    /// Test seam: a cache of at most `buffers` clean buffers, below
+    /// [`Self::set_cache_limit`]'s floor (tests of what an operation reads
+    /// when its blocks come and go).
+    #[doc(hidden)]
+    pub fn set_cache_limit_exact(&self, buffers: usize) {
+        self.cache_limit.store(buffers.max(1), Ordering::Relaxed);
+    }
+
     /// Blocks a running transaction may log before it is committed (a quarter
     /// of the log, and a share of the memory bound).
     pub fn max_transaction_blocks(&self) -> u64 {
