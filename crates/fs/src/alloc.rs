@@ -181,7 +181,9 @@ impl Inner {
             self.sb.first_data_block() as u64,
             self.sb.blocks_count() - 1,
         );
-        self.prune_pending_free();
+        if !self.warm_pruned {
+            self.prune_pending_free();
+        }
         let g0 = self.block_group(goal);
         for i in 0..self.groups {
             let g = (g0 + i) % self.groups;
@@ -441,7 +443,9 @@ impl Inner {
 
     /// Allocate an inode number for a new inode of `parent` (§4.10 step 1).
     pub fn alloc_inode(&mut self, h: &Handle, parent: u32, is_dir: bool) -> Result<u32> {
-        self.prune_pending_free_inodes();
+        if !self.warm_pruned {
+            self.prune_pending_free_inodes();
+        }
         let Some(start_g) = self.pick_inode_group(parent, is_dir) else {
             return Err(FsError::NoSpace);
         };

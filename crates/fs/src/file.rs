@@ -15,6 +15,38 @@ use crate::inner::{now, Inner};
 use crate::types::{CallerOf, FallocFlags};
 
 /// Largest file size: 2^32 logical blocks (extent logical block numbers are 32 bits).
+/// The byte ranges of partial blocks to zero, and the whole blocks to
+/// remove (`[first, last)`), of [`falloc_zero_plan`].
+pub(crate) type ZeroPlan = (Vec<(u64, u64)>, Option<(u64, u64)>);
+
+/// What a punch or a zeroed range `[off, end)` of a file of `size` bytes
+/// does to its blocks: the partial edge blocks' byte ranges to zero in
+/// place, and the whole blocks `[first, last)` to remove. One home for
+/// `fallocate_in` and `Fs::fallocate_by`, which zeroes the edges through the
+/// write path before it (outside the file-system lock).
+pub(crate) fn falloc_zero_plan(
+    off: u64,
+    end: u64,
+    size: u64,
+    flags: crate::types::FallocFlags,
+    bs: u64,
+) -> ZeroPlan {
+    let zero_end = if flags.punch_hole { end.min(size) } else { end };
+    if off >= zero_end {
+        return (Vec::new(), None);
+    }
+    let first_full = off.div_ceil(bs);
+    let last_full = zero_end / bs; // exclusive
+    if first_full > last_full {
+        (vec![(off, zero_end)], None)
+    } else {
+        (
+            vec![(off, first_full * bs), (last_full * bs, zero_end)],
+            Some((first_full, last_full)),
+        )
+    }
+}
+
 pub(crate) fn max_file_size(bs: usize) -> u64 {
     (1u64 << 32) * bs as u64 - 1
 }
@@ -399,18 +431,10 @@ impl Inner {
         });
         self.fc_track_inode(ino, h.tid(), range);
         if size < i.size {
-            // Zero the tail of the new last block so a later extension reads zeros.
-            if !size.is_multiple_of(bs) {
-                let lblk = (size / bs) as u32;
-                if let Some(m) = self.ext_map(ino, i, lblk)? {
-                    if !m.unwritten {
-                        let mut tmp = vec![0u8; self.bs];
-                        self.read_data(m.pblk, &mut tmp)?;
-                        tmp[(size % bs) as usize..].fill(0);
-                        self.write_data(m.pblk, &tmp)?;
-                    }
-                }
-            }
+            // Zero the tail of the new last block so a later extension reads
+            // zeros (done already through the write path, outside the lock,
+            // when the truncate came through `Fs`).
+            self.zero_partial(ino, i, size, size.div_ceil(bs) * bs)?;
             let first_free = size.div_ceil(bs) as u32;
             self.remove_blocks(h, ino, i, first_free, 1u64 << 32)?;
         }
@@ -441,13 +465,17 @@ impl Inner {
         Ok(())
     }
 
-    /// Zero bytes `[from, to)` inside one block's mapped, written data.
+    /// Zero bytes `[from, to)` inside one block's mapped, written data:
+    /// under the lock, unless `Fs` did it outside (`zeroed_outside`).
     fn zero_partial(&mut self, ino: u32, i: &Inode, from: u64, to: u64) -> Result<()> {
         if from >= to {
             return Ok(());
         }
         let bs = self.bs as u64;
         let lblk = (from / bs) as u32;
+        if self.zeroed_outside.contains(&(ino, lblk)) {
+            return Ok(());
+        }
         if let Some(m) = self.ext_map(ino, i, lblk)? {
             if !m.unwritten {
                 let mut tmp = vec![0u8; self.bs];
@@ -518,21 +546,12 @@ impl Inner {
     ) -> Result<()> {
         let bs = self.bs as u64;
         if flags.punch_hole || flags.zero_range {
-            let zero_end = if flags.punch_hole {
-                end.min(i.size)
-            } else {
-                end
-            };
-            if off < zero_end {
-                let first_full = off.div_ceil(bs);
-                let last_full = zero_end / bs; // exclusive
-                if first_full > last_full {
-                    self.zero_partial(ino, i, off, zero_end)?;
-                } else {
-                    self.zero_partial(ino, i, off, first_full * bs)?;
-                    self.zero_partial(ino, i, last_full * bs, zero_end)?;
-                    self.remove_blocks(h, ino, i, first_full as u32, last_full)?;
-                }
+            let (edges, full) = falloc_zero_plan(off, end, i.size, flags, bs);
+            for (a, b) in edges {
+                self.zero_partial(ino, i, a, b)?;
+            }
+            if let Some((first_full, last_full)) = full {
+                self.remove_blocks(h, ino, i, first_full as u32, last_full)?;
             }
             if flags.punch_hole {
                 return Ok(());

@@ -238,6 +238,16 @@ pub(crate) struct Inner {
     pub pc: Option<Arc<crate::pagecache::PageCache>>,
     /// A write-back is allocating delayed pages: it may use reserved blocks.
     pub claiming: bool,
+    /// `(ino, file block)` of partial blocks the operation under way need
+    /// not zero: `Fs` zeroed them through the write path, outside the lock
+    /// (a truncate's tail, a punch's edges; `Fs::zero_partial_outside`).
+    pub zeroed_outside: Vec<(u32, u32)>,
+    /// A warm pass of this lock hold pruned the pending frees: the
+    /// operation after it allocates against the same state, not against
+    /// transactions that became durable meanwhile (the commit threads do not
+    /// take `Inner`), which could pick a group or an inode the pass did not
+    /// read. Cleared by each new pass and each `Fs::lock`.
+    pub warm_pruned: bool,
 }
 
 /// Seconds of the coarse realtime clock, which is what `time()` (and so e2fsck)
@@ -376,6 +386,8 @@ impl Inner {
             recovery: None,
             pc: None,
             claiming: false,
+            zeroed_outside: Vec::new(),
+            warm_pruned: false,
         };
         inner.load_group_descs()?;
         if inspect_only {
@@ -636,8 +648,9 @@ impl Inner {
     /// [`FsError::MetadataMiss`]) until the returned guard drops, and the
     /// blocks the previous pass held are let go (what this pass touches is
     /// held anew).
-    pub(crate) fn defer_pass(&self) -> DeferPass {
+    pub(crate) fn defer_pass(&mut self) -> DeferPass {
         self.warm_pins.borrow_mut().clear();
+        self.warm_pruned = false;
         self.defer_misses
             .store(true, std::sync::atomic::Ordering::Relaxed);
         DeferPass(self.defer_misses.clone())

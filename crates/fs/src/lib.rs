@@ -552,11 +552,12 @@ impl Fs {
     /// The file-system lock; `Err(Shutdown)` once errors=panic fired.
     fn lock(&self) -> Result<parking_lot::MutexGuard<'_, Inner>> {
         self.live()?;
-        let g = self.inner.lock();
+        let mut g = self.inner.lock();
         // Reads are deferred only inside `lock_warm`'s pass; a pass that
         // panicked (the FUSE layer survives that) must not leave them so.
         g.defer_misses
             .store(false, std::sync::atomic::Ordering::Relaxed);
+        g.warm_pruned = false;
         Ok(g)
     }
 
@@ -1280,8 +1281,14 @@ impl Fs {
             self.cache_settle(ino)?;
         }
         let a = match set.size {
-            // A truncate zeroes the tail of the new last block in place.
+            // A truncate zeroes the tail of the new last block, through the
+            // write path (outside the lock) first.
             Some(new) => {
+                let bs = self.block_size as u64;
+                let zeroed = match new % bs {
+                    0 => None,
+                    _ => self.zero_partial_outside(ino, new, new.div_ceil(bs) * bs)?,
+                };
                 let span = move |g: &mut Inner| -> Result<(u64, u64)> {
                     let size = g.read_inode(ino)?.size;
                     Ok((new.min(size) / g.bs64(), u64::MAX))
@@ -1296,9 +1303,13 @@ impl Fs {
                     };
                     error::unless_miss(r).map(drop)
                 };
-                let r = self
-                    .lock_guarded(Some((ino, &span)), Some(&warm))?
-                    .setattr(ino, set, caller);
+                let r = {
+                    let mut g = self.lock_guarded(Some((ino, &span)), Some(&warm))?;
+                    g.zeroed_outside = zeroed.map(|l| (ino, l)).into_iter().collect();
+                    let r = g.setattr(ino, set, caller);
+                    g.zeroed_outside.clear();
+                    r
+                };
                 // A truncate zeroes the tail of the last block in place.
                 self.note_data(ino);
                 if new == 0 && r.is_ok() {
@@ -1961,6 +1972,71 @@ impl Fs {
         if let Some(pc) = &self.pc {
             return self.write_cached(pc, ino, offset, data, caller);
         }
+        let il = self.ilocks.write(ino);
+        let n = self.write_uncached(ino, offset, data, caller)?;
+        drop(il);
+        self.maybe_commit()?;
+        Ok(n)
+    }
+
+    /// Zero bytes `[from, to)` of `ino` (inside one block) through the write
+    /// path, so that the data I/O happens outside `Inner` (C.2) with the
+    /// write path's ordering and `fc_data_csum` guards: the partial block a
+    /// truncate or a punch leaves (ext4's `block_truncate_page` zeroes it in
+    /// the page cache too). Only bytes below the size, of a block mapped and
+    /// written: a hole or an unwritten extent reads as zeros already. The
+    /// caller holds the inode's lock exclusively and has settled its cache;
+    /// the operation that follows skips the block (`Inner::zeroed_outside`).
+    /// Returns the block's file-block number when it wrote.
+    fn zero_partial_outside(&self, ino: Ino, from: u64, to: u64) -> Result<Option<u32>> {
+        let bs = self.block_size as u64;
+        let lblk = (from / bs) as u32;
+        if from >= to || from / bs != (to - 1) / bs {
+            return Ok(None);
+        }
+        let (g, (size, m)) = self.lock_warm(|g| {
+            let i = g.live_inode(ino)?;
+            if !i.is_reg() {
+                return Ok((0, None));
+            }
+            Ok((i.size, g.ext_map(ino, &i, lblk)?))
+        })?;
+        drop(g);
+        let to = to.min(size);
+        if from >= to || m.is_none_or(|m| m.unwritten) {
+            return Ok(None);
+        }
+        let zeros = vec![0u8; (to - from) as usize];
+        match &self.pc {
+            Some(pc) => {
+                while self
+                    .write_cached_once(pc, ino, from, &zeros, None)?
+                    .is_none()
+                {}
+                // Written back now: the operation after it changes the
+                // mapping, which must be the whole truth.
+                self.cache_settle(ino)?;
+            }
+            None => {
+                if self.write_uncached(ino, from, &zeros, None)? < zeros.len() {
+                    // Short (a device error, recorded for the next fsync):
+                    // the operation zeroes the block itself.
+                    return Ok(None);
+                }
+            }
+        }
+        Ok(Some(lblk))
+    }
+
+    /// The write-through path of [`Self::write_by`] (`-o nocache`); the
+    /// caller holds the inode's lock exclusively.
+    fn write_uncached(
+        &self,
+        ino: Ino,
+        offset: u64,
+        data: &[u8],
+        caller: CallerOf<'_>,
+    ) -> Result<usize> {
         let end = offset.saturating_add(data.len() as u64);
         let span = move |g: &mut Inner| -> Result<(u64, u64)> {
             let size = g.read_inode(ino)?.size;
@@ -1970,7 +2046,6 @@ impl Fs {
             let (lo, hi) = (offset / g.bs64(), end.div_ceil(g.bs64()));
             error::unless_miss(g.warm_map(ino, lo, hi)).map(drop)
         };
-        let il = self.ilocks.write(ino);
         let Some(b) = self.retry_nospace_guarded(Some((ino, &span)), Some(&warm), |g| {
             g.write_begin(ino, offset, data.len(), caller)
         })?
@@ -2015,8 +2090,6 @@ impl Fs {
                 return Err(e);
             }
         }
-        drop(il);
-        self.maybe_commit()?;
         Ok(n)
     }
 
@@ -2050,8 +2123,25 @@ impl Fs {
         };
         let il = self.ilocks.write(ino);
         self.cache_settle(ino)?;
+        // A punch or a zeroed range zeroes its partial edge blocks: through
+        // the write path (outside the lock) first, when the call is valid.
+        let mut zeroed = Vec::new();
+        let bs = self.block_size as u64;
+        if ((flags.punch_hole && flags.keep_size) || (flags.zero_range && !flags.punch_hole))
+            && len > 0
+            && end <= file::max_file_size(self.block_size as usize)
+        {
+            let size = self.lock_warm(|g| g.live_inode(ino).map(|i| i.size))?.1;
+            let (edges, _) = file::falloc_zero_plan(offset, end, size, flags, bs);
+            for (a, b) in edges {
+                zeroed.extend(self.zero_partial_outside(ino, a, b)?.map(|l| (ino, l)));
+            }
+        }
         let r = self.retry_nospace_guarded(Some((ino, &span)), Some(&warm), |g| {
-            g.fallocate(ino, offset, len, flags, caller)
+            g.zeroed_outside.clone_from(&zeroed);
+            let r = g.fallocate(ino, offset, len, flags, caller);
+            g.zeroed_outside.clear();
+            r
         });
         self.note_data(ino);
         r?;

@@ -96,8 +96,10 @@ impl Inner {
             self.sb.first_data_block() as u64,
             self.sb.blocks_count() - 1,
         );
-        // As `alloc_blocks` does first (bookkeeping of durable state only).
+        // As `alloc_blocks` does first (bookkeeping of durable state only);
+        // the operation then prunes no further (`warm_pruned`).
         self.prune_pending_free();
+        self.warm_pruned = true;
         let g0 = self.block_group(goal);
         let mut blks = Vec::with_capacity(4);
         let (mut found, mut free) = (0, 0u64);
@@ -143,6 +145,7 @@ impl Inner {
         // durable are usable again, and the hint moves back to them (only
         // bookkeeping of durable state, which any later allocation would do).
         self.prune_pending_free_inodes();
+        self.warm_pruned = true;
         let Some(g0) = self.pick_inode_group(parent, is_dir) else {
             return Ok(());
         };

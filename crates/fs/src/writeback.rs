@@ -713,7 +713,7 @@ impl Fs {
 
     /// One attempt of [`Self::write_cached`] (the caller holds the inode's
     /// lock): `None` when it must be planned again.
-    fn write_cached_once(
+    pub(crate) fn write_cached_once(
         &self,
         pc: &Arc<PageCache>,
         ino: u32,
