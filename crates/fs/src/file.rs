@@ -607,10 +607,13 @@ impl Inner {
         i.block = crate::ops::empty_extent_root();
         let goal = self.inode_goal(ino);
         let (p, _) = self.alloc_blocks(h, goal, 1)?;
-        let mut blk = vec![0u8; self.bs];
-        blk[..target.len()].copy_from_slice(target);
+        // Through the journal, as a new metadata block: no device write
+        // under the file-system lock (C.2), and the target is atomic with
+        // the inode (a symlink is never in a fast commit: `SpecialInode`).
+        // Freeing it revokes it like any logged block (`Journal::forget`);
+        // `Fs::readlink` reads it through the journal's cache.
         if let Err(e) = self
-            .write_data(p, &blk)
+            .new_meta(h, p, |d| d[..target.len()].copy_from_slice(target))
             .and_then(|_| self.ext_insert(h, ino, i, 0, p, 1, false))
         {
             let _ = self.free_blocks(h, p, 1);

@@ -1634,8 +1634,20 @@ impl Fs {
         match self.read_locked(|g| g.readlink_begin(ino))? {
             ops::LinkTarget::Inline(target) => Ok(target),
             ops::LinkTarget::Block(n, segs) => {
+                // Through the journal's cache, outside `Inner`: the block is
+                // written as metadata (`Inner::init_symlink`), so its home
+                // may be older than the copy a commit logged.
                 let mut buf = vec![0u8; n];
-                self.dio.read_segs(&segs, &mut buf)?;
+                for s in &segs {
+                    let dst = &mut buf[s.pos..s.pos + s.span];
+                    match s.pblk {
+                        Some(p) => {
+                            let b = self.journal.bread(p)?;
+                            dst.copy_from_slice(&b.data()[s.in_blk..s.in_blk + s.span]);
+                        }
+                        None => dst.fill(0),
+                    }
+                }
                 Ok(buf)
             }
         }
@@ -2115,11 +2127,16 @@ impl Fs {
             let size = g.read_inode(ino)?.size;
             Ok((offset.min(size) / g.bs64(), end.div_ceil(g.bs64())))
         };
-        // Allocating and punching both walk the range's tree; a punch's
-        // frees may read other bitmaps under the lock.
+        // Allocating and punching both walk the range's tree; a punch (or a
+        // zeroed range) frees the whole blocks inside it: their bitmaps.
         let warm = move |g: &mut Inner| -> Result<()> {
             let (lo, hi) = (offset / g.bs64(), end.div_ceil(g.bs64()));
-            error::unless_miss(g.warm_map(ino, lo, hi)).map(drop)
+            let _ = error::unless_miss(g.warm_map(ino, lo, hi))?;
+            if flags.punch_hole || flags.zero_range {
+                let r = g.warm_free_range(ino, offset.div_ceil(g.bs64()), hi, warm::Evict::No);
+                let _ = error::unless_miss(r)?;
+            }
+            Ok(())
         };
         let il = self.ilocks.write(ino);
         self.cache_settle(ino)?;

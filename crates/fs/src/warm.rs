@@ -394,8 +394,14 @@ impl Inner {
             && self.tree_may_rebuild(ino, &i, lo, hi)?
         {
             // A change that does not fit its leaf rebuilds the tree from all
-            // of its blocks (`ext_slow_op`).
+            // of its blocks (`ext_slow_op`), and its new nodes are allocated
+            // near the data (a conversion's: the unwritten extent's blocks).
             self.warm_tree(ino, &i, 0, 1 << 32)?;
+        }
+        // A conversion that splits an unwritten extent may need a new tree
+        // node (a full in-inode root too), allocated near its data.
+        if let Some(m) = segs.iter().find_map(|s| s.2.filter(|m| m.unwritten)) {
+            self.warm_block_alloc(m.pblk)?;
         }
         // Each hole is allocated from a goal of its own (after the extent
         // before it): the first ALLOC_GROUPS holes' goals.
@@ -414,6 +420,32 @@ impl Inner {
     /// [`Evict::Orphan`]: it is on the orphan list (an unlinked file's last
     /// close), whose member linking to it changes.
     pub(crate) fn warm_free(&mut self, ino: u32, from: u64, evict: Evict) -> Result<()> {
+        self.warm_free_range(ino, from, u32::MAX as u64 + 1, evict)
+    }
+
+    /// The blocks `free_blocks` of block `blk` changes: its group's block
+    /// bitmap (unless still uninitialised) and descriptor block.
+    fn free_blocks_reads(&self, blk: u64) -> Vec<u64> {
+        let g = self.block_group(blk);
+        let Some(gd) = self.gds.get(g as usize) else {
+            return Vec::new();
+        };
+        let mut v = vec![self.gd_block(g)];
+        if !gd.has_flag(BG_BLOCK_UNINIT) {
+            v.push(gd.block_bitmap);
+        }
+        v
+    }
+
+    /// [`Self::warm_free`] of file blocks `[from, to)` only (a punched
+    /// range).
+    pub(crate) fn warm_free_range(
+        &mut self,
+        ino: u32,
+        from: u64,
+        to: u64,
+        evict: Evict,
+    ) -> Result<()> {
         if !self.deferring() {
             return Ok(());
         }
@@ -429,13 +461,7 @@ impl Inner {
             if i.file_acl != 0 && i.file_acl < self.sb.blocks_count() {
                 // The xattr block, and what freeing it (its last user) changes.
                 bitmaps.insert(i.file_acl);
-                let g = self.block_group(i.file_acl);
-                if let Some(gd) = self.gds.get(g as usize) {
-                    if !gd.has_flag(BG_BLOCK_UNINIT) {
-                        bitmaps.insert(gd.block_bitmap);
-                    }
-                    bitmaps.insert(self.gd_block(g));
-                }
+                bitmaps.extend(self.free_blocks_reads(i.file_acl));
             }
         }
         let tree = NodeRef::parse_root(&i.block, ino).is_ok();
@@ -446,6 +472,9 @@ impl Inner {
             // The bitmaps of the first FREE_SCAN extents freed.
             let mut l = from.min(u32::MAX as u64) as u32;
             for _ in 0..FREE_SCAN {
+                if l as u64 >= to {
+                    break;
+                }
                 let m = match self.ext_map(ino, &i, l)? {
                     Some(m) => m,
                     None => match self.ext_next_mapped(ino, &i, l)? {
@@ -539,11 +568,14 @@ impl Inner {
         }
         self.warm_inode(ino)?;
         let i = self.read_inode(ino)?;
-        if i.file_acl != 0 {
-            self.warm_all([i.file_acl])
-        } else {
-            self.warm_block_alloc(self.inode_goal(ino))
+        if i.file_acl != 0 && i.file_acl < self.sb.blocks_count() {
+            // A change may move the xattrs to a new block (a shared block is
+            // copied, a grown set moves) and free the old one.
+            let mut blks = vec![i.file_acl];
+            blks.extend(self.free_blocks_reads(i.file_acl));
+            self.warm_all(blks)?;
         }
+        self.warm_block_alloc(self.inode_goal(ino))
     }
 }
 

@@ -1763,7 +1763,12 @@ fn changes_in_an_uncached_large_directory_read_nothing_under_the_fs_lock() {
 #[test]
 fn a_random_workload_in_a_tiny_cache_reads_nothing_under_the_fs_lock() {
     use commitfs_fs::testutil::LockProbe;
-    for (bs, cache, seed) in [(1024, true, 1), (4096, true, 2), (1024, false, 3)] {
+    for (bs, cache, seed) in [
+        (1024, true, 1),
+        (4096, true, 2),
+        (1024, false, 3),
+        (4096, false, 4),
+    ] {
         let img = mkfs("cc-tiny-cache", 64, &["-b", &bs.to_string()]);
         let dev = Arc::new(LockProbe::new(Arc::new(
             FileDevice::open(&img.path, false).unwrap(),
@@ -1883,6 +1888,14 @@ fn a_random_workload_in_a_tiny_cache_reads_nothing_under_the_fs_lock() {
             } else if k < 96 {
                 fs.sync().unwrap();
                 "sync"
+            } else if k < 97 {
+                // A symlink, slow (its target in a block) or fast, read back.
+                let d = dirs[pick(&mut rng, dirs.len())];
+                let target = vec![b't'; rng.gen_range(1..300)];
+                if let Some(a) = full_ok(fs.symlink(d, &name, &target, 0, 0)) {
+                    assert_eq!(fs.readlink(a.ino).unwrap(), target);
+                }
+                "symlink"
             } else if k < 98 {
                 let ino = files[pick(&mut rng, files.len())].2;
                 let mut b = vec![0u8; rng.gen_range(1..300_000)];
