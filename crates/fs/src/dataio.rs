@@ -148,7 +148,7 @@ pub(crate) struct DataIo {
 }
 
 impl DataIo {
-    fn check_range(&self, pblk: u64, len: usize) -> Result<()> {
+    pub(crate) fn check_range(&self, pblk: u64, len: usize) -> Result<()> {
         let nblocks = len.div_ceil(self.bs) as u64;
         if pblk < self.first_data_block || pblk.saturating_add(nblocks) > self.blocks_count {
             return Err(FsError::corrupt(format!(

@@ -14,7 +14,6 @@ use crate::extent::Mapping;
 use crate::inner::{now, Inner};
 use crate::types::{CallerOf, FallocFlags};
 
-/// Largest file size: 2^32 logical blocks (extent logical block numbers are 32 bits).
 /// The byte ranges of partial blocks to zero, and the whole blocks to
 /// remove (`[first, last)`), of [`falloc_zero_plan`].
 pub(crate) type ZeroPlan = (Vec<(u64, u64)>, Option<(u64, u64)>);
@@ -47,6 +46,7 @@ pub(crate) fn falloc_zero_plan(
     }
 }
 
+/// Largest file size: 2^32 logical blocks (extent logical block numbers are 32 bits).
 pub(crate) fn max_file_size(bs: usize) -> u64 {
     (1u64 << 32) * bs as u64 - 1
 }
@@ -466,16 +466,26 @@ impl Inner {
     }
 
     /// Zero bytes `[from, to)` inside one block's mapped, written data:
-    /// under the lock, unless `Fs` did it outside (`zeroed_outside`).
+    /// under the lock, unless (or as far as) `Fs` did it outside
+    /// (`zeroed_outside`).
     fn zero_partial(&mut self, ino: u32, i: &Inode, from: u64, to: u64) -> Result<()> {
         if from >= to {
             return Ok(());
         }
         let bs = self.bs as u64;
+        // What `Fs` zeroed outside covers the start of the range (it stops
+        // at the old end of file, which the write path cannot pass without
+        // extending the file): only the rest, past it, is zeroed here.
+        let from = match self
+            .zeroed_outside
+            .iter()
+            .find(|&&(i, f, t)| i == ino && f <= from && t > from)
+        {
+            Some(&(_, _, t)) if t >= to => return Ok(()),
+            Some(&(_, _, t)) => t,
+            None => from,
+        };
         let lblk = (from / bs) as u32;
-        if self.zeroed_outside.contains(&(ino, lblk)) {
-            return Ok(());
-        }
         if let Some(m) = self.ext_map(ino, i, lblk)? {
             if !m.unwritten {
                 let mut tmp = vec![0u8; self.bs];

@@ -238,10 +238,10 @@ pub(crate) struct Inner {
     pub pc: Option<Arc<crate::pagecache::PageCache>>,
     /// A write-back is allocating delayed pages: it may use reserved blocks.
     pub claiming: bool,
-    /// `(ino, file block)` of partial blocks the operation under way need
-    /// not zero: `Fs` zeroed them through the write path, outside the lock
-    /// (a truncate's tail, a punch's edges; `Fs::zero_partial_outside`).
-    pub zeroed_outside: Vec<(u32, u32)>,
+    /// `(ino, from, to)`: bytes of partial blocks the operation under way
+    /// need not zero: `Fs` zeroed them through the write path, outside the
+    /// lock (a truncate's tail, a punch's edges; `Fs::zero_partial_outside`).
+    pub zeroed_outside: Vec<(u32, u64, u64)>,
     /// A warm pass of this lock hold pruned the pending frees: the
     /// operation after it allocates against the same state, not against
     /// transactions that became durable meanwhile (the commit threads do not

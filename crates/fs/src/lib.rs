@@ -1305,7 +1305,7 @@ impl Fs {
                 };
                 let r = {
                     let mut g = self.lock_guarded(Some((ino, &span)), Some(&warm))?;
-                    g.zeroed_outside = zeroed.map(|l| (ino, l)).into_iter().collect();
+                    g.zeroed_outside = zeroed.map(|(a, b)| (ino, a, b)).into_iter().collect();
                     let r = g.setattr(ino, set, caller);
                     g.zeroed_outside.clear();
                     r
@@ -1642,6 +1642,7 @@ impl Fs {
                     let dst = &mut buf[s.pos..s.pos + s.span];
                     match s.pblk {
                         Some(p) => {
+                            self.dio.check_range(p, self.block_size as usize)?;
                             let b = self.journal.bread(p)?;
                             dst.copy_from_slice(&b.data()[s.in_blk..s.in_blk + s.span]);
                         }
@@ -1998,9 +1999,11 @@ impl Fs {
     /// the page cache too). Only bytes below the size, of a block mapped and
     /// written: a hole or an unwritten extent reads as zeros already. The
     /// caller holds the inode's lock exclusively and has settled its cache;
-    /// the operation that follows skips the block (`Inner::zeroed_outside`).
-    /// Returns the block's file-block number when it wrote.
-    fn zero_partial_outside(&self, ino: Ino, from: u64, to: u64) -> Result<Option<u32>> {
+    /// the operation that follows skips those bytes (`Inner::zeroed_outside`;
+    /// bytes of the block past the end of file, which a write cannot reach
+    /// without extending the file, are still zeroed by the operation).
+    /// Returns the byte range it zeroed.
+    fn zero_partial_outside(&self, ino: Ino, from: u64, to: u64) -> Result<Option<(u64, u64)>> {
         let bs = self.block_size as u64;
         let lblk = (from / bs) as u32;
         if from >= to || from / bs != (to - 1) / bs {
@@ -2037,7 +2040,7 @@ impl Fs {
                 }
             }
         }
-        Ok(Some(lblk))
+        Ok(Some((from, to)))
     }
 
     /// The write-through path of [`Self::write_by`] (`-o nocache`); the
@@ -2151,7 +2154,10 @@ impl Fs {
             let size = self.lock_warm(|g| g.live_inode(ino).map(|i| i.size))?.1;
             let (edges, _) = file::falloc_zero_plan(offset, end, size, flags, bs);
             for (a, b) in edges {
-                zeroed.extend(self.zero_partial_outside(ino, a, b)?.map(|l| (ino, l)));
+                zeroed.extend(
+                    self.zero_partial_outside(ino, a, b)?
+                        .map(|(a, b)| (ino, a, b)),
+                );
             }
         }
         let r = self.retry_nospace_guarded(Some((ino, &span)), Some(&warm), |g| {

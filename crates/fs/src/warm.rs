@@ -272,10 +272,14 @@ impl Inner {
                 let _ = unless_miss(self.is_descendant(new_parent, src))?;
             }
         }
-        // A directory replaced (or exchanged): the walk from the old parent.
+        // A directory replaced (or exchanged): the walk from the old parent,
+        // and (exchanged across parents) its `..`.
         if let Ok(dst) = unless_miss(self.lookup_ino(new_parent, new_name))? {
             if matches!(unless_miss(self.read_inode(dst))?, Ok(i) if i.is_dir()) {
                 let _ = unless_miss(self.is_descendant(parent, dst))?;
+                if parent != new_parent {
+                    let _ = unless_miss(self.warm_dir_change(dst, None, None, true))?;
+                }
             }
         }
         let _ = unless_miss(self.warm_dir_growth(new_parent))?;
@@ -627,9 +631,19 @@ pub(crate) fn lock_warm_with<'a>(
         for b in blks {
             match j.bread(b) {
                 Ok(buf) => pins.push(buf),
-                Err(_) => return lock(),
+                Err(_) => return unwarmed(&mut lock),
             }
         }
     }
-    lock()
+    unwarmed(&mut lock)
+}
+
+/// The lock after warming gave up: no pass of this hold pruned, so the
+/// operation prunes as it would without one (`Inner::warm_pruned`).
+fn unwarmed<'a>(
+    lock: &mut impl FnMut() -> Option<parking_lot::MutexGuard<'a, Inner>>,
+) -> Option<parking_lot::MutexGuard<'a, Inner>> {
+    let mut g = lock()?;
+    g.warm_pruned = false;
+    Some(g)
 }

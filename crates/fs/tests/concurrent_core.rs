@@ -1757,9 +1757,13 @@ fn changes_in_an_uncached_large_directory_read_nothing_under_the_fs_lock() {
 /// after a full one, an evicted inode's xattr block, the superblock an
 /// orphan-list change logs, the extent blocks a cached write or read maps —
 /// or this fails naming the operation and the blocks. A truncate to a size
-/// inside a block, and a punch, zero their partial blocks through the write
-/// path outside the lock (`Fs::zero_partial_outside`): no data read under
-/// it either. The image is checked by e2fsck after.
+/// inside a block, a punch and a zeroed range zero their partial blocks
+/// through the write path outside the lock (`Fs::zero_partial_outside`): no
+/// data read under it either, except one where the zeroed bytes run past
+/// the end of file inside its last block (a write cannot reach those
+/// without extending the file; the operation zeroes them: test
+/// `zeroing_inside_the_last_block_clears_what_lies_past_the_end_of_file`).
+/// The image is checked by e2fsck after.
 #[test]
 fn a_random_workload_in_a_tiny_cache_reads_nothing_under_the_fs_lock() {
     use commitfs_fs::testutil::LockProbe;
@@ -1800,6 +1804,17 @@ fn a_random_workload_in_a_tiny_cache_reads_nothing_under_the_fs_lock() {
             dev.take();
             let k = rng.gen_range(0..100);
             let name = format!("n{op}-{}", "x".repeat(rng.gen_range(0..40))).into_bytes();
+            // Whether this operation zeroes bytes of the block holding the
+            // end of file past it (only the operation itself can: one data
+            // read under the lock allowed, see the doc comment).
+            let mut past_eof = false;
+            let straddles = |size: u64, a: u64, b: u64| {
+                let bsz = bs as u64;
+                !size.is_multiple_of(bsz)
+                    && a < size.div_ceil(bsz) * bsz
+                    && b > size
+                    && a / bsz <= size / bsz
+            };
             let what = if k < 25 || files.is_empty() {
                 let d = dirs[pick(&mut rng, dirs.len())];
                 if let Some(a) = full_ok(fs.create(d, &name, 0o644, 0, 0)) {
@@ -1849,8 +1864,11 @@ fn a_random_workload_in_a_tiny_cache_reads_nothing_under_the_fs_lock() {
                 "rename-dir"
             } else if k < 82 {
                 let ino = files[pick(&mut rng, files.len())].2;
+                let new = rng.gen_range(0..1_000_000);
+                let size = fs.getattr(ino).unwrap().size;
+                past_eof = new < size && straddles(size, new, new.div_ceil(bs as u64) * bs as u64);
                 let set = SetAttr {
-                    size: Some(rng.gen_range(0..1_000_000)),
+                    size: Some(new),
                     ..Default::default()
                 };
                 fs.setattr(ino, &set).unwrap();
@@ -1883,6 +1901,9 @@ fn a_random_workload_in_a_tiny_cache_reads_nothing_under_the_fs_lock() {
                         ..Default::default()
                     },
                 };
+                let size = fs.getattr(ino).unwrap().size;
+                past_eof =
+                    (flags.punch_hole || flags.zero_range) && straddles(size, off, off + len);
                 full_ok(fs.fallocate(ino, off, len, flags));
                 "fallocate"
             } else if k < 96 {
@@ -1908,8 +1929,11 @@ fn a_random_workload_in_a_tiny_cache_reads_nothing_under_the_fs_lock() {
                 fs.readdir_plus(d, 0, |_, _| true).unwrap();
                 "readdir"
             };
-            let (under, n) = dev.take();
+            let (mut under, n) = dev.take();
             metadata_reads += n;
+            if past_eof && under.len() == 1 && under[0].0 == IoCategory::Data {
+                under.clear();
+            }
             bad.extend(under.into_iter().map(|r| (op, what, r)));
         }
         assert!(
@@ -1936,5 +1960,71 @@ fn full_ok<T>(r: Result<T>) -> Option<T> {
         Ok(v) => Some(v),
         Err(FsError::NoSpace) => None,
         Err(e) => panic!("unexpected error: {e}"),
+    }
+}
+
+/// A truncate inside the last block and a zeroed range there zero the
+/// block's bytes past the old end of file too (a crash can leave data
+/// there: an extending write lands before its size commits). The part
+/// below the end of file is zeroed through the write path outside the
+/// lock (`Fs::zero_partial_outside`); the rest by the operation. An
+/// extension then reads zeros, with and without the page cache.
+#[test]
+fn zeroing_inside_the_last_block_clears_what_lies_past_the_end_of_file() {
+    for cache in [true, false] {
+        for zero_range in [false, true] {
+            let img = mkfs("cc-zero-eof", 16, &["-b", "4096"]);
+            let o = MountOptions {
+                page_cache: cache,
+                ..opts()
+            };
+            let (ino, pblk) = {
+                let fs = Fs::open_path(&img.path, o.clone()).unwrap();
+                let a = fs.create(ROOT_INO, b"f", 0o644, 0, 0).unwrap();
+                fs.write(a.ino, 0, &[b'a'; 1000]).unwrap();
+                fs.fsync(a.ino, false).unwrap();
+                let p = fs.mapped_blocks(a.ino).unwrap()[0];
+                fs.release(a.ino).unwrap();
+                fs.unmount().unwrap();
+                (a.ino, p)
+            };
+            // What a crash can leave past the end of file.
+            {
+                let dev = FileDevice::open(&img.path, false).unwrap();
+                dev.write_at(pblk * 4096 + 1000, &[b'X'; 3096], IoCategory::Data, false)
+                    .unwrap();
+                dev.flush().unwrap();
+            }
+            let fs = Fs::open_path(&img.path, o).unwrap();
+            fs.open_inode(ino).unwrap();
+            if zero_range {
+                let f = FallocFlags {
+                    zero_range: true,
+                    ..Default::default()
+                };
+                fs.fallocate(ino, 500, 9000, f).unwrap();
+            } else {
+                let shrink = SetAttr {
+                    size: Some(500),
+                    ..Default::default()
+                };
+                fs.setattr(ino, &shrink).unwrap();
+                let grow = SetAttr {
+                    size: Some(9500),
+                    ..Default::default()
+                };
+                fs.setattr(ino, &grow).unwrap();
+            }
+            let mut b = vec![0u8; 9500];
+            assert_eq!(fs.read(ino, 0, &mut b).unwrap(), 9500);
+            assert!(b[..500].iter().all(|&c| c == b'a'));
+            let bad = b[500..].iter().position(|&c| c != 0).map(|k| k + 500);
+            assert_eq!(
+                bad, None,
+                "cache {cache}, zero_range {zero_range}: stale byte"
+            );
+            fs.release(ino).unwrap();
+            fs.unmount().unwrap();
+        }
     }
 }
