@@ -248,6 +248,10 @@ pub(crate) struct Inner {
     /// take `Inner`), which could pick a group or an inode the pass did not
     /// read. Cleared by each new pass and each `Fs::lock`.
     pub warm_pruned: bool,
+    /// Device reads made under this lock (metadata misses `read_meta` could
+    /// not defer, data read by `read_data`): what C.2 wants at zero, counted
+    /// for `commitfs stats` (shared with `Fs`).
+    pub reads_locked: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Seconds of the coarse realtime clock, which is what `time()` (and so e2fsck)
@@ -388,6 +392,7 @@ impl Inner {
             claiming: false,
             zeroed_outside: Vec::new(),
             warm_pruned: false,
+            reads_locked: Default::default(),
         };
         inner.load_group_descs()?;
         if inspect_only {
@@ -630,7 +635,7 @@ impl Inner {
             self.warm_pin(&b);
             return Ok(b);
         }
-        match self.journal.bread(blk) {
+        match self.journal.bread_noting(blk, Some(&self.reads_locked)) {
             Ok(b) => Ok(b),
             Err(e) => {
                 if let commitfs_journal::JournalError::Device(d) = &e {
@@ -734,6 +739,8 @@ impl Inner {
 
     pub fn read_data(&self, pblk: u64, buf: &mut [u8]) -> Result<()> {
         self.check_data_range(pblk, buf.len())?;
+        self.reads_locked
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.dev
             .read_at(pblk * self.bs as u64, buf, IoCategory::Data)?;
         Ok(())

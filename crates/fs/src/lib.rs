@@ -119,6 +119,10 @@ pub struct Stats {
     /// Metadata blocks read without the file-system lock by an operation
     /// that met them missing from the cache and ran again (C.2).
     pub metadata_reads_unlocked: u64,
+    /// Device reads made while holding the file-system lock (a miss no warm
+    /// pass predicted, a partial block's bytes past the end of file, mount
+    /// and unmount): C.2 wants none in steady state.
+    pub reads_locked: u64,
 }
 
 /// The metadata caches now ([`Fs::meta_cache_stats`]).
@@ -164,6 +168,8 @@ pub struct Fs {
     fsyncs: std::sync::atomic::AtomicU64,
     /// Metadata blocks read outside `Inner` by `lock_warm`.
     reads_outside: std::sync::atomic::AtomicU64,
+    /// `Inner::reads_locked`, read without the lock.
+    reads_locked: Arc<std::sync::atomic::AtomicU64>,
     /// [`Stats::fdatasyncs_data_only`].
     fdatasyncs_data_only: std::sync::atomic::AtomicU64,
     /// Fast-commit fsyncs under way (leader batching), and the most seen at
@@ -442,6 +448,7 @@ impl Fs {
         let itable = inner.itable.clone();
         let dirs = inner.dirs.clone();
         let free = inner.free.clone();
+        let reads_locked = inner.reads_locked.clone();
         let geometry = (
             inner.sb.blocks_count(),
             inner.sb.r_blocks_count(),
@@ -513,6 +520,7 @@ impl Fs {
             fc_lock: LeaderLock::default(),
             fsyncs: Default::default(),
             reads_outside: Default::default(),
+            reads_locked,
             fdatasyncs_data_only: Default::default(),
             fsync_active: Default::default(),
             fsync_peak: Default::default(),
@@ -1049,6 +1057,7 @@ impl Fs {
             metadata_reads_unlocked: self
                 .reads_outside
                 .load(std::sync::atomic::Ordering::Relaxed),
+            reads_locked: self.reads_locked.load(std::sync::atomic::Ordering::Relaxed),
         }
     }
 

@@ -1802,6 +1802,7 @@ fn a_random_workload_in_a_tiny_cache_reads_nothing_under_the_fs_lock() {
             let d = dirs[pick(&mut rng, dirs.len())];
             let _ = fs.readdir_all(d);
             dev.take();
+            let locked_before = fs.stats().reads_locked;
             let k = rng.gen_range(0..100);
             let name = format!("n{op}-{}", "x".repeat(rng.gen_range(0..40))).into_bytes();
             // Whether this operation zeroes bytes of the block holding the
@@ -1931,6 +1932,9 @@ fn a_random_workload_in_a_tiny_cache_reads_nothing_under_the_fs_lock() {
             };
             let (mut under, n) = dev.take();
             metadata_reads += n;
+            // `commitfs stats` counts the same reads (`reads_locked`).
+            let locked = fs.stats().reads_locked - locked_before;
+            assert_eq!(locked, under.len() as u64, "op {op} {what}: reads_locked");
             if past_eof && under.len() == 1 && under[0].0 == IoCategory::Data {
                 under.clear();
             }

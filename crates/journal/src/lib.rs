@@ -877,6 +877,16 @@ impl Core {
     /// not inserted but made again, since the evicted copy may have been newer
     /// than what the device returned to this read.
     pub fn bread(&self, blocknr: u64) -> Result<Arc<Buffer>> {
+        self.bread_noting(blocknr, None)
+    }
+
+    /// [`Self::bread`], adding 1 to `reads` for each device read it makes
+    /// (the file system counts the reads it makes under its lock).
+    pub fn bread_noting(
+        &self,
+        blocknr: u64,
+        reads: Option<&std::sync::atomic::AtomicU64>,
+    ) -> Result<Arc<Buffer>> {
         loop {
             if let Some(b) = self.bread_cached(blocknr) {
                 return Ok(b);
@@ -887,6 +897,9 @@ impl Core {
             let bucket = &self.evictions[(blocknr % EVICTION_BUCKETS) as usize];
             let epoch = bucket.load(Ordering::Acquire);
             let mut data = vec![0u8; self.block_size].into_boxed_slice();
+            if let Some(r) = reads {
+                r.fetch_add(1, Ordering::Relaxed);
+            }
             self.dev.read_at(
                 blocknr * self.block_size as u64,
                 &mut data,

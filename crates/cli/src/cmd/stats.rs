@@ -88,6 +88,7 @@ pub fn stats_json(fs: &Fs, fuse: Option<&commitfs_fuse::FuseStats>) -> Value {
             "fsyncs": s.fsyncs,
             "fdatasyncs_data_only": s.fdatasyncs_data_only,
             "metadata_reads_unlocked": s.metadata_reads_unlocked,
+            "reads_locked": s.reads_locked,
             "flushes_per_fsync": if s.fsyncs == 0 { 0.0 } else { s.device.flushes as f64 / s.fsyncs as f64 },
             "in_flight": j.inflight,
             "max_in_flight": j.max_inflight,
