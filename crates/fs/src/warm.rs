@@ -110,10 +110,7 @@ impl Inner {
                 continue;
             }
             // The descriptor changes too.
-            blks.push(self.gd_block(g));
-            if !gd.has_flag(BG_BLOCK_UNINIT) {
-                blks.push(gd.block_bitmap);
-            }
+            blks.extend(self.group_block_reads(g));
             found += 1;
             // Blocks freed by transactions not yet committed are skipped.
             free +=
@@ -427,10 +424,10 @@ impl Inner {
         self.warm_free_range(ino, from, u32::MAX as u64 + 1, evict)
     }
 
-    /// The blocks `free_blocks` of block `blk` changes: its group's block
-    /// bitmap (unless still uninitialised) and descriptor block.
-    fn free_blocks_reads(&self, blk: u64) -> Vec<u64> {
-        let g = self.block_group(blk);
+    /// The blocks allocating in or freeing from group `g` changes: its
+    /// descriptor block and its block bitmap (unless still uninitialised:
+    /// that one is made, not read).
+    fn group_block_reads(&self, g: u32) -> Vec<u64> {
         let Some(gd) = self.gds.get(g as usize) else {
             return Vec::new();
         };
@@ -439,6 +436,11 @@ impl Inner {
             v.push(gd.block_bitmap);
         }
         v
+    }
+
+    /// What `free_blocks` of block `blk` changes ([`Self::group_block_reads`]).
+    fn free_blocks_reads(&self, blk: u64) -> Vec<u64> {
+        self.group_block_reads(self.block_group(blk))
     }
 
     /// [`Self::warm_free`] of file blocks `[from, to)` only (a punched
@@ -491,12 +493,7 @@ impl Inner {
                 };
                 let (first, last) = (m.pblk, m.pblk + m.len.max(1) as u64 - 1);
                 for g in self.block_group(first)..=self.block_group(last) {
-                    if let Some(gd) = self.gds.get(g as usize) {
-                        if !gd.has_flag(BG_BLOCK_UNINIT) {
-                            bitmaps.insert(gd.block_bitmap);
-                        }
-                        bitmaps.insert(self.gd_block(g));
-                    }
+                    bitmaps.extend(self.group_block_reads(g));
                 }
                 match l.checked_add(m.len.max(1)) {
                     Some(n) => l = n,
