@@ -49,13 +49,13 @@ pub struct BenchArgs {
     #[arg(long)]
     pub quick: bool,
     /// Systems (comma-separated): ext4, ext4-fc, xfs, fuse2fs, commitfs,
-    /// commitfs-fc. Default: all.
+    /// commitfs-fc, commitfs-fc-csum. Default: all.
     #[arg(long, value_delimiter = ',')]
     pub systems: Vec<String>,
     /// Workloads (comma-separated): fc-micro, varmail-shared, varmail-split,
-    /// fsmark, dbench, postmark, postmark-lite, nfs-async, nfs-sync, seq-write, seq-read.
-    /// Default: all but seq-write and seq-read (they need --size 3G, 6G
-    /// without --quick).
+    /// fsmark, dbench, postmark, postmark-lite, cp-a, nfs-async, nfs-sync,
+    /// seq-write, seq-read. Default: all but seq-write and seq-read (they need
+    /// --size 3G, 6G without --quick).
     #[arg(long, value_delimiter = ',')]
     pub workloads: Vec<String>,
     /// loop (a loop device over an image file) or emulated:PROFILE
@@ -918,6 +918,39 @@ fn rederive(d: &mut serde_json::Value, after: &serde_json::Value) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--help` names every system, workload and device profile the bench
+    /// accepts (the lists are written out by hand in the doc comments).
+    #[test]
+    fn help_names_every_system_workload_and_profile() {
+        use clap::CommandFactory;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: BenchArgs,
+        }
+        let help = Cli::command().render_long_help().to_string();
+        let words: std::collections::HashSet<&str> = help
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+            .collect();
+        let mut missing = Vec::new();
+        for s in systems::all_systems() {
+            if !words.contains(s.id.as_str()) {
+                missing.push(s.id);
+            }
+        }
+        for w in workloads::ALL {
+            if !words.contains(w) {
+                missing.push(w.to_string());
+            }
+        }
+        for p in emu::profiles() {
+            if !words.contains(p.name.as_str()) {
+                missing.push(p.name);
+            }
+        }
+        assert!(missing.is_empty(), "not in --help: {missing:?}\n{help}");
+    }
 
     /// Averages of an interval come from its sums, not from the difference
     /// of two averages; maxima are the later snapshot's.
