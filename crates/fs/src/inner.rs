@@ -228,6 +228,9 @@ pub(crate) struct Inner {
     pub inode_hint: Vec<u32>,
     /// Last group a directory was placed in (spreads top-level directories).
     pub last_dir_group: u32,
+    /// Where the next small file's data goes: right after the last small
+    /// file's (`Inner::alloc_goal`; 0 until the first).
+    pub small_file_goal: u64,
     pub next_generation: u32,
     pub opts: MountOptions,
     /// `errors=` handling, shared with `Fs` and the committer (errors.rs).
@@ -384,6 +387,7 @@ impl Inner {
             datasync: Default::default(),
             inode_hint: vec![0; groups as usize],
             last_dir_group: 0,
+            small_file_goal: 0,
             next_generation: now().nsec ^ 0x9E37_79B9,
             opts,
             errors,

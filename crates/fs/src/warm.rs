@@ -405,10 +405,12 @@ impl Inner {
             self.warm_block_alloc(m.pblk)?;
         }
         // Each hole is allocated from a goal of its own (after the extent
-        // before it): the first ALLOC_GROUPS holes' goals.
+        // before it, or the small-file stream): the first ALLOC_GROUPS
+        // holes' goals.
         let holes = segs.iter().filter(|s| s.2.is_none());
         for &(l, n, _) in holes.take(ALLOC_GROUPS as usize) {
-            let goal = self.data_goal(ino, &i, l as u32)?;
+            let want = n.min(u32::MAX as u64) as u32;
+            let (goal, _) = self.alloc_goal(ino, &i, l as u32, want)?;
             self.warm_block_alloc_n(goal, n)?;
         }
         Ok(())

@@ -312,9 +312,21 @@ pub(crate) fn write_runs(
             end += 1;
         }
         let mut writes: Vec<(u64, Vec<&[u8]>)> = Vec::new();
-        for r in &runs[k..end] {
+        // In device order, and runs that meet on the device (small files of
+        // one commit, from the small-file stream: `Inner::alloc_goal`) as
+        // one write, up to `per` blocks: data writes of one batch are
+        // unordered among themselves (the flush or commit after them orders).
+        let mut order: Vec<&WbRun> = runs[k..end].iter().collect();
+        order.sort_by_key(|r| r.pblk);
+        for r in order {
             for (i, piece) in r.snaps.chunks(per).enumerate() {
                 let pblk = r.pblk + (i * per) as u64;
+                if let Some((at, last)) = writes.last_mut() {
+                    if *at + last.len() as u64 == pblk && last.len() + piece.len() <= per {
+                        last.extend(piece.iter().map(|s| &s.data[..bs]));
+                        continue;
+                    }
+                }
                 writes.push((pblk, piece.iter().map(|s| &s.data[..bs]).collect()));
             }
         }

@@ -58,21 +58,24 @@ fn freed_inode_numbers_wait_for_their_commit_then_are_reused_lowest_first() {
 
 /// Blocks freed by a transaction that is not committed yet are not reused
 /// (`pending.rs`: the allocator reads the group's bitmap ORed with the
-/// pending bits); once it commits they are. Small pending holes sit at the
+/// pending bits); once it commits they are. Pending holes sit at the
 /// allocation goal (the group's start), as under varmail between full
-/// commits (fast commits do not commit the running transaction).
+/// commits (fast commits do not commit the running transaction). Files of
+/// 17 blocks: just over the small-file stream's limit (`alloc_goal`), so
+/// that their goal is their group's start.
 #[test]
 fn freed_blocks_wait_for_their_commit_then_are_reused() {
     let img = mkfs("balloc", 32, &["-b", "1024", "-O", "fast_commit"]);
     {
         let fs = open_without_periodic_commits(&img.path);
         let commits = || fs.stats().journal.commits;
-        let data = vec![7u8; 3 * 1024];
+        const BLOCKS: usize = 17;
+        let data = vec![7u8; BLOCKS * 1024];
         // Blocks freed since the last full commit completed, and that count.
         let mut pending: (u64, BTreeSet<u64>) = (commits(), BTreeSet::new());
         let mut all_freed: BTreeSet<u64> = BTreeSet::new();
         let (mut checked, mut reused) = (0, 0);
-        // Files of 3 blocks, every other one removed: holes of 3 blocks
+        // Files of 17 blocks, every other one removed: holes of 17 blocks
         // between live files.
         for i in 0..300 {
             let name = format!("k{i}");
@@ -80,7 +83,7 @@ fn freed_blocks_wait_for_their_commit_then_are_reused() {
             fs.write(a.ino, 0, &data).unwrap();
             fs.fsync(a.ino, false).unwrap();
             let blocks = fs.mapped_blocks(a.ino).unwrap();
-            assert_eq!(blocks.len(), 3);
+            assert_eq!(blocks.len(), BLOCKS);
             if commits() != pending.0 {
                 // A full commit ended during this fsync: every earlier free
                 // is durable and its blocks may be reused.
@@ -109,6 +112,76 @@ fn freed_blocks_wait_for_their_commit_then_are_reused() {
             "only {reused} of {} freed blocks were reused after their commit",
             all_freed.len()
         );
+        fs.unmount().unwrap();
+    }
+    assert_fsck_clean(&img.path);
+}
+
+/// Small files (up to 16 blocks, ext4's `mb_stream_req`) take their blocks
+/// from one stream shared by all of them (file.rs `Inner::alloc_goal`,
+/// after mballoc's locality groups): the files one commit writes lie
+/// together on the device even where freed one-block holes sit at their
+/// group's start (their goal without the stream), and the commit writes
+/// their data in one device write (writeback.rs `write_runs` joins runs
+/// that meet on the device).
+#[test]
+fn small_files_of_one_commit_lie_together_and_go_in_one_write() {
+    let img = mkfs("stream", 32, &["-b", "4096"]);
+    {
+        let fs = open_without_periodic_commits(&img.path);
+        let block = vec![5u8; 4096];
+        // One-block holes between live files, committed (free for reuse).
+        for i in 0..64 {
+            let a = fs
+                .create(ROOT_INO, format!("h{i}").as_bytes(), 0o644, 0, 0)
+                .unwrap();
+            fs.write(a.ino, 0, &block).unwrap();
+        }
+        fs.sync().unwrap();
+        for i in (0..64).step_by(2) {
+            fs.unlink(ROOT_INO, format!("h{i}").as_bytes()).unwrap();
+        }
+        fs.sync().unwrap();
+        // Sixteen small files written through the cache, one commit.
+        let mut inos = Vec::new();
+        for i in 0..16u8 {
+            let a = fs
+                .create(ROOT_INO, format!("s{i}").as_bytes(), 0o644, 0, 0)
+                .unwrap();
+            fs.write(a.ino, 0, &vec![i; 4096]).unwrap();
+            inos.push(a.ino);
+        }
+        let before = fs.io_stats();
+        fs.sync().unwrap();
+        let after = fs.io_stats();
+        let mut blocks: Vec<u64> = Vec::new();
+        for &ino in &inos {
+            let b = fs.mapped_blocks(ino).unwrap();
+            assert_eq!(b.len(), 1, "inode {ino}: {b:?}");
+            blocks.extend(b);
+        }
+        blocks.sort_unstable();
+        let first = blocks[0];
+        assert!(
+            blocks
+                .iter()
+                .enumerate()
+                .all(|(k, &b)| b == first + k as u64),
+            "the small files of one commit are not contiguous: {blocks:?}"
+        );
+        let writes = after.data.writes - before.data.writes;
+        assert_eq!(
+            writes, 1,
+            "sixteen contiguous small files took {writes} data writes"
+        );
+        for (i, &ino) in inos.iter().enumerate() {
+            let mut buf = vec![0u8; 4096];
+            assert_eq!(fs.read(ino, 0, &mut buf).unwrap(), 4096);
+            assert!(
+                buf.iter().all(|&x| x == i as u8),
+                "file s{i} reads back wrong"
+            );
+        }
         fs.unmount().unwrap();
     }
     assert_fsck_clean(&img.path);
