@@ -294,11 +294,7 @@ impl Inner {
 
     /// Free inodes of group `g` that may be allocated now (not pending).
     pub(crate) fn usable_inodes(&self, g: u32) -> u32 {
-        let pending = self
-            .pending_free_inodes_in_group
-            .get(g as usize)
-            .copied()
-            .unwrap_or(0);
+        let pending = self.pending_free_inodes.in_group(g);
         self.gds[g as usize]
             .free_inodes_count
             .saturating_sub(pending)
@@ -308,24 +304,17 @@ impl Inner {
     /// move their groups' hints back to them.
     pub(crate) fn prune_pending_free_inodes(&mut self) {
         let j = self.journal.clone();
-        let mut freed = Vec::new();
-        crate::pending::prune_durable(
-            &mut self.pending_free_inodes_order,
-            &mut self.pending_free_inodes,
-            |&tid| tid,
+        let (ipg, hints) = (self.ipg, &mut self.inode_hint);
+        self.pending_free_inodes.prune(
             |tid| j.is_committed(tid),
-            |ino, _| freed.push(ino),
+            |ino| {
+                let i = ino.saturating_sub(1);
+                let (g, bit) = ((i / ipg) as usize, i % ipg);
+                if let Some(hint) = hints.get_mut(g) {
+                    *hint = (*hint).min(bit);
+                }
+            },
         );
-        for ino in freed {
-            let g = self.inode_group(ino) as usize;
-            let bit = (ino - 1) % self.ipg;
-            if let Some(hint) = self.inode_hint.get_mut(g) {
-                *hint = (*hint).min(bit);
-            }
-            if let Some(n) = self.pending_free_inodes_in_group.get_mut(g) {
-                *n = n.saturating_sub(1);
-            }
-        }
     }
 
     /// Forget pending frees whose transactions are now durable.
@@ -431,7 +420,7 @@ impl Inner {
         let usable = |from: usize, to: usize| {
             let mut b = from;
             while let Some(z) = bitmap::find_zero(d, b, to) {
-                if !self.pending_free_inodes.contains_key(&(base + z as u32)) {
+                if !self.pending_free_inodes.contains(base + z as u32) {
                     return Some(z);
                 }
                 b = z + 1;
@@ -530,12 +519,7 @@ impl Inner {
         self.write_gd(h, g)?;
         // The hint goes back to this number only once it may be reused
         // (`prune_pending_free_inodes`).
-        if self.pending_free_inodes.insert(ino, h.tid()).is_none() {
-            if let Some(n) = self.pending_free_inodes_in_group.get_mut(g as usize) {
-                *n += 1;
-            }
-        }
-        self.pending_free_inodes_order.push_back((h.tid(), ino));
+        self.pending_free_inodes.insert(ino, h.tid());
         self.orphans_added.remove(&ino);
         self.itable.remove(ino);
         Ok(())

@@ -197,12 +197,8 @@ impl Inner {
     pub(crate) fn fc_replay(&mut self, scan: &FcScan) -> Result<FcReplayReport> {
         let empty = self.pending_free.empty_like();
         let saved_pending = std::mem::replace(&mut self.pending_free, empty);
-        let saved_inodes = std::mem::take(&mut self.pending_free_inodes);
-        let saved_inodes_order = std::mem::take(&mut self.pending_free_inodes_order);
-        let saved_in_group = std::mem::replace(
-            &mut self.pending_free_inodes_in_group,
-            vec![0; self.groups as usize],
-        );
+        let empty = self.pending_free_inodes.empty_like();
+        let saved_inodes = std::mem::replace(&mut self.pending_free_inodes, empty);
         let saved_incompat = self.sb.feature_incompat();
         // Should anything write the superblock during replay, the home copy must keep
         // needs_recovery while the log is live: without it the kernel would wipe the
@@ -212,8 +208,6 @@ impl Inner {
         let r = self.fc_replay_inner(scan);
         self.pending_free = saved_pending;
         self.pending_free_inodes = saved_inodes;
-        self.pending_free_inodes_order = saved_inodes_order;
-        self.pending_free_inodes_in_group = saved_in_group;
         self.sb.set_feature_incompat(saved_incompat);
         r
     }

@@ -196,20 +196,9 @@ pub(crate) struct Inner {
     /// Blocks freed by transactions that are not committed yet: the
     /// allocator skips them (`pending.rs`).
     pub pending_free: crate::pending::PendingBlocks,
-    /// Inode numbers freed by transactions that are not committed yet: ino -> tid.
-    /// Not reused until then (like the kernel's `recently_deleted`): a fast
-    /// commit's INODE record of a reused number would overwrite, at replay, the
-    /// committed record whose `i_dtime` may still link the on-disk orphan list.
-    pub pending_free_inodes: std::collections::BTreeMap<u32, u32>,
-    /// `(tid, ino)` of every `pending_free_inodes` insertion, in order: pruning
-    /// pops the durable front (as `pending_free_order`), and only then may the
-    /// group's `inode_hint` go back to the freed number. Without it, postmark-like
-    /// work (creates and unlinks, no commit for seconds) rescanned every pending
-    /// number at each create: 28% of the library's CPU.
-    pub pending_free_inodes_order: std::collections::VecDeque<(u32, u32)>,
-    /// Per group, how many of its free inodes are in `pending_free_inodes`: a
-    /// group whose free inodes are all pending is skipped without a scan.
-    pub pending_free_inodes_in_group: Vec<u32>,
+    /// Inode numbers freed by transactions that are not committed yet: not
+    /// reused until then (`pending.rs`).
+    pub pending_free_inodes: crate::pending::PendingInodes,
     /// Orphans put on the list by the running transaction: ino -> tid. Not on
     /// the committed list, so taking them off it needs no full commit.
     pub orphans_added: HashMap<u32, u32>,
@@ -345,6 +334,7 @@ impl Inner {
         let groups = sb.group_count();
         let first_data_block = sb.first_data_block() as u64;
         let blocks_per_group = sb.blocks_per_group();
+        let ipg = sb.inodes_per_group();
         let mode = opts
             .errors
             .unwrap_or_else(|| crate::types::ErrorsBehavior::from_superblock(sb.errors_behavior()));
@@ -363,7 +353,7 @@ impl Inner {
             journal,
             bs,
             groups,
-            ipg: sb.inodes_per_group(),
+            ipg,
             bpg: sb.blocks_per_group(),
             inode_size: sb.inode_size() as usize,
             csum,
@@ -376,9 +366,7 @@ impl Inner {
             itable: Default::default(),
             dirs: Default::default(),
             pending_free: crate::pending::PendingBlocks::new(first_data_block, blocks_per_group),
-            pending_free_inodes: Default::default(),
-            pending_free_inodes_order: Default::default(),
-            pending_free_inodes_in_group: vec![0; groups as usize],
+            pending_free_inodes: crate::pending::PendingInodes::new(groups, ipg),
             orphans_added: HashMap::new(),
             fc: Default::default(),
             fc_enabled: false,

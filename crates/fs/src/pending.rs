@@ -1,4 +1,4 @@
-//! Blocks freed by transactions that are not durable yet.
+//! Blocks and inode numbers freed by transactions that are not durable yet.
 //!
 //! A block freed by transaction T may not be reused before T is committed:
 //! a crash before that would replay the old owner's metadata over the new
@@ -189,6 +189,89 @@ impl PendingBlocks {
     }
 }
 
+/// Inode numbers freed by transactions not yet committed: not reused until
+/// then (like the kernel's `recently_deleted`): a fast commit's INODE record
+/// of a reused number would overwrite, at replay, the committed record whose
+/// `i_dtime` may still link the on-disk orphan list.
+#[derive(Debug, Clone, Default)]
+pub struct PendingInodes {
+    /// ino -> freeing tid.
+    by_ino: BTreeMap<u32, u32>,
+    /// `(tid, ino)` of every insertion, in order: pruning pops the durable
+    /// front (as [`PendingBlocks`]), and only then may the group's inode
+    /// hint go back to the freed number. Without it, postmark-like work
+    /// (creates and unlinks, no commit for seconds) rescanned every pending
+    /// number at each create: 28% of the library's CPU.
+    order: VecDeque<(u32, u32)>,
+    /// Per group, how many of its free inodes are pending: a group whose
+    /// free inodes are all pending is skipped without a scan.
+    in_group: Vec<u32>,
+    inodes_per_group: u32,
+}
+
+impl PendingInodes {
+    pub fn new(groups: u32, inodes_per_group: u32) -> Self {
+        PendingInodes {
+            in_group: vec![0; groups as usize],
+            inodes_per_group,
+            ..Default::default()
+        }
+    }
+
+    /// An empty set for the same geometry.
+    pub fn empty_like(&self) -> Self {
+        Self::new(self.in_group.len() as u32, self.inodes_per_group)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_ino.is_empty()
+    }
+
+    pub fn contains(&self, ino: u32) -> bool {
+        self.by_ino.contains_key(&ino)
+    }
+
+    /// How many of group `g`'s free inodes are pending.
+    pub fn in_group(&self, g: u32) -> u32 {
+        self.in_group.get(g as usize).copied().unwrap_or(0)
+    }
+
+    fn group_of(&self, ino: u32) -> usize {
+        (ino.saturating_sub(1) / self.inodes_per_group.max(1)) as usize
+    }
+
+    /// `ino` was freed by transaction `tid`.
+    pub fn insert(&mut self, ino: u32, tid: u32) {
+        if self.by_ino.insert(ino, tid).is_none() {
+            let g = self.group_of(ino);
+            if let Some(n) = self.in_group.get_mut(g) {
+                *n += 1;
+            }
+        }
+        self.order.push_back((tid, ino));
+    }
+
+    /// Numbers whose freeing transaction is `durable` become reusable;
+    /// `freed` sees each.
+    pub fn prune(&mut self, durable: impl Fn(u32) -> bool, mut freed: impl FnMut(u32)) {
+        let mut out = Vec::new();
+        prune_durable(
+            &mut self.order,
+            &mut self.by_ino,
+            |&tid| tid,
+            durable,
+            |ino, _| out.push(ino),
+        );
+        for ino in out {
+            let g = self.group_of(ino);
+            if let Some(n) = self.in_group.get_mut(g) {
+                *n = n.saturating_sub(1);
+            }
+            freed(ino);
+        }
+    }
+}
+
 /// Pending frees (blocks or inode numbers) whose freeing transaction is
 /// durable leave `map`: pop them from the front of `order` (`(tid, key)` in
 /// insertion order, tids never decreasing) instead of scanning the map. An
@@ -217,6 +300,27 @@ pub(crate) fn prune_durable<K: Ord + Copy, V>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pending_inodes_count_per_group_and_leave_when_durable() {
+        // Two groups of 8 inodes: 1-8 and 9-16.
+        let mut p = PendingInodes::new(2, 8);
+        p.insert(3, 5);
+        p.insert(9, 5);
+        p.insert(10, 6);
+        p.insert(10, 7); // freed again by a later transaction: counted once
+        assert_eq!((p.in_group(0), p.in_group(1), p.in_group(7)), (1, 2, 0));
+        assert!(p.contains(3) && p.contains(10) && !p.contains(4));
+        let mut freed = Vec::new();
+        p.prune(|t| t <= 6, |i| freed.push(i));
+        // 10's entry is tid 7's now: it stays.
+        assert_eq!(freed, vec![3, 9]);
+        assert_eq!((p.in_group(0), p.in_group(1)), (0, 1));
+        p.prune(|t| t <= 7, |i| freed.push(i));
+        assert_eq!(freed, vec![3, 9, 10]);
+        assert!(p.is_empty() && p.in_group(1) == 0);
+        assert!(p.empty_like().is_empty());
+    }
 
     #[test]
     fn overlay_follows_the_ranges() {
