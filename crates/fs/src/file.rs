@@ -404,16 +404,19 @@ impl Inner {
         }
     }
 
-    /// Goal for allocating `want` data blocks of a write from logical block
-    /// `lblk`, and whether it is a small file's (then the caller moves
-    /// `small_file_goal` past what it got). ext4's rule for small files
+    /// Goal for allocating `want` data blocks of a write (or fallocate) from
+    /// logical block `lblk`, and whether it is a small file's (then the caller
+    /// moves `small_file_goal` past what it got). ext4's rule for small files
     /// (mballoc's locality groups, `ext4_mb_group_or_file`): a file no longer
-    /// than [`SMALL_FILE_BLOCKS`] with this allocation takes its blocks from
-    /// one stream shared by all small files, right after the last such
-    /// allocation, so that the data one commit writes for many small files
-    /// lies together on the device and goes out in few requests (varmail at
-    /// 16 threads, JBD2: 2.6 device writes per fsync before, 0.9 after);
-    /// larger files continue after their own last block ([`Self::data_goal`]).
+    /// than [`SMALL_FILE_BLOCKS`] with this allocation — its size counted as
+    /// `write()` made it visible (the cache's), not the inode's on-disk size —
+    /// takes its blocks from one stream shared by all small files, right
+    /// after the last such allocation, so that the data one commit writes
+    /// for many small files lies together on the device and goes out in few
+    /// requests (varmail at 16 threads, JBD2: 2.6 device writes per fsync
+    /// before, 0.9 after); larger files continue after their own last block
+    /// ([`Self::data_goal`]). As in ext4, an append to a small file goes to
+    /// the stream too, not after the file's own last block.
     pub(crate) fn alloc_goal(
         &mut self,
         ino: u32,
@@ -422,7 +425,8 @@ impl Inner {
         want: u32,
     ) -> Result<(u64, bool)> {
         let bs = self.bs as u64;
-        let end = (lblk as u64 + want as u64).max(i.size.div_ceil(bs));
+        let cached = self.pc.as_ref().map_or(0, |pc| pc.cached_size(ino));
+        let end = (lblk as u64 + want as u64).max(i.size.max(cached).div_ceil(bs));
         if end <= SMALL_FILE_BLOCKS && self.small_file_goal != 0 {
             return Ok((self.small_file_goal, true));
         }
@@ -616,8 +620,11 @@ impl Inner {
                 }
             }
             want = want.min(MAX_ALLOC_RUN - 1);
-            let goal = self.data_goal(ino, i, lblk)?;
+            let (goal, small) = self.alloc_goal(ino, i, lblk, want)?;
             let (p, n) = self.alloc_blocks(h, goal, want)?;
+            if small {
+                self.small_file_goal = p + n as u64;
+            }
             if let Err(e) = self.ext_insert(h, ino, i, lblk, p, n, true) {
                 let _ = self.free_blocks(h, p, n as u64);
                 return Err(e);

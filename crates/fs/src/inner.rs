@@ -240,6 +240,10 @@ pub(crate) struct Inner {
     /// take `Inner`), which could pick a group or an inode the pass did not
     /// read. Cleared by each new pass and each `Fs::lock`.
     pub warm_pruned: bool,
+    /// Blocks a warm pass has predicted from the small-file stream so far:
+    /// its allocations follow one another from one goal, so the groups
+    /// warmed must hold them all (`warm_map`). Reset by each pass.
+    pub warm_stream_want: u64,
     /// Device reads made under this lock (metadata misses `read_meta` could
     /// not defer, data read by `read_data`): what C.2 wants at zero, counted
     /// for `commitfs stats` (shared with `Fs`).
@@ -384,6 +388,7 @@ impl Inner {
             claiming: false,
             zeroed_outside: Vec::new(),
             warm_pruned: false,
+            warm_stream_want: 0,
             reads_locked: Default::default(),
         };
         inner.load_group_descs()?;
@@ -648,6 +653,7 @@ impl Inner {
     pub(crate) fn defer_pass(&mut self) -> DeferPass {
         self.warm_pins.borrow_mut().clear();
         self.warm_pruned = false;
+        self.warm_stream_want = 0;
         self.defer_misses
             .store(true, std::sync::atomic::Ordering::Relaxed);
         DeferPass(self.defer_misses.clone())

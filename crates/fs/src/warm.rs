@@ -408,9 +408,17 @@ impl Inner {
         // before it, or the small-file stream): the first ALLOC_GROUPS
         // holes' goals.
         let holes = segs.iter().filter(|s| s.2.is_none());
+        // Small files' holes all start from the stream's goal and follow one
+        // another: the groups warmed hold what the pass predicted so far.
         for &(l, n, _) in holes.take(ALLOC_GROUPS as usize) {
             let want = n.min(u32::MAX as u64) as u32;
-            let (goal, _) = self.alloc_goal(ino, &i, l as u32, want)?;
+            let (goal, small) = self.alloc_goal(ino, &i, l as u32, want)?;
+            let n = if small {
+                self.warm_stream_want += n;
+                self.warm_stream_want
+            } else {
+                n
+            };
             self.warm_block_alloc_n(goal, n)?;
         }
         Ok(())

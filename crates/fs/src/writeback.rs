@@ -288,7 +288,8 @@ pub(crate) type DataGens = Mutex<std::collections::HashMap<u32, u64>>;
 /// are not kept (`Fs::read_cached`).
 const FILL_MAX: usize = 256 << 10;
 
-/// Write the runs (one device write per run, or per MiB of one) and mark
+/// Write the runs (one device write per run, or per MiB of one; runs that
+/// meet on the device joined, up to a MiB) and mark
 /// their pages clean; on a failure the pages of the batch that failed and of
 /// every later one go back to dirty and the error is returned. `note`: report
 /// to single-flush tracking here (under the caller's handle).
@@ -301,7 +302,7 @@ pub(crate) fn write_runs(
 ) -> Result<()> {
     let bs = dio.bs;
     // Device writes of at most 1 MiB each (one per contiguous run or piece of
-    // one), submitted in batches of at most BATCH_BYTES (the device keeps the
+    // one, or per group of runs that meet), submitted in batches of at most BATCH_BYTES (the device keeps the
     // large ones in flight together); the pages themselves are the buffers.
     let per = ((1 << 20) / bs).max(1);
     let mut k = 0usize;

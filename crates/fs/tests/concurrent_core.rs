@@ -1826,8 +1826,15 @@ fn a_random_workload_in_a_tiny_cache_reads_nothing_under_the_fs_lock() {
             } else if k < 45 {
                 let ino = files[pick(&mut rng, files.len())].2;
                 fs.open_inode(ino).unwrap();
-                let data = vec![7u8; rng.gen_range(1..40_000)];
-                full_ok(fs.write(ino, rng.gen_range(0..2_000_000), &data));
+                // Files of even inode numbers stay small (the small-file
+                // stream's allocations), the others grow large.
+                let (off, len) = if ino.is_multiple_of(2) {
+                    (rng.gen_range(0..6_000), rng.gen_range(1..6_000))
+                } else {
+                    (rng.gen_range(0..2_000_000), rng.gen_range(1..40_000))
+                };
+                let data = vec![7u8; len];
+                full_ok(fs.write(ino, off, &data));
                 if rng.gen_bool(0.3) {
                     fs.fsync(ino, false).unwrap();
                 }
@@ -1888,7 +1895,11 @@ fn a_random_workload_in_a_tiny_cache_reads_nothing_under_the_fs_lock() {
                 "link"
             } else if k < 94 {
                 let ino = files[pick(&mut rng, files.len())].2;
-                let (off, len) = (rng.gen_range(0..3_000_000), rng.gen_range(1..200_000));
+                let (off, len) = if ino.is_multiple_of(2) {
+                    (rng.gen_range(0..6_000), rng.gen_range(1..6_000))
+                } else {
+                    (rng.gen_range(0..3_000_000), rng.gen_range(1..200_000))
+                };
                 // Allocate, punch a hole, or zero a range (partial edges).
                 let flags = match rng.gen_range(0..3) {
                     0 => FallocFlags::default(),
