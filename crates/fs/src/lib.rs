@@ -1427,12 +1427,17 @@ impl Fs {
                 entries.push(DirEntry::of(ino, ft, name, next));
                 entries.len() < READDIRPLUS_BATCH
             })?;
-            // The batch's inode-table blocks at once, not one pass each.
-            let itable_blocks: Vec<u64> = entries
+            // The batch's inode-table blocks at once, not one pass each; all
+            // of them, also of inodes the table holds now: the pass's own
+            // reads below can evict those from it, and their blocks must then
+            // still be there, pinned, for the run under the lock (seen:
+            // `getattr` reading under `Inner` in the random tiny-cache test).
+            let mut itable_blocks: Vec<u64> = entries
                 .iter()
-                .filter(|e| g.itable.with(e.ino, |_| ()).is_none())
                 .filter_map(|e| g.inode_location(e.ino).ok().map(|l| l.0))
                 .collect();
+            itable_blocks.sort_unstable();
+            itable_blocks.dedup();
             g.warm_all(itable_blocks)?;
             for e in &entries {
                 // Other errors are reported by the pass below, as before.
