@@ -167,6 +167,8 @@ pub(crate) struct Inner {
     /// inserts itself (a new block, a loaded directory) sweeps a cache at its
     /// budget ([`Inner::defer_pass`]). At most [`WARM_PINS_MAX`].
     warm_pins: std::cell::RefCell<Vec<Arc<Buffer>>>,
+    /// Block numbers in `warm_pins`.
+    warm_pinned: std::cell::RefCell<std::collections::HashSet<u64>>,
     /// Shared so that a commit (device writes and flush) can run outside the
     /// `Inner` lock: a slow fsync must not block unrelated requests.
     pub journal: Arc<Journal>,
@@ -354,6 +356,7 @@ impl Inner {
             dev,
             defer_misses: Default::default(),
             warm_pins: Default::default(),
+            warm_pinned: Default::default(),
             journal,
             bs,
             groups,
@@ -652,6 +655,7 @@ impl Inner {
     /// held anew).
     pub(crate) fn defer_pass(&mut self) -> DeferPass {
         self.warm_pins.borrow_mut().clear();
+        self.warm_pinned.borrow_mut().clear();
         self.warm_pruned = false;
         self.warm_stream_want = 0;
         self.defer_misses
@@ -659,10 +663,12 @@ impl Inner {
         DeferPass(self.defer_misses.clone())
     }
 
-    /// Hold `b`, touched by a warm pass, for the operation after it.
+    /// Hold `b`, touched by a warm pass, for the operation after it. Each
+    /// block once: a pass touches many blocks more than once (a directory's
+    /// leaves are warmed, then read), and repeats must not use up the cap.
     fn warm_pin(&self, b: &Arc<Buffer>) {
         let mut p = self.warm_pins.borrow_mut();
-        if p.len() < WARM_PINS_MAX && !p.last().is_some_and(|l| Arc::ptr_eq(l, b)) {
+        if p.len() < WARM_PINS_MAX && self.warm_pinned.borrow_mut().insert(b.blocknr()) {
             p.push(b.clone());
         }
     }

@@ -1427,29 +1427,36 @@ impl Fs {
                 entries.push(DirEntry::of(ino, ft, name, next));
                 entries.len() < READDIRPLUS_BATCH
             })?;
-            // The batch's inode-table blocks at once, not one pass each; all
-            // of them, also of inodes the table holds now: the pass's own
-            // reads below can evict those from it, and their blocks must then
-            // still be there, pinned, for the run under the lock (seen:
-            // `getattr` reading under `Inner` in the random tiny-cache test).
-            let mut itable_blocks: Vec<u64> = entries
+            // The batch's inode-table blocks at once, not one pass each.
+            let itable_blocks: Vec<u64> = entries
                 .iter()
+                .filter(|e| g.itable.with(e.ino, |_| ()).is_none())
                 .filter_map(|e| g.inode_location(e.ino).ok().map(|l| l.0))
                 .collect();
-            itable_blocks.sort_unstable();
-            itable_blocks.dedup();
             g.warm_all(itable_blocks)?;
+            // The attributes are taken here, in the pass that ends holding
+            // the lock, and handed out below as they are: asked again, an
+            // inode the pass's own reads evicted from the inode table would
+            // be read under `Inner` (seen in the random tiny-cache test).
+            let mut attrs = Vec::with_capacity(entries.len());
             for e in &entries {
-                // Other errors are reported by the pass below, as before.
-                if error::unless_miss(g.getattr(e.ino))?.is_err() {
-                    break;
+                // Other errors are reported by the run below, as before.
+                match error::unless_miss(g.getattr(e.ino))? {
+                    Ok(a) => attrs.push(a),
+                    Err(_) => break,
                 }
             }
             let _ = error::unless_miss(g.warm_atime(ino))?;
-            Ok(entries)
+            Ok((entries, attrs))
         })?;
+        let (entries, attrs) = entries;
+        let mut attrs = attrs.into_iter();
         for (k, e) in entries.iter().enumerate() {
-            let attr = match g.getattr(e.ino) {
+            let got = match attrs.next() {
+                Some(a) => Ok(a),
+                None => g.getattr(e.ino),
+            };
+            let attr = match got {
                 Ok(a) => a,
                 // A bad inode behind a name: what was taken so far goes out;
                 // alone, the error does.
@@ -2151,6 +2158,12 @@ impl Fs {
             let _ = error::unless_miss(g.warm_map(ino, lo, hi))?;
             if flags.punch_hole || flags.zero_range {
                 let r = g.warm_free_range(ino, offset.div_ceil(g.bs64()), hi, warm::Evict::No);
+                let _ = error::unless_miss(r)?;
+            }
+            // A zeroed range maps its whole blocks again where a new
+            // allocation goes.
+            if flags.zero_range {
+                let r = g.warm_realloc(ino, offset.div_ceil(g.bs64()), end / g.bs64());
                 let _ = error::unless_miss(r)?;
             }
             Ok(())

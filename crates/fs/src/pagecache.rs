@@ -481,13 +481,13 @@ impl PageCache {
             .collect()
     }
 
-    /// The first `max` runs `[lo, hi)` of consecutive dirty pages of `ino`:
-    /// what a write-back's warm pass walks (warm.rs).
     /// The size `write()` made visible for `ino` (0 when not cached).
     pub fn cached_size(&self, ino: u32) -> u64 {
         self.files.lock().get(&ino).map_or(0, |f| f.size)
     }
 
+    /// The first `max` runs `[lo, hi)` of consecutive dirty pages of `ino`:
+    /// what a write-back's warm pass walks (warm.rs).
     pub fn dirty_runs(&self, ino: u32, max: usize) -> Vec<(u64, u64)> {
         let files = self.files.lock();
         let Some(f) = files.get(&ino).filter(|f| f.dirty > 0) else {

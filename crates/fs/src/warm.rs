@@ -424,6 +424,27 @@ impl Inner {
         Ok(())
     }
 
+    /// The pass before a zeroed range frees the whole blocks `[lo, hi)` of
+    /// `ino` and maps them again (unwritten extents): the groups the new
+    /// blocks come from, by the rule the allocation follows (`alloc_goal`:
+    /// for a small file the stream, which need not be where they were freed).
+    pub(crate) fn warm_realloc(&mut self, ino: u32, lo: u64, hi: u64) -> Result<()> {
+        if !self.deferring() || hi <= lo || lo > u32::MAX as u64 {
+            return Ok(());
+        }
+        let i = self.read_inode(ino)?;
+        let n = hi - lo;
+        let want = n.min(u32::MAX as u64) as u32;
+        let (goal, small) = self.alloc_goal(ino, &i, lo as u32, want)?;
+        let n = if small {
+            self.warm_stream_want += n;
+            self.warm_stream_want
+        } else {
+            n
+        };
+        self.warm_block_alloc_n(goal, n)
+    }
+
     /// The pass before freeing `ino`'s blocks from file block `from` on
     /// (truncate, the last unlink or close): the inode, the tree blocks of
     /// that range and the bitmaps of the groups its blocks are in. `evict`:
