@@ -266,15 +266,11 @@ impl Inner {
                         }
                     }
                     want = want.min(MAX_ALLOC_RUN);
-                    let (goal, small) = self.alloc_goal(ino, i, lblk, want)?;
-                    let (p, n) = match self.alloc_blocks(h, goal, want) {
+                    let (p, n) = match self.alloc_data(h, ino, i, lblk, want) {
                         Ok(x) => x,
                         Err(FsError::NoSpace) if pos > 0 => return Ok(()),
                         Err(e) => return Err(e),
                     };
-                    if small {
-                        self.small_file_goal = p + n as u64;
-                    }
                     if let Err(e) = self.ext_insert(h, ino, i, lblk, p, n, false) {
                         let _ = self.free_blocks(h, p, n as u64);
                         if matches!(e, FsError::NoSpace) && pos > 0 {
@@ -402,6 +398,25 @@ impl Inner {
         } else {
             Ok(size)
         }
+    }
+
+    /// Allocate up to `want` data blocks for file block `lblk` of `ino` from
+    /// [`Self::alloc_goal`]'s goal, moving the small-file stream past them
+    /// when they are a small file's.
+    fn alloc_data(
+        &mut self,
+        h: &Handle,
+        ino: u32,
+        i: &Inode,
+        lblk: u32,
+        want: u32,
+    ) -> Result<(u64, u32)> {
+        let (goal, small) = self.alloc_goal(ino, i, lblk, want)?;
+        let (p, n) = self.alloc_blocks(h, goal, want)?;
+        if small {
+            self.small_file_goal = p + n as u64;
+        }
+        Ok((p, n))
     }
 
     /// Goal for allocating `want` data blocks of a write (or fallocate) from
@@ -620,11 +635,7 @@ impl Inner {
                 }
             }
             want = want.min(MAX_ALLOC_RUN - 1);
-            let (goal, small) = self.alloc_goal(ino, i, lblk, want)?;
-            let (p, n) = self.alloc_blocks(h, goal, want)?;
-            if small {
-                self.small_file_goal = p + n as u64;
-            }
+            let (p, n) = self.alloc_data(h, ino, i, lblk, want)?;
             if let Err(e) = self.ext_insert(h, ino, i, lblk, p, n, true) {
                 let _ = self.free_blocks(h, p, n as u64);
                 return Err(e);

@@ -166,9 +166,7 @@ pub(crate) struct Inner {
     /// follows the pass under the lock finds them all, even when what it
     /// inserts itself (a new block, a loaded directory) sweeps a cache at its
     /// budget ([`Inner::defer_pass`]). At most [`WARM_PINS_MAX`].
-    warm_pins: std::cell::RefCell<Vec<Arc<Buffer>>>,
-    /// Block numbers in `warm_pins`.
-    warm_pinned: std::cell::RefCell<std::collections::HashSet<u64>>,
+    warm_pins: std::cell::RefCell<HashMap<u64, Arc<Buffer>>>,
     /// Shared so that a commit (device writes and flush) can run outside the
     /// `Inner` lock: a slow fsync must not block unrelated requests.
     pub journal: Arc<Journal>,
@@ -356,7 +354,6 @@ impl Inner {
             dev,
             defer_misses: Default::default(),
             warm_pins: Default::default(),
-            warm_pinned: Default::default(),
             journal,
             bs,
             groups,
@@ -655,7 +652,6 @@ impl Inner {
     /// held anew).
     pub(crate) fn defer_pass(&mut self) -> DeferPass {
         self.warm_pins.borrow_mut().clear();
-        self.warm_pinned.borrow_mut().clear();
         self.warm_pruned = false;
         self.warm_stream_want = 0;
         self.defer_misses
@@ -668,8 +664,8 @@ impl Inner {
     /// leaves are warmed, then read), and repeats must not use up the cap.
     fn warm_pin(&self, b: &Arc<Buffer>) {
         let mut p = self.warm_pins.borrow_mut();
-        if p.len() < WARM_PINS_MAX && self.warm_pinned.borrow_mut().insert(b.blocknr()) {
-            p.push(b.clone());
+        if p.len() < WARM_PINS_MAX {
+            p.entry(b.blocknr()).or_insert_with(|| b.clone());
         }
     }
 

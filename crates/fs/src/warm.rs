@@ -408,20 +408,26 @@ impl Inner {
         // before it, or the small-file stream): the first ALLOC_GROUPS
         // holes' goals.
         let holes = segs.iter().filter(|s| s.2.is_none());
-        // Small files' holes all start from the stream's goal and follow one
-        // another: the groups warmed hold what the pass predicted so far.
         for &(l, n, _) in holes.take(ALLOC_GROUPS as usize) {
-            let want = n.min(u32::MAX as u64) as u32;
-            let (goal, small) = self.alloc_goal(ino, &i, l as u32, want)?;
-            let n = if small {
-                self.warm_stream_want += n;
-                self.warm_stream_want
-            } else {
-                n
-            };
-            self.warm_block_alloc_n(goal, n)?;
+            self.warm_data_alloc(ino, &i, l, n)?;
         }
         Ok(())
+    }
+
+    /// The groups an allocation of `n` data blocks for file block `lblk` of
+    /// `ino` comes from (`alloc_goal`). Small files' allocations all start
+    /// from the stream's goal and follow one another: the groups warmed
+    /// hold what the pass predicted from it so far.
+    fn warm_data_alloc(&mut self, ino: u32, i: &Inode, lblk: u64, n: u64) -> Result<()> {
+        let want = n.min(u32::MAX as u64) as u32;
+        let (goal, small) = self.alloc_goal(ino, i, lblk.min(u32::MAX as u64) as u32, want)?;
+        let n = if small {
+            self.warm_stream_want += n;
+            self.warm_stream_want
+        } else {
+            n
+        };
+        self.warm_block_alloc_n(goal, n)
     }
 
     /// The pass before a zeroed range frees the whole blocks `[lo, hi)` of
@@ -433,16 +439,7 @@ impl Inner {
             return Ok(());
         }
         let i = self.read_inode(ino)?;
-        let n = hi - lo;
-        let want = n.min(u32::MAX as u64) as u32;
-        let (goal, small) = self.alloc_goal(ino, &i, lo as u32, want)?;
-        let n = if small {
-            self.warm_stream_want += n;
-            self.warm_stream_want
-        } else {
-            n
-        };
-        self.warm_block_alloc_n(goal, n)
+        self.warm_data_alloc(ino, &i, lo, hi - lo)
     }
 
     /// The pass before freeing `ino`'s blocks from file block `from` on
