@@ -1086,7 +1086,9 @@ impl Fs {
     /// flush generation `dgen` (group commit: `Journal::commit_upto`).
     fn sync_for(&self, tid: u32, dgen: Option<u64>, wseq: Option<u64>) -> Result<()> {
         let journal = {
-            let mut g = self.lock()?;
+            // The pending atimes `prepare_commit` writes: their inode-table
+            // blocks are read outside the lock.
+            let mut g = self.lock_change(|g| g.warm_lazy(None))?;
             if g.journal.is_aborted() {
                 return Err(commitfs_journal::JournalError::Aborted.into());
             }
@@ -1131,7 +1133,7 @@ impl Fs {
     /// flush happen outside the file-system lock.
     pub fn sync(&self) -> Result<()> {
         let journal = {
-            let mut g = self.lock()?;
+            let mut g = self.lock_change(|g| g.warm_lazy(None))?;
             if g.journal.is_aborted() {
                 // Nothing after the error can be made durable.
                 return Err(commitfs_journal::JournalError::Aborted.into());
@@ -2365,7 +2367,7 @@ impl Fs {
         // word alone. A stamp a durable commit carries counts as none
         // (fdatasync owes it nothing; pruning drops committed ones).
         if self.itable.with(ino, |_| ()).is_none() || (!datasync && self.itable.has_lazy(ino)) {
-            let mut g = self.lock()?;
+            let mut g = self.lock_change(|g| g.warm_inode(ino))?;
             g.read_inode(ino)?;
             if !datasync {
                 g.flush_lazy_atimes(Some(ino))?;

@@ -68,6 +68,32 @@ impl Inner {
         }
     }
 
+    /// The inodes and inode-table blocks whose pending atimes (noted
+    /// without `Inner` by cached reads, `touch_atime_deferred`) a flush
+    /// writes: of `only`, or all of them (a sync's `prepare_commit`).
+    pub(crate) fn warm_lazy(&mut self, only: Option<u32>) -> Result<()> {
+        if !self.deferring() || self.itable.lazy_is_empty() {
+            return Ok(());
+        }
+        for ino in self.itable.lazy_inos(only) {
+            self.warm_inode(ino)?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::warm_lazy`] for the atimes pending longer than the lazytime
+    /// expiry (`Inner::flush_lazy_expired_now`).
+    pub(crate) fn warm_lazy_expired(&mut self) -> Result<()> {
+        if !self.deferring() || self.itable.lazy_is_empty() {
+            return Ok(());
+        }
+        let now = crate::inner::coarse_secs();
+        for ino in self.itable.lazy_expired(now, crate::atime::LAZYTIME_EXPIRY) {
+            self.warm_inode(ino)?;
+        }
+        Ok(())
+    }
+
     /// The inode-table block of `ino` when an access would write its atime
     /// ([`Inner::touch_atime`] after a read or a listing).
     pub(crate) fn warm_atime(&mut self, ino: u32) -> Result<()> {

@@ -813,6 +813,44 @@ fn cached_read_needs_no_fs_lock() {
     fs.unmount().unwrap();
 }
 
+/// A read at or past the end of a file the page cache knows takes no
+/// file-system lock either (every read-to-the-end loop ends with one): the
+/// cache's size is the visible one. Checked for a file read back (clean
+/// pages) and for one just written (dirty pages, its on-disk size still 0).
+#[test]
+fn read_at_the_end_of_a_cached_file_needs_no_fs_lock() {
+    let data = pattern(5, 2 * 4096 + 10);
+    let (_img, dev, fs, f) = image_with_gated_dir("cc-read-eof", &data);
+    let mut buf = vec![0u8; data.len()];
+    assert_eq!(fs.read(f, 0, &mut buf).unwrap(), data.len());
+    let w = fs.create(ROOT_INO, b"fresh", 0o644, 0, 0).unwrap().ino;
+    assert_eq!(fs.write(w, 0, &data[..5000]).unwrap(), 5000);
+    for (ino, size) in [(f, data.len() as u64), (w, 5000)] {
+        for off in [size, size + 1, size + 10 * 4096] {
+            let got = while_fs_lock_held(&fs, &dev, || {
+                let mut b = vec![0u8; 4096];
+                fs.read(ino, off, &mut b)
+            });
+            let n = got
+                .unwrap_or_else(|| {
+                    panic!("a read at {off} of inode {ino} (size {size}) waited for the file-system lock")
+                })
+                .unwrap();
+            assert_eq!(
+                n, 0,
+                "a read at {off} of a file of {size} bytes returned data"
+            );
+        }
+    }
+    // The bytes before the end are still there, and the size is the one
+    // written (the end was answered from the cache, not from the inode).
+    let mut b = vec![0u8; 8192];
+    assert_eq!(fs.read(w, 0, &mut b).unwrap(), 5000);
+    assert_eq!(&b[..5000], &data[..5000]);
+    assert_eq!(fs.getattr(w).unwrap().size, 5000);
+    fs.unmount().unwrap();
+}
+
 /// A cached read whose atime update is due (relatime: atime older than mtime)
 /// takes no file-system lock either: the new atime goes into the cached
 /// inode, visible at once, and the next commit writes it.
