@@ -8,10 +8,13 @@
 //! file under the `barrier` so that no cached write falls between the cut and
 //! the commit that must contain it.
 //!
-//! Locking: `files` is a leaf lock held for map operations and page copies only
-//! (never across device I/O, `Inner` or a journal call). `barrier` is held
-//! shared by a writer while it dirties pages (memory only) and exclusively by a
-//! cut; order: inode lock → barrier → `Inner` → `files`.
+//! Locking: the files are in shards by inode number, each behind its own
+//! leaf lock held for map operations and page copies only (never across
+//! device I/O, `Inner`, a journal call or another shard), so readers and
+//! writers of different files rarely meet and none takes a lock of the
+//! whole cache; counters are atomics. `barrier` is held shared by a writer
+//! while it dirties pages (memory only) and exclusively by a cut; order:
+//! inode lock → barrier → `Inner` → a shard.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -112,17 +115,52 @@ pub(crate) struct WritePlan {
     pub fill: Vec<u32>,
 }
 
+/// Shards of the file map: a power of two (inode numbers spread over them
+/// by their low bits, so consecutive inodes never share one).
+const SHARDS: usize = 64;
+
+/// One shard: its files, and the condition signalled when a write of one of
+/// their pages ends (waited for with the shard's lock).
+#[derive(Default)]
+struct Shard {
+    files: Mutex<HashMap<u32, FileCache>>,
+    written: Condvar,
+}
+
+/// The counters of [`CacheStats`] that the cache bumps.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub bytes_written: AtomicU64,
+    pub read_hits: AtomicU64,
+    pub read_fills: AtomicU64,
+    pub writebacks: AtomicU64,
+    pub cuts: AtomicU64,
+    pub blocks_written: AtomicU64,
+    pub device_writes: AtomicU64,
+    pub dropped_dirty: AtomicU64,
+    pub evicted: AtomicU64,
+}
+
+impl Counters {
+    /// Add `n` to counter `c`.
+    pub fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
 pub(crate) struct PageCache {
     bs: usize,
     /// Memory cap for pages, bytes.
     cap: usize,
-    files: Mutex<HashMap<u32, FileCache>>,
+    /// The files, in [`SHARDS`] shards by inode number: no lock of the
+    /// cache is file-system-wide (issue #11: reads of file data take none).
+    shards: Box<[Shard]>,
+    /// Held by the eviction pass under way ([`Self::evict`]).
+    evicting: Mutex<()>,
     /// Shared: a writer dirtying pages; exclusive: a cut (see the module doc).
     pub barrier: RwLock<()>,
     /// Pages cached, and of them dirty or being written.
     pages: AtomicUsize,
-    /// Signalled when a page's write ends.
-    written: Condvar,
     dirty: AtomicUsize,
     /// Blocks reserved for delayed pages (ext4's `s_dirtyclusters_counter`):
     /// taken from `grant` before the pages exist, given back as they are
@@ -141,12 +179,12 @@ pub(crate) struct PageCache {
     cuts: Mutex<std::collections::VecDeque<(u32, u64)>>,
     /// Every cached write up to this `wseq` is durable (through a durable cut).
     durable_seq: AtomicU64,
-    /// Calls of [`Self::discard`] so far (bumped under `files`): a fill
+    /// Calls of [`Self::discard`] so far (bumped under the file's shard): a fill
     /// started before one is dropped, since the file it read may be freed and
     /// its number reused (see [`Self::fill`]).
     discards: AtomicU64,
-    /// Counters for `commitfs stats`.
-    pub stats: Mutex<CacheStats>,
+    /// Counters for `commitfs stats` (atomics: every read and write counts).
+    pub(crate) stats: Counters,
     /// `data_order=file`: a commit cuts (writes every file's cached data)
     /// only when asked ([`Self::ask_cut`]); fsyncs write back their own file.
     per_file: bool,
@@ -190,10 +228,10 @@ impl PageCache {
         PageCache {
             bs,
             cap: cap_bytes.max(bs * 64),
-            files: Mutex::new(HashMap::new()),
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
+            evicting: Mutex::new(()),
             barrier: RwLock::new(()),
             pages: AtomicUsize::new(0),
-            written: Condvar::new(),
             dirty: AtomicUsize::new(0),
             reserved: AtomicU64::new(0),
             grant: Mutex::new(0),
@@ -202,13 +240,18 @@ impl PageCache {
             cuts: Mutex::new(Default::default()),
             durable_seq: AtomicU64::new(0),
             discards: AtomicU64::new(0),
-            stats: Mutex::new(CacheStats::default()),
+            stats: Counters::default(),
             per_file: false,
             cut_asked: std::sync::atomic::AtomicU8::new(0),
             da_alloc_close: Mutex::new(Default::default()),
             attr_changed: Mutex::new(Default::default()),
             watch_attrs: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// The shard holding `ino`.
+    fn shard(&self, ino: u32) -> &Shard {
+        &self.shards[ino as usize & (SHARDS - 1)]
     }
 
     /// This cache under `data_order=` `order`.
@@ -238,7 +281,11 @@ impl PageCache {
         let Some(t) = expired_before() else {
             return false;
         };
-        self.has_dirty() && self.files.lock().values().any(|f| f.dirty_before(Some(t)))
+        self.has_dirty()
+            && self
+                .shards
+                .iter()
+                .any(|sh| sh.files.lock().values().any(|f| f.dirty_before(Some(t))))
     }
 
     /// Ask the next commit to cut files dirty for [`DIRTY_EXPIRE`] or longer
@@ -289,10 +336,15 @@ impl PageCache {
         if marked.is_empty() {
             return marked;
         }
-        let files = self.files.lock();
         marked
             .into_iter()
-            .filter(|i| files.get(i).is_some_and(|f| f.dirty > 0))
+            .filter(|&i| {
+                self.shard(i)
+                    .files
+                    .lock()
+                    .get(&i)
+                    .is_some_and(|f| f.dirty > 0)
+            })
             .collect()
     }
 
@@ -314,7 +366,20 @@ impl PageCache {
 
     /// The counters, with the current sizes.
     pub fn snapshot(&self) -> CacheStats {
-        let mut s = *self.stats.lock();
+        let c = &self.stats;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut s = CacheStats {
+            bytes_written: get(&c.bytes_written),
+            read_hits: get(&c.read_hits),
+            read_fills: get(&c.read_fills),
+            writebacks: get(&c.writebacks),
+            cuts: get(&c.cuts),
+            blocks_written: get(&c.blocks_written),
+            device_writes: get(&c.device_writes),
+            dropped_dirty: get(&c.dropped_dirty),
+            evicted: get(&c.evicted),
+            ..Default::default()
+        };
         s.cached_bytes = (self.pages.load(Ordering::Acquire) * self.bs) as u64;
         s.dirty_bytes = self.dirty_bytes() as u64;
         s
@@ -370,7 +435,7 @@ impl PageCache {
         if lo >= hi {
             return None;
         }
-        let files = self.files.lock();
+        let files = self.shard(ino).files.lock();
         // Inclusive: the last block of the largest file is 2^32 - 1.
         let cached = files.get(&ino).map_or(0, |f| {
             f.pages.range(lo as u32..=(hi - 1) as u32).count() as u64
@@ -381,7 +446,7 @@ impl PageCache {
     /// Of the holes `holes` (file blocks), those without a page: each becomes
     /// a delayed page when written.
     pub fn uncached(&self, ino: u32, holes: Vec<u32>) -> Vec<u32> {
-        let files = self.files.lock();
+        let files = self.shard(ino).files.lock();
         match files.get(&ino) {
             Some(f) => holes
                 .into_iter()
@@ -400,7 +465,7 @@ impl PageCache {
         if first >= end {
             return 0;
         }
-        let files = self.files.lock();
+        let files = self.shard(ino).files.lock();
         // Inclusive: the last block of the largest file is 2^32 - 1.
         let cached = files.get(&ino).map_or(0, |f| {
             f.pages.range(first as u32..=(end - 1) as u32).count() as u64
@@ -460,7 +525,7 @@ impl PageCache {
     /// Put back pending times a failed write-back took ([`Self::take_dirty`]),
     /// unless newer ones came meanwhile.
     pub fn restore_times(&self, ino: u32, t: Option<Timestamp>) {
-        if let (Some(t), Some(f)) = (t, self.files.lock().get_mut(&ino)) {
+        if let (Some(t), Some(f)) = (t, self.shard(ino).files.lock().get_mut(&ino)) {
             f.times = Some(f.times.map_or(t, |n| n.max(t)));
         }
     }
@@ -473,23 +538,28 @@ impl PageCache {
     /// [`Self::dirty_inos`], only files dirty since before `t` (with pending
     /// times alone: always) when `t` is given.
     pub fn dirty_inos_before(&self, t: Option<std::time::Instant>) -> Vec<u32> {
-        self.files
-            .lock()
-            .iter()
-            .filter(|(_, f)| f.dirty_before(t))
-            .map(|(&i, _)| i)
-            .collect()
+        let mut v = Vec::new();
+        for sh in self.shards.iter() {
+            v.extend(
+                sh.files
+                    .lock()
+                    .iter()
+                    .filter(|(_, f)| f.dirty_before(t))
+                    .map(|(&i, _)| i),
+            );
+        }
+        v
     }
 
     /// The size `write()` made visible for `ino` (0 when not cached).
     pub fn cached_size(&self, ino: u32) -> u64 {
-        self.files.lock().get(&ino).map_or(0, |f| f.size)
+        self.shard(ino).files.lock().get(&ino).map_or(0, |f| f.size)
     }
 
     /// The first `max` runs `[lo, hi)` of consecutive dirty pages of `ino`:
     /// what a write-back's warm pass walks (warm.rs).
     pub fn dirty_runs(&self, ino: u32, max: usize) -> Vec<(u64, u64)> {
-        let files = self.files.lock();
+        let files = self.shard(ino).files.lock();
         let Some(f) = files.get(&ino).filter(|f| f.dirty > 0) else {
             return Vec::new();
         };
@@ -510,7 +580,8 @@ impl PageCache {
 
     /// Whether `ino` has dirty pages or pending times.
     pub fn is_dirty(&self, ino: u32) -> bool {
-        self.files
+        self.shard(ino)
+            .files
             .lock()
             .get(&ino)
             .is_some_and(|f| f.dirty > 0 || f.times.is_some())
@@ -519,7 +590,7 @@ impl PageCache {
     /// Patch attributes from the inode with what cached writes changed: size,
     /// times, delayed blocks.
     pub fn patch_attr(&self, a: &mut crate::Attr) {
-        let files = self.files.lock();
+        let files = self.shard(a.ino).files.lock();
         let Some(f) = files.get(&a.ino) else {
             return;
         };
@@ -560,7 +631,7 @@ impl PageCache {
     /// Plan a write of `len` bytes at `off` into a file whose on-disk size is
     /// `disk_size`: which partial blocks need their content first.
     pub fn plan_write(&self, ino: u32, off: u64, len: usize, disk_size: u64) -> WritePlan {
-        let files = self.files.lock();
+        let files = self.shard(ino).files.lock();
         let f = files.get(&ino);
         let mut fill = self.needs_content(off, len, disk_size, |l| {
             f.is_some_and(|f| f.pages.contains_key(&l))
@@ -587,7 +658,7 @@ impl PageCache {
     ) -> Result<usize, ()> {
         let now = crate::inner::now();
         let bs = self.bs;
-        let mut files = self.files.lock();
+        let mut files = self.shard(ino).files.lock();
         // A partial block over on-disk data needs its page or its content:
         // a page the caller counted on may have been evicted since it planned
         // (then nothing is changed and the caller plans again).
@@ -655,7 +726,7 @@ impl PageCache {
         }
         self.pages.fetch_add(new_pages, Ordering::AcqRel);
         self.dirty.fetch_add(new_dirty, Ordering::AcqRel);
-        self.stats.lock().bytes_written += data.len() as u64;
+        Counters::add(&self.stats.bytes_written, data.len() as u64);
         Ok(new_dirty)
     }
 
@@ -664,7 +735,7 @@ impl PageCache {
     /// it came from the cache. `None`: the cache does not know the file.
     pub fn read(&self, ino: u32, off: u64, buf: &mut [u8]) -> Option<(usize, Vec<bool>)> {
         let bs = self.bs as u64;
-        let mut files = self.files.lock();
+        let mut files = self.shard(ino).files.lock();
         let f = files.get_mut(&ino)?;
         if off >= f.size {
             return Some((0, Vec::new()));
@@ -695,7 +766,7 @@ impl PageCache {
     /// dirty nor being written): then it is what the block holds on the
     /// device, since reads are served from it.
     pub fn clean_block(&self, ino: u32, lblk: u32) -> Option<Arc<Vec<u8>>> {
-        let files = self.files.lock();
+        let files = self.shard(ino).files.lock();
         let p = files.get(&ino)?.pages.get(&lblk)?;
         (!p.dirty && !p.writing).then(|| p.data.clone())
     }
@@ -733,7 +804,7 @@ impl PageCache {
             return;
         }
         let bs = self.bs as u64;
-        let mut files = self.files.lock();
+        let mut files = self.shard(ino).files.lock();
         if self.discards.load(Ordering::Acquire) != epoch {
             return;
         }
@@ -765,7 +836,7 @@ impl PageCache {
         }
         drop(files);
         self.pages.fetch_add(added, Ordering::AcqRel);
-        self.stats.lock().read_fills += added as u64;
+        Counters::add(&self.stats.read_fills, added as u64);
         if self.over_cap() {
             self.evict();
         }
@@ -777,7 +848,8 @@ impl PageCache {
     /// earlier snapshot of one of them is still being written (`None` once
     /// `stop()`: the journal aborted, so that write may never end).
     pub fn take_dirty(&self, ino: u32, stop: &dyn Fn() -> bool) -> Option<Taken> {
-        let mut files = self.files.lock();
+        let sh = self.shard(ino);
+        let mut files = sh.files.lock();
         loop {
             let f = files.get(&ino)?;
             if f.dirty == 0 && f.times.is_none() {
@@ -789,7 +861,7 @@ impl PageCache {
             if stop() {
                 return None;
             }
-            self.written
+            sh.written
                 .wait_for(&mut files, std::time::Duration::from_millis(50));
         }
         let f = files.get_mut(&ino)?;
@@ -818,26 +890,31 @@ impl PageCache {
 
     /// Wait until no page of `ino` is being written (or `stop()`).
     pub fn wait_written(&self, ino: u32, stop: &dyn Fn() -> bool) {
-        let mut files = self.files.lock();
+        let sh = self.shard(ino);
+        let mut files = sh.files.lock();
         while files
             .get(&ino)
             .is_some_and(|f| f.pages.values().any(|p| p.writing))
             && !stop()
         {
-            self.written
+            sh.written
                 .wait_for(&mut files, std::time::Duration::from_millis(50));
         }
     }
 
     /// Take the pending times of `ino` (the caller puts them into the inode).
     pub fn take_times(&self, ino: u32) -> Option<Timestamp> {
-        self.files.lock().get_mut(&ino).and_then(|f| f.times.take())
+        self.shard(ino)
+            .files
+            .lock()
+            .get_mut(&ino)
+            .and_then(|f| f.times.take())
     }
 
     /// Pages `lblks` of `ino` are mapped now (no longer delayed).
     /// Returns how many of them were delayed (counted in `st_blocks` already).
     pub fn mapped(&self, ino: u32, lblks: impl Iterator<Item = u32>) -> u64 {
-        let mut files = self.files.lock();
+        let mut files = self.shard(ino).files.lock();
         let Some(f) = files.get_mut(&ino) else {
             return 0;
         };
@@ -883,7 +960,8 @@ impl PageCache {
     /// A write-back of `snaps` finished: pages not dirtied since become clean;
     /// with `failed`, dirty again (the data is still only here).
     pub fn finish(&self, ino: u32, snaps: &[Snap], failed: bool) {
-        let mut files = self.files.lock();
+        let sh = self.shard(ino);
+        let mut files = sh.files.lock();
         let mut cleaned = 0;
         // Dropped meanwhile (freed or truncated): `discard` did the accounting.
         if let Some(f) = files.get_mut(&ino) {
@@ -910,10 +988,10 @@ impl PageCache {
             }
         }
         drop(files);
-        self.written.notify_all();
+        sh.written.notify_all();
         self.dirty.fetch_sub(cleaned, Ordering::AcqRel);
         if !failed {
-            self.stats.lock().blocks_written += snaps.len() as u64;
+            Counters::add(&self.stats.blocks_written, snaps.len() as u64);
         }
     }
 
@@ -921,7 +999,7 @@ impl PageCache {
     /// under `Inner`): dirty data included.
     pub fn discard(&self, ino: u32) {
         let f = {
-            let mut files = self.files.lock();
+            let mut files = self.shard(ino).files.lock();
             self.discards.fetch_add(1, Ordering::AcqRel);
             files.remove(&ino)
         };
@@ -940,7 +1018,7 @@ impl PageCache {
         self.unreserve(f.delayed as u64);
         self.pages.fetch_sub(f.pages.len(), Ordering::AcqRel);
         self.dirty.fetch_sub(dirty, Ordering::AcqRel);
-        self.stats.lock().dropped_dirty += dirty as u64;
+        Counters::add(&self.stats.dropped_dirty, dirty as u64);
     }
 
     /// Evict clean pages while over the cap (no LRU yet: any clean page
@@ -952,41 +1030,54 @@ impl PageCache {
         if self.pages.load(Ordering::Acquire) <= cap_pages {
             return;
         }
+        // One pass at a time (a second would count the same pages to go):
+        // a caller that finds one under way leaves the work to it.
+        let Some(_one) = self.evicting.try_lock() else {
+            return;
+        };
         let target = cap_pages - cap_pages / 8;
-        let mut files = self.files.lock();
         let mut n = self.pages.load(Ordering::Acquire);
         let mut evicted = 0u64;
-        let mut empty = Vec::new();
         // Clean pages not used since the last pass first (second chance,
-        // their bits cleared on the way), then any clean page.
+        // their bits cleared on the way), then any clean page; one shard
+        // locked at a time.
         for second_chance in [true, false] {
-            for (&ino, f) in files.iter_mut() {
+            for sh in self.shards.iter() {
                 if n <= target {
                     break;
                 }
-                let before = f.pages.len();
-                f.pages.retain(|_, p| {
-                    if n <= target || p.dirty || p.writing {
-                        return true;
+                let mut files = sh.files.lock();
+                let mut gone = 0usize;
+                let mut empty = Vec::new();
+                for (&ino, f) in files.iter_mut() {
+                    if n <= target {
+                        break;
                     }
-                    if second_chance && std::mem::take(&mut p.used) {
-                        return true;
+                    let before = f.pages.len();
+                    f.pages.retain(|_, p| {
+                        if n <= target || p.dirty || p.writing {
+                            return true;
+                        }
+                        if second_chance && std::mem::take(&mut p.used) {
+                            return true;
+                        }
+                        n -= 1;
+                        false
+                    });
+                    gone += before - f.pages.len();
+                    if before > 0 && f.pages.is_empty() && f.times.is_none() {
+                        empty.push(ino);
                     }
-                    n -= 1;
-                    false
-                });
-                evicted += (before - f.pages.len()) as u64;
-                if before > 0 && f.pages.is_empty() && f.times.is_none() {
-                    empty.push(ino);
                 }
+                for ino in empty {
+                    files.remove(&ino);
+                }
+                drop(files);
+                self.pages.fetch_sub(gone, Ordering::AcqRel);
+                evicted += gone as u64;
             }
         }
-        for ino in empty {
-            files.remove(&ino);
-        }
-        drop(files);
-        self.pages.fetch_sub(evicted as usize, Ordering::AcqRel);
-        self.stats.lock().evicted += evicted;
+        Counters::add(&self.stats.evicted, evicted);
     }
 }
 
@@ -1061,6 +1152,65 @@ mod tests {
         assert_eq!((n, hits), (8192, vec![true, true]));
         assert_eq!(&buf[4096..], &[2u8; 4096][..]);
         assert_eq!(pc.snapshot().cached_bytes, 8192, "block past the size kept");
-        assert_eq!(pc.stats.lock().read_fills, 2);
+        assert_eq!(pc.snapshot().read_fills, 2);
+    }
+
+    /// The sharded map behaves as one cache: dirty files are found in every
+    /// shard, a write-back that waits for an earlier snapshot of its file
+    /// wakes when that one finishes (its shard's condition), eviction brings
+    /// the cache under its cap across shards (clean pages only) and forgets
+    /// files left empty, and the counters add up.
+    #[test]
+    fn shards_act_as_one_cache() {
+        let bs = 4096;
+        let pc = Arc::new(PageCache::new(bs, 64 * bs));
+        // 200 files, each one dirty page: inode numbers cover every shard
+        // several times over.
+        let inos: Vec<u32> = (1..=200).collect();
+        for &ino in &inos {
+            pc.write(ino, 0, &[ino as u8; 100], Vec::new(), (0, &[]), 1)
+                .unwrap();
+        }
+        let mut dirty = pc.dirty_inos();
+        dirty.sort_unstable();
+        assert_eq!(dirty, inos);
+        assert_eq!(pc.dirty_files(), 200);
+        assert_eq!(pc.snapshot().bytes_written, 200 * 100);
+        // Snapshots of file 70 being written; it is dirtied again, and the
+        // next write-back must wait for the first to finish.
+        let t = pc.take_dirty(70, &|| false).unwrap();
+        pc.write(70, 0, &[1u8; 10], Vec::new(), (4096, &[]), 0)
+            .unwrap();
+        let waiter = {
+            let pc = pc.clone();
+            std::thread::spawn(move || pc.take_dirty(70, &|| false).map(|t| t.snaps.len()))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(!waiter.is_finished(), "took pages still being written");
+        pc.finish(70, &t.snaps, false);
+        assert_eq!(waiter.join().unwrap(), Some(1));
+        pc.finish(70, &t.snaps, false);
+        // Write every other file back: clean pages, then over the cap.
+        for &ino in &inos {
+            if let Some(t) = pc.take_dirty(ino, &|| false) {
+                pc.finish(ino, &t.snaps, false);
+            }
+        }
+        assert_eq!(pc.dirty_files(), 0);
+        assert!(pc.over_cap());
+        pc.evict();
+        let st = pc.snapshot();
+        assert!(
+            st.cached_bytes <= 64 * bs as u64,
+            "still {} bytes cached",
+            st.cached_bytes
+        );
+        assert_eq!(st.evicted * bs as u64 + st.cached_bytes, 200 * bs as u64);
+        // The files left without a page are forgotten.
+        let known = inos
+            .iter()
+            .filter(|&&i| pc.read(i, 0, &mut [0u8; 1]).is_some())
+            .count();
+        assert_eq!(known as u64 * bs as u64, st.cached_bytes);
     }
 }

@@ -274,7 +274,7 @@ impl Inner {
             }
         }
         if !all.is_empty() {
-            pc.stats.lock().cuts += 1;
+            crate::pagecache::Counters::add(&pc.stats.cuts, 1);
         }
         Ok((all, complete))
     }
@@ -337,7 +337,7 @@ pub(crate) fn write_runs(
             }
             return Err(e);
         }
-        pc.stats.lock().device_writes += writes.len() as u64;
+        crate::pagecache::Counters::add(&pc.stats.device_writes, writes.len() as u64);
         for r in &runs[k..end] {
             // Before the pages turn clean: an fdatasync that finds them clean
             // then finds this generation too.
@@ -892,7 +892,7 @@ impl Fs {
             return Err(FsError::Shutdown);
         }
         if let Some(pc) = &self.pc {
-            pc.stats.lock().read_hits += 1;
+            crate::pagecache::Counters::add(&pc.stats.read_hits, 1);
         }
         Ok(
             match crate::atime::touch_atime_deferred(&self.opts, &self.itable, ino) {
@@ -1076,7 +1076,7 @@ impl Fs {
             }
             (runs, unmapped.len(), g.inflight.begin(ino), h)
         };
-        pc.stats.lock().writebacks += 1;
+        crate::pagecache::Counters::add(&pc.stats.writebacks, 1);
         let r = write_runs(&self.dio, pc, &runs, true, &self.data_gens);
         drop(guard);
         if let Err(e) = &r {
