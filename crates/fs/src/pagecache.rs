@@ -719,12 +719,14 @@ impl PageCache {
         }
         f.size = f.size.max(off + data.len() as u64);
         f.times = Some(now);
+        // Counted before the shard lock goes: an eviction that finds the
+        // pages must find them counted (`pages` never runs below zero).
+        self.pages.fetch_add(new_pages, Ordering::AcqRel);
         drop(files);
         self.wseq.fetch_add(1, Ordering::AcqRel);
         if delayed < reserved {
             self.unreserve(reserved - delayed);
         }
-        self.pages.fetch_add(new_pages, Ordering::AcqRel);
         self.dirty.fetch_add(new_dirty, Ordering::AcqRel);
         Counters::add(&self.stats.bytes_written, data.len() as u64);
         Ok(new_dirty)
@@ -834,8 +836,9 @@ impl PageCache {
         if f.pages.is_empty() && f.times.is_none() {
             files.remove(&ino);
         }
-        drop(files);
+        // Before the lock goes, as in `write`.
         self.pages.fetch_add(added, Ordering::AcqRel);
+        drop(files);
         Counters::add(&self.stats.read_fills, added as u64);
         if self.over_cap() {
             self.evict();
@@ -1027,26 +1030,40 @@ impl PageCache {
     /// on-disk one.
     pub fn evict(&self) {
         let cap_pages = self.cap / self.bs;
-        if self.pages.load(Ordering::Acquire) <= cap_pages {
-            return;
-        }
-        // One pass at a time (a second would count the same pages to go):
-        // a caller that finds one under way leaves the work to it.
-        let Some(_one) = self.evicting.try_lock() else {
-            return;
-        };
         let target = cap_pages - cap_pages / 8;
-        let mut n = self.pages.load(Ordering::Acquire);
+        loop {
+            if self.pages.load(Ordering::Acquire) <= cap_pages {
+                return;
+            }
+            // One pass at a time (two would count the same pages to go): a
+            // caller that finds one under way leaves the work to it, which
+            // passes again while the cache is over its cap.
+            let Some(one) = self.evicting.try_lock() else {
+                return;
+            };
+            let evicted = self.evict_pass(target);
+            drop(one);
+            if evicted == 0 {
+                // Nothing clean left to drop (all dirty or being written).
+                return;
+            }
+        }
+    }
+
+    /// One pass of [`Self::evict`] down to `target` pages: clean pages not
+    /// used since the last pass first (second chance, their bits cleared on
+    /// the way), then any clean page; one shard locked at a time, the count
+    /// read again at each (writers and readers add pages meanwhile).
+    /// Returns the pages dropped.
+    fn evict_pass(&self, target: usize) -> u64 {
         let mut evicted = 0u64;
-        // Clean pages not used since the last pass first (second chance,
-        // their bits cleared on the way), then any clean page; one shard
-        // locked at a time.
         for second_chance in [true, false] {
             for sh in self.shards.iter() {
+                let mut files = sh.files.lock();
+                let mut n = self.pages.load(Ordering::Acquire);
                 if n <= target {
                     break;
                 }
-                let mut files = sh.files.lock();
                 let mut gone = 0usize;
                 let mut empty = Vec::new();
                 for (&ino, f) in files.iter_mut() {
@@ -1072,12 +1089,13 @@ impl PageCache {
                 for ino in empty {
                     files.remove(&ino);
                 }
-                drop(files);
                 self.pages.fetch_sub(gone, Ordering::AcqRel);
+                drop(files);
                 evicted += gone as u64;
             }
         }
         Counters::add(&self.stats.evicted, evicted);
+        evicted
     }
 }
 

@@ -68,17 +68,17 @@ impl Inner {
         }
     }
 
-    /// The inodes and inode-table blocks whose pending atimes (noted
+    /// The inode-table blocks of the inodes whose pending atimes (noted
     /// without `Inner` by cached reads, `touch_atime_deferred`) a flush
-    /// writes: of `only`, or all of them (a sync's `prepare_commit`).
+    /// writes: of `only`, or all of them (a sync's `prepare_commit`). Each
+    /// pass reports every missing block at once (up to `WARM_BATCH`), not
+    /// one per round.
     pub(crate) fn warm_lazy(&mut self, only: Option<u32>) -> Result<()> {
         if !self.deferring() || self.itable.lazy_is_empty() {
             return Ok(());
         }
-        for ino in self.itable.lazy_inos(only) {
-            self.warm_inode(ino)?;
-        }
-        Ok(())
+        let inos = self.itable.lazy_inos(only);
+        self.warm_itable_blocks(&inos)
     }
 
     /// [`Self::warm_lazy`] for the atimes pending longer than the lazytime
@@ -88,10 +88,17 @@ impl Inner {
             return Ok(());
         }
         let now = crate::inner::coarse_secs();
-        for ino in self.itable.lazy_expired(now, crate::atime::LAZYTIME_EXPIRY) {
-            self.warm_inode(ino)?;
-        }
-        Ok(())
+        let inos = self.itable.lazy_expired(now, crate::atime::LAZYTIME_EXPIRY);
+        self.warm_itable_blocks(&inos)
+    }
+
+    /// The inode-table blocks holding `inos`, each once.
+    fn warm_itable_blocks(&mut self, inos: &[u32]) -> Result<()> {
+        let blks: std::collections::BTreeSet<u64> = inos
+            .iter()
+            .filter_map(|&ino| self.inode_location(ino).ok().map(|(b, _)| b))
+            .collect();
+        self.warm_all(blks)
     }
 
     /// The inode-table block of `ino` when an access would write its atime

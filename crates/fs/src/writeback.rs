@@ -926,11 +926,19 @@ impl Fs {
         let looked = pc.read(ino, offset, buf);
         let known = looked.is_some();
         let (n, hits) = match looked {
-            // At or past the end of a file the cache knows: the cache's size
-            // is the visible one (as for the bytes before it), so the answer
-            // needs no lock either. (Every `read_all` ends with such a read:
-            // under `Inner` it was a fifth of varmail's waits on the lock.)
-            Some((0, _)) if buf.is_empty() => return Ok(Some((0, false))),
+            // A zero-length read of a file the cache knows: nothing to copy,
+            // no atime (Linux's `filemap_read` returns before `file_accessed`).
+            Some((0, _)) if buf.is_empty() => {
+                if self.dio.errors.is_dead() {
+                    return Err(FsError::Shutdown);
+                }
+                return Ok(Some((0, false)));
+            }
+            // Every block in the cache; this includes a read at or past the
+            // end of a file the cache knows (no blocks): the cache's size is
+            // the visible one, as for the bytes before it, so that answer
+            // needs no lock either (every `read_all` ends with such a read;
+            // under `Inner` it was a fifth of varmail's waits on the lock).
             Some((n, hits)) if hits.iter().all(|&h| h) => {
                 return Ok(Some((n, self.cached_read_done(ino)?)));
             }
@@ -974,9 +982,13 @@ impl Fs {
             }
             None => {
                 // Unknown to the cache: the on-disk size is the visible one
-                // (at or past it: end of file, answered under this hold).
+                // (at or past it: end of file, answered under this hold; a
+                // zero-length read reads nothing and leaves atime alone).
+                if buf.is_empty() {
+                    return Ok(Some((0, false)));
+                }
                 if offset >= disk_size {
-                    return Ok(Some((0, !buf.is_empty() && g.touch_atime(ino))));
+                    return Ok(Some((0, g.touch_atime(ino))));
                 }
                 let n = ((disk_size - offset) as usize).min(buf.len());
                 misses.push((0, n));
