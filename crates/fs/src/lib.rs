@@ -1704,7 +1704,16 @@ impl Fs {
             g.unlink(parent, name)?;
             break;
         }
+        self.reap_discarded();
         self.maybe_commit()
+    }
+
+    /// Free the cached pages of files freed under `Inner`
+    /// (`PageCache::discard_deferred`); called with no lock held.
+    fn reap_discarded(&self) {
+        if let Some(pc) = &self.pc {
+            pc.reap();
+        }
     }
 
     /// The inode `name` in `parent` names, to lock before `Inner` (unlink's
@@ -1759,6 +1768,7 @@ impl Fs {
                 g.rename(parent, name, new_parent, new_name, flags)
             });
             if !moved {
+                self.reap_discarded();
                 return r;
             }
         }
@@ -1822,10 +1832,13 @@ impl Fs {
         if self.itable.release_unless_last_unlinked(ino) {
             return Ok(());
         }
-        self.lock_change(|g| {
-            error::unless_miss(g.warm_free(ino, 0, warm::Evict::Orphan)).map(drop)
-        })?
-        .release(ino)
+        let r = self
+            .lock_change(|g| {
+                error::unless_miss(g.warm_free(ino, 0, warm::Evict::Orphan)).map(drop)
+            })?
+            .release(ino);
+        self.reap_discarded();
+        r
     }
 
     /// Read file data; updates atime under the mount's atime policy.

@@ -879,9 +879,9 @@ impl Inner {
 
     fn evict_with(&mut self, h: &Handle, ino: u32, mut i: Inode) -> Result<()> {
         let was_dir = i.is_dir();
-        // Its cached data goes with it, unwritten.
+        // Its cached data goes with it, unwritten (freed after `Inner`).
         if let Some(pc) = &self.pc {
-            pc.discard(ino);
+            pc.discard_deferred(ino);
         }
         self.release_inode_storage(h, ino, &mut i)?;
         i.links_count = 0;

@@ -157,6 +157,8 @@ pub(crate) struct PageCache {
     shards: Box<[Shard]>,
     /// Held by the eviction pass under way ([`Self::evict`]).
     evicting: Mutex<()>,
+    /// Files dropped under `Inner`, not freed yet ([`Self::reap`]).
+    graveyard: Mutex<Vec<FileCache>>,
     /// Shared: a writer dirtying pages; exclusive: a cut (see the module doc).
     pub barrier: RwLock<()>,
     /// Pages cached, and of them dirty or being written.
@@ -230,6 +232,7 @@ impl PageCache {
             cap: cap_bytes.max(bs * 64),
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             evicting: Mutex::new(()),
+            graveyard: Mutex::new(Vec::new()),
             barrier: RwLock::new(()),
             pages: AtomicUsize::new(0),
             dirty: AtomicUsize::new(0),
@@ -1001,6 +1004,34 @@ impl PageCache {
     /// Drop every page of `ino` (the file is freed, truncated or rewritten
     /// under `Inner`): dirty data included.
     pub fn discard(&self, ino: u32) {
+        drop(self.discard_kept(ino));
+    }
+
+    /// [`Self::discard`] under `Inner` (a freed file): the pages are freed
+    /// later, outside it, by [`Self::reap`] (freeing a large cached file's
+    /// pages took the file-system lock for as long).
+    pub fn discard_deferred(&self, ino: u32) {
+        if let Some(f) = self.discard_kept(ino) {
+            self.graveyard.lock().push(f);
+        }
+    }
+
+    /// Free what [`Self::discard_deferred`] dropped (callers hold no
+    /// file-system lock: an unlink, rename or close after its work, a write,
+    /// an eviction pass).
+    pub fn reap(&self) {
+        let dead = {
+            let mut g = self.graveyard.lock();
+            if g.is_empty() {
+                return;
+            }
+            std::mem::take(&mut *g)
+        };
+        drop(dead);
+    }
+
+    /// Drop `ino`'s entry, accounted as gone; its pages are returned.
+    fn discard_kept(&self, ino: u32) -> Option<FileCache> {
         let f = {
             let mut files = self.shard(ino).files.lock();
             self.discards.fetch_add(1, Ordering::AcqRel);
@@ -1011,9 +1042,7 @@ impl PageCache {
             // reused); a truncate notes its own after this.
             self.da_alloc_close.lock().remove(&ino);
         }
-        let Some(f) = f else {
-            return;
-        };
+        let f = f?;
         let dirty = f.pages.values().filter(|p| p.dirty || p.writing).count();
         if f.dirty > 0 {
             self.dirty_files.fetch_sub(1, Ordering::AcqRel);
@@ -1022,6 +1051,7 @@ impl PageCache {
         self.pages.fetch_sub(f.pages.len(), Ordering::AcqRel);
         self.dirty.fetch_sub(dirty, Ordering::AcqRel);
         Counters::add(&self.stats.dropped_dirty, dirty as u64);
+        Some(f)
     }
 
     /// Evict clean pages while over the cap (no LRU yet: any clean page
@@ -1029,6 +1059,7 @@ impl PageCache {
     /// no page, no cached write is pending, so its visible size is the
     /// on-disk one.
     pub fn evict(&self) {
+        self.reap();
         let cap_pages = self.cap / self.bs;
         let target = cap_pages - cap_pages / 8;
         loop {
@@ -1230,5 +1261,26 @@ mod tests {
             .filter(|&&i| pc.read(i, 0, &mut [0u8; 1]).is_some())
             .count();
         assert_eq!(known as u64 * bs as u64, st.cached_bytes);
+    }
+
+    /// A discard under `Inner` takes the file out of the cache and its
+    /// counts at once, and frees its pages only at the next `reap`.
+    #[test]
+    fn deferred_discard_accounts_at_once_and_frees_at_reap() {
+        let pc = PageCache::new(4096, 1 << 20);
+        pc.write(3, 0, &[7u8; 8192], Vec::new(), (0, &[]), 2)
+            .unwrap();
+        let t = pc.take_dirty(3, &|| false).unwrap();
+        pc.finish(3, &t.snaps, false);
+        drop(t);
+        let page = pc.clean_block(3, 0).expect("clean page");
+        assert_eq!(Arc::strong_count(&page), 2);
+        pc.discard_deferred(3);
+        assert!(pc.read(3, 0, &mut [0u8; 10]).is_none(), "file still cached");
+        let st = pc.snapshot();
+        assert_eq!((st.cached_bytes, st.dirty_bytes), (0, 0));
+        assert_eq!(Arc::strong_count(&page), 2, "freed before the reap");
+        pc.reap();
+        assert_eq!(Arc::strong_count(&page), 1, "not freed by the reap");
     }
 }
