@@ -966,6 +966,8 @@ impl Fs {
             let mut g = self.inner.lock();
             (g.journal.clone(), g.unmount())
         };
+        // Files unlinked while open, freed by the unmount.
+        self.reap_discarded();
         self.check(&j, "unmount", r)?;
         // Unmounted cleanly, but cached data could not be written (ENOSPC or
         // an I/O error): say so.
@@ -1694,17 +1696,18 @@ impl Fs {
     pub fn unlink(&self, parent: Ino, name: &[u8]) -> Result<()> {
         // The last link of a closed file frees its blocks: under its inode lock,
         // taken before the file-system lock (so looked up first, and checked again).
-        loop {
+        let r = (|| loop {
             let victim = self.victim_hint(parent, name)?;
             let _il = self.ilocks.write(victim);
             let mut g = self.lock_change(|g| g.warm_remove(parent, name))?;
             if g.lookup_ino(parent, name)? != victim {
                 continue;
             }
-            g.unlink(parent, name)?;
-            break;
-        }
+            return g.unlink(parent, name);
+        })();
+        // Also after an error: the file may have been freed before it.
         self.reap_discarded();
+        r?;
         self.maybe_commit()
     }
 

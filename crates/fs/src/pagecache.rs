@@ -1017,8 +1017,9 @@ impl PageCache {
     }
 
     /// Free what [`Self::discard_deferred`] dropped (callers hold no
-    /// file-system lock: an unlink, rename or close after its work, a write,
-    /// an eviction pass).
+    /// file-system lock, nor the barrier: an unlink, rename, close or
+    /// unmount after its work, a write). Not part of [`Self::evict`], which
+    /// a commit's cut may run under the barrier.
     pub fn reap(&self) {
         let dead = {
             let mut g = self.graveyard.lock();
@@ -1059,7 +1060,6 @@ impl PageCache {
     /// no page, no cached write is pending, so its visible size is the
     /// on-disk one.
     pub fn evict(&self) {
-        self.reap();
         let cap_pages = self.cap / self.bs;
         let target = cap_pages - cap_pages / 8;
         loop {
