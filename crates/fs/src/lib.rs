@@ -61,7 +61,7 @@ type WarmPass<'a> = &'a dyn Fn(&mut Inner) -> Result<()>;
 /// The file-system lock for an operation checked by [`Fs::lock_guarded`], with the
 /// journal handle that pins the transaction it was checked against.
 struct Guarded<'a> {
-    g: parking_lot::MutexGuard<'a, Inner>,
+    g: InnerGuard<'a>,
     h: Option<commitfs_journal::Handle>,
 }
 
@@ -275,6 +275,39 @@ impl Drop for LeaderGuard<'_> {
     fn drop(&mut self) {
         *self.0.held.lock() = false;
         self.0.cv.notify_all();
+    }
+}
+
+/// The file-system lock, held (`Fs::lock`). When it is let go, the cached
+/// pages of files the holder freed are freed too, after the lock
+/// (`PageCache::reap`): freeing a large file's pages under `Inner` held
+/// every other operation for as long, and the holder that freed them is the
+/// one to pay, with no lock left.
+pub(crate) struct InnerGuard<'a> {
+    g: std::mem::ManuallyDrop<parking_lot::MutexGuard<'a, Inner>>,
+    pc: Option<&'a Arc<pagecache::PageCache>>,
+}
+
+impl std::ops::Deref for InnerGuard<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.g
+    }
+}
+
+impl std::ops::DerefMut for InnerGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.g
+    }
+}
+
+impl Drop for InnerGuard<'_> {
+    fn drop(&mut self) {
+        // SAFETY: `g` is dropped exactly once, here, and not used after.
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.g) };
+        if let Some(pc) = self.pc {
+            pc.reap();
+        }
     }
 }
 
@@ -558,7 +591,7 @@ impl Fs {
     }
 
     /// The file-system lock; `Err(Shutdown)` once errors=panic fired.
-    fn lock(&self) -> Result<parking_lot::MutexGuard<'_, Inner>> {
+    fn lock(&self) -> Result<InnerGuard<'_>> {
         self.live()?;
         let mut g = self.inner.lock();
         // Reads are deferred only inside `lock_warm`'s pass; a pass that
@@ -566,7 +599,10 @@ impl Fs {
         g.defer_misses
             .store(false, std::sync::atomic::Ordering::Relaxed);
         g.warm_pruned = false;
-        Ok(g)
+        Ok(InnerGuard {
+            g: std::mem::ManuallyDrop::new(g),
+            pc: self.pc.as_ref(),
+        })
     }
 
     /// The file-system lock for an operation whose metadata reads happen
@@ -582,7 +618,7 @@ impl Fs {
     fn lock_warm<R>(
         &self,
         mut warm: impl FnMut(&mut Inner) -> Result<R>,
-    ) -> Result<(parking_lot::MutexGuard<'_, Inner>, R)> {
+    ) -> Result<(InnerGuard<'_>, R)> {
         let (mut g, v) = self.warm_loop(false, &mut warm)?;
         let v = match v {
             Some(v) => v,
@@ -600,7 +636,7 @@ impl Fs {
     fn lock_warm_lenient<R>(
         &self,
         mut warm: impl FnMut(&mut Inner) -> Result<R>,
-    ) -> Result<(parking_lot::MutexGuard<'_, Inner>, R)> {
+    ) -> Result<(InnerGuard<'_>, R)> {
         let (mut g, v) = self.warm_loop(true, &mut warm)?;
         let v = match v {
             Some(v) => v,
@@ -618,7 +654,7 @@ impl Fs {
     fn lock_change(
         &self,
         mut warm: impl FnMut(&mut Inner) -> Result<()>,
-    ) -> Result<parking_lot::MutexGuard<'_, Inner>> {
+    ) -> Result<InnerGuard<'_>> {
         self.warm_loop(true, &mut warm).map(|(g, _)| g)
     }
 
@@ -629,7 +665,7 @@ impl Fs {
         &self,
         predicted: bool,
         warm: &mut impl FnMut(&mut Inner) -> Result<R>,
-    ) -> Result<(parking_lot::MutexGuard<'_, Inner>, Option<R>)> {
+    ) -> Result<(InnerGuard<'_>, Option<R>)> {
         // What was read outside the lock stays pinned (a cache sweep keeps
         // held buffers) until the pass that needs it has run; past
         // PIN_BUDGET blocks the pass reads under the lock instead.
@@ -966,8 +1002,11 @@ impl Fs {
             let mut g = self.inner.lock();
             (g.journal.clone(), g.unmount())
         };
-        // Files unlinked while open, freed by the unmount.
-        self.reap_discarded();
+        // Files unlinked while open, freed by the unmount (under the lock
+        // taken directly, not through `Fs::lock`).
+        if let Some(pc) = &self.pc {
+            pc.reap();
+        }
         self.check(&j, "unmount", r)?;
         // Unmounted cleanly, but cached data could not be written (ENOSPC or
         // an I/O error): say so.
@@ -1083,22 +1122,29 @@ impl Fs {
         self.inner.lock().sb.clone()
     }
 
+    /// A full commit's step under `Inner` (sync, an fsync's full commit):
+    /// the superblock totals and pending atimes into the running transaction
+    /// (`Inner::prepare_commit`; those atimes' inode-table blocks are read
+    /// outside the lock first). `None`: read-only, nothing to commit;
+    /// aborted: nothing after the error can be made durable.
+    fn prepare_for_commit(&self) -> Result<Option<Arc<commitfs_journal::Journal>>> {
+        let mut g = self.lock_change(|g| g.warm_lazy(None))?;
+        if g.journal.is_aborted() {
+            return Err(commitfs_journal::JournalError::Aborted.into());
+        }
+        if g.read_only {
+            return Ok(None);
+        }
+        g.prepare_commit()?;
+        Ok(Some(g.journal.clone()))
+    }
+
     /// An fsync's full commit: transaction `tid` (the running one when the fsync
     /// began) and every earlier one durable, and the file's data written up to
     /// flush generation `dgen` (group commit: `Journal::commit_upto`).
     fn sync_for(&self, tid: u32, dgen: Option<u64>, wseq: Option<u64>) -> Result<()> {
-        let journal = {
-            // The pending atimes `prepare_commit` writes: their inode-table
-            // blocks are read outside the lock.
-            let mut g = self.lock_change(|g| g.warm_lazy(None))?;
-            if g.journal.is_aborted() {
-                return Err(commitfs_journal::JournalError::Aborted.into());
-            }
-            if g.read_only {
-                return Ok(());
-            }
-            g.prepare_commit()?;
-            g.journal.clone()
+        let Some(journal) = self.prepare_for_commit()? else {
+            return Ok(());
         };
         // An fsync's full commit makes every earlier change durable, cached
         // writes included: with pages dirty the running transaction is
@@ -1134,17 +1180,8 @@ impl Fs {
     /// Commit all pending changes and flush the device. The device writes and the
     /// flush happen outside the file-system lock.
     pub fn sync(&self) -> Result<()> {
-        let journal = {
-            let mut g = self.lock_change(|g| g.warm_lazy(None))?;
-            if g.journal.is_aborted() {
-                // Nothing after the error can be made durable.
-                return Err(commitfs_journal::JournalError::Aborted.into());
-            }
-            if g.read_only {
-                return Ok(());
-            }
-            g.prepare_commit()?;
-            g.journal.clone()
+        let Some(journal) = self.prepare_for_commit()? else {
+            return Ok(());
         };
         // Cached data alone leaves the running transaction empty: a commit
         // is forced so that its cut writes the data.
@@ -1432,12 +1469,12 @@ impl Fs {
                 entries.len() < READDIRPLUS_BATCH
             })?;
             // The batch's inode-table blocks at once, not one pass each.
-            let itable_blocks: Vec<u64> = entries
+            let uncached: Vec<u32> = entries
                 .iter()
                 .filter(|e| g.itable.with(e.ino, |_| ()).is_none())
-                .filter_map(|e| g.inode_location(e.ino).ok().map(|l| l.0))
+                .map(|e| e.ino)
                 .collect();
-            g.warm_all(itable_blocks)?;
+            g.warm_itable_blocks(&uncached)?;
             // The attributes are taken here, in the pass that ends holding
             // the lock, and handed out below as they are: asked again, an
             // inode the pass's own reads evicted from the inode table would
@@ -1696,27 +1733,17 @@ impl Fs {
     pub fn unlink(&self, parent: Ino, name: &[u8]) -> Result<()> {
         // The last link of a closed file frees its blocks: under its inode lock,
         // taken before the file-system lock (so looked up first, and checked again).
-        let r = (|| loop {
+        loop {
             let victim = self.victim_hint(parent, name)?;
             let _il = self.ilocks.write(victim);
             let mut g = self.lock_change(|g| g.warm_remove(parent, name))?;
             if g.lookup_ino(parent, name)? != victim {
                 continue;
             }
-            return g.unlink(parent, name);
-        })();
-        // Also after an error: the file may have been freed before it.
-        self.reap_discarded();
-        r?;
-        self.maybe_commit()
-    }
-
-    /// Free the cached pages of files freed under `Inner`
-    /// (`PageCache::discard_deferred`); called with no lock held.
-    fn reap_discarded(&self) {
-        if let Some(pc) = &self.pc {
-            pc.reap();
+            g.unlink(parent, name)?;
+            break;
         }
+        self.maybe_commit()
     }
 
     /// The inode `name` in `parent` names, to lock before `Inner` (unlink's
@@ -1771,7 +1798,6 @@ impl Fs {
                 g.rename(parent, name, new_parent, new_name, flags)
             });
             if !moved {
-                self.reap_discarded();
                 return r;
             }
         }
@@ -1835,13 +1861,10 @@ impl Fs {
         if self.itable.release_unless_last_unlinked(ino) {
             return Ok(());
         }
-        let r = self
-            .lock_change(|g| {
-                error::unless_miss(g.warm_free(ino, 0, warm::Evict::Orphan)).map(drop)
-            })?
-            .release(ino);
-        self.reap_discarded();
-        r
+        self.lock_change(|g| {
+            error::unless_miss(g.warm_free(ino, 0, warm::Evict::Orphan)).map(drop)
+        })?
+        .release(ino)
     }
 
     /// Read file data; updates atime under the mount's atime policy.

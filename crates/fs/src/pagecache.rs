@@ -157,8 +157,10 @@ pub(crate) struct PageCache {
     shards: Box<[Shard]>,
     /// Held by the eviction pass under way ([`Self::evict`]).
     evicting: Mutex<()>,
-    /// Files dropped under `Inner`, not freed yet ([`Self::reap`]).
+    /// Files dropped under `Inner`, not freed yet ([`Self::reap`]), and
+    /// whether there are any.
     graveyard: Mutex<Vec<FileCache>>,
+    dead: std::sync::atomic::AtomicBool,
     /// Shared: a writer dirtying pages; exclusive: a cut (see the module doc).
     pub barrier: RwLock<()>,
     /// Pages cached, and of them dirty or being written.
@@ -233,6 +235,7 @@ impl PageCache {
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             evicting: Mutex::new(()),
             graveyard: Mutex::new(Vec::new()),
+            dead: std::sync::atomic::AtomicBool::new(false),
             barrier: RwLock::new(()),
             pages: AtomicUsize::new(0),
             dirty: AtomicUsize::new(0),
@@ -1013,21 +1016,20 @@ impl PageCache {
     pub fn discard_deferred(&self, ino: u32) {
         if let Some(f) = self.discard_kept(ino) {
             self.graveyard.lock().push(f);
+            self.dead.store(true, Ordering::Release);
         }
     }
 
-    /// Free what [`Self::discard_deferred`] dropped (callers hold no
-    /// file-system lock, nor the barrier: an unlink, rename, close or
-    /// unmount after its work, a write). Not part of [`Self::evict`], which
-    /// a commit's cut may run under the barrier.
+    /// Free what [`Self::discard_deferred`] dropped: called as `Inner` is let
+    /// go (`InnerGuard`; the holder that freed the files pays, with no lock
+    /// left) and after unmount. Not part of [`Self::evict`], which a commit's
+    /// cut may run under the barrier.
     pub fn reap(&self) {
-        let dead = {
-            let mut g = self.graveyard.lock();
-            if g.is_empty() {
-                return;
-            }
-            std::mem::take(&mut *g)
-        };
+        // Every release of `Inner` asks: the common answer without a lock.
+        if !self.dead.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let dead = std::mem::take(&mut *self.graveyard.lock());
         drop(dead);
     }
 

@@ -92,8 +92,8 @@ impl Inner {
         self.warm_itable_blocks(&inos)
     }
 
-    /// The inode-table blocks holding `inos`, each once.
-    fn warm_itable_blocks(&mut self, inos: &[u32]) -> Result<()> {
+    /// The inode-table blocks holding `inos`, each once, in one pass.
+    pub(crate) fn warm_itable_blocks(&mut self, inos: &[u32]) -> Result<()> {
         let blks: std::collections::BTreeSet<u64> = inos
             .iter()
             .filter_map(|&ino| self.inode_location(ino).ok().map(|(b, _)| b))

@@ -701,7 +701,6 @@ impl Fs {
             pc.evict();
         }
         drop(il);
-        pc.reap();
         if pc.per_file() && pc.dirty_bytes() > pc.dirty_limit() {
             self.writeback_others(pc);
         }
